@@ -1,0 +1,86 @@
+"""``annotate``: decide, per node, which spec rule applies.
+
+The first matching rule wins, except that a matching ``skip`` rule always wins for its
+nodes. The choice is stored as ``node.meta["qcompile.qscheme"]`` (a ``NodeQScheme``
+with the rule index). A rule that selects no node is an error (unless ``optional``),
+naming the rule and what the graph does contain.
+
+Example:
+    >>> import torch, qcompile as qc
+    >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    >>> spec = qc.CompileSpec.model_validate({"quant": {"mode": "qat", "rules": [
+    ...     {"match": {"module": "Conv2d"}, "weight": {"dtype": "int8"}}]}})
+    >>> qc.qcompile(m, spec)
+    Traceback (most recent call last):
+    ...
+    qcompile.errors.QCompileError: quant.rules[0] (module: Conv2d) matched no node; the graph has modules Linear, ReLU
+      fix: correct the match, remove the rule, or set optional: true on it
+"""
+
+from __future__ import annotations
+
+from torch.fx import GraphModule
+
+from qcompile.context import Context
+from qcompile.errors import QCompileError
+from qcompile.matching import NodeQScheme, candidate, match_node, op_name, owners
+from qcompile.pipeline import graph_pass
+from qcompile.specs import Rule
+
+
+def _describe(rule: Rule) -> str:
+    m = rule.match
+    fields = [(k, v) for k, v in (("module", m.module), ("name", m.name), ("op", m.op)) if v]
+    return ", ".join(f"{k}: {v[0] if len(v) == 1 else v}" for k, v in fields)
+
+
+@graph_pass(requires=("graph", "fusion_groups"), provides=("annotations",))
+def annotate(gm: GraphModule, ctx: Context) -> GraphModule:
+    """Attach the winning rule (if any) to every call node."""
+    rules = ctx.spec.quant.rules
+    won: dict[int, list[str]] = {i: [] for i in range(len(rules))}
+    matched: dict[int, int] = {i: 0 for i in range(len(rules))}
+    modules_seen: set[str] = set()
+    ops_seen: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op not in ("call_module", "call_function", "call_method"):
+            continue
+        own = owners(node, gm)
+        if own and node.op == "call_module":
+            modules_seen.add(own[0].cls_name)
+        op = op_name(node)
+        if op is not None:
+            ops_seen.add(op)
+        hits = [(i, hit) for i, rule in enumerate(rules) if candidate(gm, node, rule)
+                and (hit := match_node(rule.match, node, own)) is not None]
+        if not hits:
+            continue
+        for i, _ in hits:
+            matched[i] += 1
+        i, hit = next(((i, h) for i, h in hits if rules[i].skip), hits[0])
+        rule = rules[i]
+        node.meta["qcompile.qscheme"] = NodeQScheme(
+            rule=i, skip=rule.skip, weight=rule.weight, activation=rule.activation, matched=hit
+        )
+        won[i].append(node.name)
+    for i, rule in enumerate(rules):
+        if won[i] or rule.optional:
+            continue
+        if matched[i]:
+            raise QCompileError(
+                f"quant.rules[{i}] ({_describe(rule)}) selects nothing: the {matched[i]} "
+                "node(s) it matches are all taken by earlier rules (first match wins)",
+                fix="move the rule before the rules that shadow it, or remove it",
+            )
+        seen = [f"modules {', '.join(sorted(modules_seen))}" if modules_seen else "",
+                f"ops {', '.join(sorted(ops_seen))}" if ops_seen else ""]
+        contents = " and ".join(s for s in seen if s) or "no call nodes"
+        raise QCompileError(
+            f"quant.rules[{i}] ({_describe(rule)}) matched no node; the graph has {contents}",
+            fix="correct the match, remove the rule, or set optional: true on it",
+        )
+    ctx.rule_matches = {i: names for i, names in won.items() if names}
+    for i, names in won.items():
+        if rules[i].skip:
+            ctx.note(f"rule {i} keeps {len(names)} node(s) in float")
+    return gm

@@ -1,0 +1,143 @@
+"""``fold_bn``: find fusion groups (conv-bn-relu, conv-relu, linear-relu, ...) and, for
+static and dynamic quantization, fold BatchNorm into the preceding conv / linear.
+
+Fusion groups are recorded as ``node.meta["qcompile.fusion"]`` (member names, head
+first) on every member; ``insert_quant`` then quantizes only the group's output, as the
+fused integer kernel would produce it.
+
+Folding uses BatchNorm's running statistics (``torch.nn.utils.fusion``), i.e. inference
+semantics, so it runs only for ``static`` / ``dynamic`` modes with ``quant.fold_bn``.
+For ``qat`` BatchNorm stays in the graph and keeps training: the conv weight is
+fake-quantized and the activation quantizer sits after the conv-bn(-relu) group. (Folding
+happens when the model is converted for inference.) That trades torch.ao's simulated
+folding for an exact BatchNorm during training; the choice is noted in the Report.
+
+Example:
+    >>> import torch, qcompile as qc
+    >>> m = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2)).eval()
+    >>> spec = qc.CompileSpec.model_validate({"quant": {"mode": "static", "rules": [
+    ...     {"match": {"module": "Conv2d"}, "weight": {"dtype": "int8"}}]}})
+    >>> gm = qc.qcompile(m, spec)
+    >>> [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    []
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.fx import GraphModule, Node
+from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
+
+from qcompile.context import Context
+from qcompile.matching import is_weighted_call, op_name, weighted_module_op
+from qcompile.pipeline import graph_pass
+
+_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_RELU_MODULES = (nn.ReLU, nn.ReLU6)
+_RELU_FUNCTIONS = {F.relu, torch.relu, F.relu6}
+
+
+def _module(gm: GraphModule, node: Node) -> nn.Module | None:
+    return gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+
+
+def _is_bn(gm: GraphModule, node: Node) -> bool:
+    return isinstance(_module(gm, node), _BN)
+
+
+def _is_relu(gm: GraphModule, node: Node) -> bool:
+    if node.op == "call_module":
+        return isinstance(_module(gm, node), _RELU_MODULES)
+    if node.op == "call_function":
+        return node.target in _RELU_FUNCTIONS
+    return node.op == "call_method" and op_name(node) == "relu"
+
+
+def _only_user(node: Node) -> Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _head_op(gm: GraphModule, node: Node) -> str | None:
+    op = weighted_module_op(gm, node)
+    if op is None and is_weighted_call(node):
+        op = op_name(node)
+    return op if op in ("linear", "conv1d", "conv2d", "conv3d") else None
+
+
+def _fusion_groups(gm: GraphModule) -> list[list[Node]]:
+    groups = []
+    for node in gm.graph.nodes:
+        op = _head_op(gm, node)
+        if op is None:
+            continue
+        chain = [node]
+        nxt = _only_user(node)
+        if nxt is not None and _is_bn(gm, nxt):
+            chain.append(nxt)
+            nxt = _only_user(nxt)
+        if nxt is not None and _is_relu(gm, nxt):
+            chain.append(nxt)
+        if len(chain) > 1:
+            groups.append(chain)
+    return groups
+
+
+def _fold(gm: GraphModule, head: Node, bn_node: Node, calls: Counter, ctx: Context) -> bool:
+    """Fold ``bn_node`` into ``head`` in the traced copy; False (with a note) when unsafe."""
+    if head.op != "call_module":
+        ctx.note(f"kept {bn_node.name}: {head.name} is a functional call")
+        return False
+    layer, bn = gm.get_submodule(str(head.target)), gm.get_submodule(str(bn_node.target))
+    if calls[head.target] > 1 or calls[bn_node.target] > 1:
+        ctx.note(f"kept {bn_node.target}: {head.target} or {bn_node.target} is called twice")
+        return False
+    if bn.running_mean is None or bn.running_var is None:
+        ctx.note(f"kept {bn_node.target}: it has no running statistics to fold")
+        return False
+    shared = sum(p is layer.weight for _, p in gm.named_parameters(remove_duplicate=False))
+    if shared > 1:
+        ctx.note(f"kept {bn_node.target}: {head.target}.weight is shared with another layer")
+        return False
+    if isinstance(layer, nn.Linear):
+        tm = head.meta.get("tensor_meta")
+        if tm is None or len(tm.shape) != 2:
+            ctx.note(f"kept {bn_node.target}: Linear+BatchNorm folds only for 2-D outputs")
+            return False
+        w, b = fuse_linear_bn_weights(layer.weight, layer.bias, bn.running_mean,
+                                      bn.running_var, bn.eps, bn.weight, bn.bias)
+    else:
+        w, b = fuse_conv_bn_weights(layer.weight, layer.bias, bn.running_mean,
+                                    bn.running_var, bn.eps, bn.weight, bn.bias)
+    layer.weight, layer.bias = w, b
+    bn_node.replace_all_uses_with(head)
+    gm.graph.erase_node(bn_node)
+    ctx.note(f"folded {bn_node.target} into {head.target}")
+    return True
+
+
+@graph_pass(requires=("graph",), provides=("fusion_groups",))
+def fold_bn(gm: GraphModule, ctx: Context) -> GraphModule:
+    """Record fusion groups; fold BatchNorm for static/dynamic quantization."""
+    quant = ctx.spec.quant
+    folding = quant.fold_bn and quant.mode in ("static", "dynamic")
+    calls = Counter(n.target for n in gm.graph.nodes if n.op == "call_module")
+    folded = False
+    for chain in _fusion_groups(gm):
+        if folding and len(chain) > 1 and _is_bn(gm, chain[1]) and _fold(gm, chain[0], chain[1],
+                                                                         calls, ctx):
+            chain.pop(1)
+            folded = True
+        if len(chain) > 1:
+            names = tuple(n.name for n in chain)
+            for n in chain:
+                n.meta["qcompile.fusion"] = names
+    if folded:
+        gm.delete_all_unused_submodules()
+    if quant.mode == "qat" and quant.fold_bn and any(_is_bn(gm, n) for n in gm.graph.nodes):
+        ctx.note("qat: BatchNorm kept unfolded (trains exactly); conv weights are "
+                 "fake-quantized and activations quantized after each conv-bn(-relu) group")
+    return gm

@@ -1,0 +1,241 @@
+"""``insert_quant``: put ``FakeQuantize`` modules where the annotations say.
+
+- Activations: a quantizer after each annotated node with an activation scheme, or after
+  the last member of its fusion group (conv-bn-relu is quantized once, at its output).
+- Weights: Linear / Conv1-3d / Embedding calls are re-expressed with the functional op
+  (``F.linear(x, fc.weight_fake_quant(fc.weight), fc.bias)``) so the graph shows
+  weight -> quantizer -> op, exactly as on ``torch.export`` graphs; functional
+  linear/conv/embedding calls on parameters get the same treatment. One quantizer per
+  parameter, named ``<module>.<param>_fake_quant``; parameter names are unchanged.
+- Inputs: with ``quant.inputs``, a quantizer after each floating-point model input.
+
+Mode decides how quantizers start: ``qat`` observes and fake-quantizes; ``static``
+observes activations with fake-quant off until ``qc.calibrate``; ``dynamic`` computes
+activation qparams from each batch. Weight qparams are computed here from the weights
+(and keep tracking them during QAT).
+
+Example:
+    >>> import torch, qcompile as qc
+    >>> gm = qc.qcompile(torch.nn.Linear(4, 4), qc.load_spec("int8-qat"))
+    >>> print(gm.code.strip().splitlines()[-1].strip())
+    return output_fake_quant
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn.functional as F
+from torch import nn
+from torch.fx import GraphModule, Node
+from torch.fx.passes.shape_prop import TensorMetadata
+
+from qcompile.context import Context
+from qcompile.errors import QCompileError
+from qcompile.fake_quant import FakeQuantize
+from qcompile.matching import is_weighted_call, weighted_module_op
+from qcompile.pipeline import graph_pass
+from qcompile.records import QuantizerRecord
+from qcompile.specs import Scheme
+
+_CONV = {"conv1d": F.conv1d, "conv2d": F.conv2d, "conv3d": F.conv3d}
+
+
+def _free_name(gm: GraphModule, base: str) -> str:
+    """``base``, or ``base_1``, ``base_2``... whichever names no existing attribute."""
+    parent, _, leaf = base.rpartition(".")
+    owner = gm.get_submodule(parent) if parent else gm
+    name, k = leaf, 0
+    while hasattr(owner, name):
+        k += 1
+        name = f"{leaf}_{k}"
+    return f"{parent}.{name}" if parent else name
+
+
+def _add(gm: GraphModule, base: str, fq: FakeQuantize) -> str:
+    name = _free_name(gm, base)
+    gm.add_submodule(name, fq)
+    return name
+
+
+def _attr(gm: GraphModule, target: str) -> Any:
+    parent, _, leaf = target.rpartition(".")
+    return getattr(gm.get_submodule(parent) if parent else gm, leaf)
+
+
+def _functionalize(gm: GraphModule, node: Node, op: str) -> Node:
+    """Replace ``call_module`` on a stock Linear/Conv/Embedding by its functional op on
+    the same parameters (the module's own forward does exactly this)."""
+    t = str(node.target)
+    m = gm.get_submodule(t)
+    g = gm.graph
+    x = node.args[0] if node.args else next(iter(node.kwargs.values()))
+    with g.inserting_before(node):
+        w = g.get_attr(f"{t}.weight")
+        b = g.get_attr(f"{t}.bias") if getattr(m, "bias", None) is not None else None
+        if op == "linear":
+            new = g.call_function(F.linear, (x, w, b))
+        elif op == "embedding":
+            new = g.call_function(F.embedding, (x, w, m.padding_idx, m.max_norm, m.norm_type,
+                                                m.scale_grad_by_freq, m.sparse))
+        else:
+            padding = m.padding
+            if m.padding_mode != "zeros":
+                x = g.call_function(F.pad, (x, m._reversed_padding_repeated_twice),
+                                    {"mode": m.padding_mode})
+                padding = 0
+            new = g.call_function(_CONV[op], (x, w, b, m.stride, padding, m.dilation, m.groups))
+    new.meta = dict(node.meta)
+    new.meta["qcompile.module"] = t
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
+    return new
+
+
+def _build(scheme: Scheme, *, role: str, shape: tuple[int, ...] | None, dynamic: bool,
+           where: str, field: str) -> FakeQuantize:
+    try:
+        return FakeQuantize.from_scheme(scheme, role=role, shape=shape, dynamic=dynamic)
+    except ValueError as e:
+        raise QCompileError(f"{where}: {field}: {e}",
+                            fix=f"change {field} in the spec, or exclude {where} with a "
+                            "skip rule") from None
+
+
+def _record(name: str, fq: FakeQuantize, role: str, node: str, rule: int | None) -> QuantizerRecord:
+    return QuantizerRecord(name=name, role=role, node=node, rule=rule, dtype=fq.dtype,
+                           granularity=fq.granularity, symmetric=fq.symmetric,
+                           scales=fq.scale.numel(), learnable=fq.learnable, dynamic=fq.dynamic)
+
+
+def _set_activation_mode(fq: FakeQuantize, mode: str) -> None:
+    if mode == "static":
+        fq.enabled = False  # observe float activations until qc.calibrate turns it on
+    fq.observe = True
+
+
+def _insert_after(gm: GraphModule, node: Node, name: str) -> Node:
+    with gm.graph.inserting_after(node):
+        q = gm.graph.call_module(name, (node,))
+    node.replace_all_uses_with(q, delete_user_cb=lambda u: u is not q)
+    q.meta["tensor_meta"] = node.meta.get("tensor_meta")
+    if "nn_module_stack" in node.meta:
+        q.meta["nn_module_stack"] = node.meta["nn_module_stack"]
+    return q
+
+
+def _tensor_shape(node: Node, ctx: Context) -> tuple[bool, tuple[int, ...] | None]:
+    """(is a floating-point tensor, shape) from ShapeProp; unknown without shapes."""
+    tm = node.meta.get("tensor_meta")
+    if not isinstance(tm, TensorMetadata):
+        return not ctx.has_shapes, None
+    return tm.dtype.is_floating_point, tuple(tm.shape)
+
+
+def _activation_name(gm: GraphModule, head: Node) -> str:
+    module = head.meta.get("qcompile.module") or (
+        head.target if head.op == "call_module" else None)
+    if module is not None:
+        return f"{module}.output_fake_quant"
+    stack = head.meta.get("nn_module_stack") or {}
+    owner = next(reversed(stack.values()))[0] if stack else ""
+    return f"{owner}.{head.name}_fake_quant" if owner else f"{head.name}_fake_quant"
+
+
+def _activations(gm: GraphModule, ctx: Context) -> None:
+    mode = ctx.spec.quant.mode
+    by_name = {n.name: n for n in gm.graph.nodes}
+    done: set[tuple[str, ...]] = set()
+    for node in list(gm.graph.nodes):
+        qs = node.meta.get("qcompile.qscheme")
+        if qs is None or qs.skip or qs.activation is None:
+            continue
+        group = node.meta.get("qcompile.fusion")
+        if group is not None:
+            if group in done:
+                continue
+            done.add(group)
+            head, last = by_name[group[0]], by_name[group[-1]]
+        else:
+            head = last = node
+        is_float, shape = _tensor_shape(last, ctx)
+        if not is_float:
+            ctx.note(f"rule {qs.rule}: {last.name} does not output a floating-point tensor; "
+                     "its activation is not quantized")
+            continue
+        field = f"quant.rules[{qs.rule}].activation"
+        fq = _build(qs.activation, role="activation", shape=shape, dynamic=mode == "dynamic",
+                    where=f"node {last.name!r}", field=field)
+        _set_activation_mode(fq, mode)
+        name = _add(gm, _activation_name(gm, head), fq)
+        _insert_after(gm, last, name)
+        ctx.quantizers.append(_record(name, fq, "activation", last.name, qs.rule))
+
+
+def _weights(gm: GraphModule, ctx: Context) -> None:
+    mode = ctx.spec.quant.mode
+    by_param: dict[str, Node] = {}  # parameter target -> its quantizer node (tied weights)
+    no_weight: dict[int, list[str]] = {}
+    for node in list(gm.graph.nodes):
+        qs = node.meta.get("qcompile.qscheme")
+        if qs is None or qs.skip or qs.weight is None:
+            continue
+        op = weighted_module_op(gm, node)
+        if op is not None:
+            node = _functionalize(gm, node, op)
+        elif not is_weighted_call(node):
+            no_weight.setdefault(qs.rule, []).append(node.name)
+            continue
+        w_node = node.args[1]
+        target = str(w_node.target)
+        if target in by_param:
+            node.replace_input_with(w_node, by_param[target])
+            continue
+        weight = _attr(gm, target)
+        if not isinstance(weight, nn.Parameter):
+            no_weight.setdefault(qs.rule, []).append(node.name)
+            continue
+        fq = _build(qs.weight, role="weight", shape=tuple(weight.shape), dynamic=False,
+                    where=f"parameter {target!r} (node {node.name!r})",
+                    field=f"quant.rules[{qs.rule}].weight")
+        fq.observe_tensor(weight)
+        # Weights move only in QAT: keep tracking them there, freeze them otherwise.
+        fq.observe = mode == "qat" and not fq.learnable
+        name = _add(gm, f"{target}_fake_quant", fq)
+        with gm.graph.inserting_after(w_node):
+            q = gm.graph.call_module(name, (w_node,))
+        q.meta.update({k: v for k, v in node.meta.items() if k == "nn_module_stack"})
+        node.replace_input_with(w_node, q)
+        by_param[target] = q
+        ctx.quantizers.append(_record(name, fq, "weight", target, qs.rule))
+    for rule, names in sorted(no_weight.items()):
+        ctx.note(f"rule {rule}: weight scheme not applied to {len(names)} node(s) without a "
+                 f"Linear/Conv/Embedding weight ({', '.join(names[:4])})")
+
+
+def _inputs(gm: GraphModule, ctx: Context) -> None:
+    scheme = ctx.spec.quant.inputs
+    if scheme is None:
+        return
+    for node in [n for n in gm.graph.nodes if n.op == "placeholder"]:
+        is_float, shape = _tensor_shape(node, ctx)
+        if not is_float:
+            continue
+        fq = _build(scheme, role="activation", shape=shape,
+                    dynamic=ctx.spec.quant.mode == "dynamic",
+                    where=f"input {node.target!r}", field="quant.inputs")
+        _set_activation_mode(fq, ctx.spec.quant.mode)
+        name = _add(gm, f"{node.target}_input_fake_quant", fq)
+        _insert_after(gm, node, name)
+        ctx.quantizers.append(_record(name, fq, "input", node.name, None))
+
+
+@graph_pass(requires=("annotations", "fusion_groups"), provides=("quantizers",))
+def insert_quant(gm: GraphModule, ctx: Context) -> GraphModule:
+    """Insert activation, weight and input quantizers."""
+    # Activations first: fusion groups name the nodes as traced, before weights are
+    # re-expressed functionally.
+    _activations(gm, ctx)
+    _weights(gm, ctx)
+    _inputs(gm, ctx)
+    return gm

@@ -1,0 +1,159 @@
+"""``trace``: capture the model as a ``torch.fx.GraphModule`` and record tensor shapes.
+
+Works on a deep copy (the user's model is never touched). Leaf modules and concrete
+arguments come from ``spec.trace``. With example inputs (the argument, or
+``spec.trace.inputs``), ``ShapeProp`` records ``node.meta["tensor_meta"]``; it runs in
+eval mode under ``no_grad`` so BatchNorm statistics and the RNG are left as they were.
+
+Example:
+    >>> import torch, qcompile as qc
+    >>> from qcompile.context import Context
+from qcompile.distributed import refuse_wrapped
+    >>> from qcompile.passes import trace
+    >>> ctx = Context(spec=qc.CompileSpec(), model=torch.nn.Linear(3, 2),
+    ...               example_inputs=(torch.randn(1, 3),))
+    >>> gm = trace(None, ctx)
+    >>> [n.meta["tensor_meta"].shape for n in gm.graph.nodes if n.op == "call_module"]
+    [torch.Size([1, 2])]
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule, Node, Tracer
+from torch.fx.passes.shape_prop import ShapeProp
+
+from qcompile.context import Context
+from qcompile.distributed import refuse_wrapped
+from qcompile.errors import QCompileError
+from qcompile.pipeline import graph_pass
+
+
+class _Tracer(Tracer):
+    """symbolic tracing with spec-given leaf modules; remembers which module it was in
+    when tracing fails, so the error can name it."""
+
+    def __init__(self, leaf_patterns: list[str]) -> None:
+        super().__init__()
+        self.leaf_patterns = leaf_patterns
+        self.used_patterns: set[str] = set()
+        self.path: list[tuple[str, str]] = []
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        cls = type(m)
+        names = (cls.__name__, f"{cls.__module__}.{cls.__qualname__}", module_qualified_name)
+        hits = [p for p in self.leaf_patterns if any(fnmatch.fnmatchcase(v, p) for v in names)]
+        if hits:
+            self.used_patterns.update(hits)
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m, forward, args, kwargs):  # type: ignore[override]
+        self.path.append((self.path_of_module(m), type(m).__name__))
+        out = super().call_module(m, forward, args, kwargs)
+        self.path.pop()  # left in place when tracing raises: the innermost module failed
+        return out
+
+
+class _ShapeProp(ShapeProp):
+    def run_node(self, n: Node) -> Any:
+        self.current = n
+        return super().run_node(n)
+
+
+def example_args(gm: GraphModule, ctx: Context) -> list[Any] | None:
+    """Positional arguments for the graph's placeholders from the example inputs (or the
+    spec's ``trace.inputs``), with keyword inputs placed by name; None without inputs."""
+    inputs = ctx.example_inputs
+    if inputs is None and ctx.spec.trace.inputs is not None:
+        inputs = tuple(torch.zeros(i.shape, dtype=getattr(torch, i.dtype))
+                       for i in ctx.spec.trace.inputs)
+    if inputs is None:
+        return None
+    kwargs = dict(ctx.example_kwargs or {})
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    args = list(inputs)
+    for p in placeholders[len(args):]:
+        if p.target in kwargs:
+            args.append(kwargs.pop(p.target))
+        elif p.args:
+            args.append(p.args[0])  # the parameter's default
+        else:
+            raise QCompileError(f"input {p.target!r} of the model has no example value",
+                                fix=f"pass it in example_inputs or example_kwargs={{'{p.target}': ...}}")
+    if len(args) > len(placeholders):
+        raise QCompileError(
+            f"{len(args)} example inputs given, the traced model takes {len(placeholders)} "
+            f"({', '.join(str(p.target) for p in placeholders)})",
+            fix="pass one example value per model input")
+    if kwargs:
+        raise QCompileError(f"example_kwargs names {sorted(kwargs)}, which the model does not "
+                            "take", fix="remove them or check the forward() signature")
+    return args
+
+
+def _propagate_shapes(gm: GraphModule, args: list[Any]) -> None:
+    modes = {name: m.training for name, m in gm.named_modules()}
+    gm.eval()
+    prop = _ShapeProp(gm)
+    try:
+        with torch.no_grad():
+            prop.propagate(*args)
+    except Exception as e:  # noqa: BLE001 - any failure on user inputs is a user mistake
+        node = getattr(prop, "current", None)
+        where = f"node {node.name!r} ({node.format_node()})" if node is not None else "the model"
+        cause = e.__cause__ or e
+        raise QCompileError(
+            f"running {where} on the example inputs failed: {type(cause).__name__}: {cause}",
+            fix="check the shapes and dtypes of example_inputs / trace.inputs",
+        ) from e
+    finally:
+        for name, m in gm.named_modules():
+            m.training = modes.get(name, m.training)
+
+
+@graph_pass(requires=("model",), provides=("graph",))
+def trace(gm: GraphModule | None, ctx: Context) -> GraphModule:
+    """Capture ``ctx.model`` (a deep copy of it) as a GraphModule."""
+    model = ctx.model
+    refuse_wrapped(model)
+    method = ctx.spec.trace.method
+    if method == "export":
+        raise QCompileError(
+            "trace.method: export is not available in this version of qcompile",
+            fix="use trace.method: symbolic (or auto) and list modules symbolic tracing cannot "
+            "follow in trace.leaf_modules",
+        )
+    root = copy.deepcopy(model)
+    tracer = _Tracer(list(ctx.spec.trace.leaf_modules))
+    concrete = dict(ctx.spec.trace.concrete_args) or None
+    try:
+        graph = tracer.trace(root, concrete_args=concrete)
+    except Exception as e:  # noqa: BLE001 - tracing user code fails in many ways
+        if tracer.path:
+            name, cls = tracer.path[-1]
+            where = f"module {name!r} ({cls})"
+            fix = (f"add it to trace.leaf_modules (e.g. leaf_modules: [{cls}]) so it stays one "
+                   "node, or pass concrete_args for arguments used in Python control flow")
+        else:
+            where = f"the forward of {type(model).__name__}"
+            fix = ("pass concrete_args for arguments used in Python control flow, or move the "
+                   "control flow into a submodule listed in trace.leaf_modules")
+        raise QCompileError(f"symbolic tracing failed in {where}: {type(e).__name__}: {e}",
+                            fix=fix) from e
+    for p in sorted(set(ctx.spec.trace.leaf_modules) - tracer.used_patterns):
+        ctx.note(f"trace.leaf_modules entry {p!r} matched no module")
+    gm = GraphModule(tracer.root, graph, type(model).__name__)
+    ctx.trace_method = "symbolic"
+    args = example_args(gm, ctx)
+    if args is not None:
+        _propagate_shapes(gm, args)
+        ctx.has_shapes = True
+    else:
+        ctx.note("no example inputs: shapes unknown (pass example_inputs or trace.inputs)")
+    return gm

@@ -1,0 +1,79 @@
+"""Working with a compiled graph: its report, its quantizers, freezing and calibration.
+
+Example:
+    >>> import torch, qcompile as qc
+    >>> gm = qc.qcompile(torch.nn.Linear(4, 4), "int8-static", example_inputs=(torch.randn(2, 4),))
+    >>> qc.calibrate(gm, [(torch.randn(2, 4),) for _ in range(3)])
+    >>> all(q.enabled and not q.observe for q in qc.quantizers(gm).values())
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from qcompile.errors import QCompileError
+from qcompile.fake_quant import FakeQuantize
+from qcompile.records import Report
+
+
+def report(gm: nn.Module) -> Report:
+    """The ``Report`` of a graph returned by ``qcompile``."""
+    from qcompile.compile import REPORT_KEY
+
+    meta = getattr(gm, "meta", None)
+    if not isinstance(meta, dict) or REPORT_KEY not in meta:
+        raise QCompileError(f"{type(gm).__name__} has no qcompile report",
+                            fix="pass the GraphModule returned by qc.qcompile")
+    return meta[REPORT_KEY]
+
+
+def quantizers(gm: nn.Module) -> dict[str, FakeQuantize]:
+    """Every ``FakeQuantize`` in ``gm`` by qualified name."""
+    return {name: m for name, m in gm.named_modules() if isinstance(m, FakeQuantize)}
+
+
+def freeze(gm: nn.Module) -> nn.Module:
+    """Stop observers: qparams stay as they are (``observe=False`` on every quantizer)."""
+    for q in quantizers(gm).values():
+        q.observe = False
+    return gm
+
+
+def calibrate(gm: nn.Module, batches: Iterable[Any]) -> nn.Module:
+    """Static PTQ: run ``batches`` (tuples of inputs, or single tensors) through ``gm``
+    with observers on, then freeze qparams and turn fake-quant on."""
+    qs = quantizers(gm)
+    if not qs:
+        raise QCompileError("calibrate: the graph has no quantizers",
+                            fix="compile with a spec whose quant.mode is static")
+    was_training = gm.training
+    gm.eval()
+    for q in qs.values():
+        if not q.dynamic and q.granularity != "per_token" and not q.learnable:
+            q.observe = True
+    seen = 0
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                gm(*batch) if isinstance(batch, (tuple, list)) else gm(batch)
+                seen += 1
+                bad = [n for n, q in qs.items() if not torch.isfinite(q.scale).all()
+                       or not torch.isfinite(q.observer.min_val).logical_or(
+                           torch.isinf(q.observer.min_val)).all()]
+                if bad:
+                    raise QCompileError(f"calibration batch {seen - 1} put NaN into the "
+                                        f"observer of {bad[0]}",
+                                        fix="remove NaN/Inf values from the calibration data")
+    finally:
+        gm.train(was_training)
+    if seen == 0:
+        raise QCompileError("calibrate: no batches were given", fix="pass a non-empty iterable")
+    for q in qs.values():
+        q.observe = False
+        q.enabled = True
+    return gm

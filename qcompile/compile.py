@@ -1,0 +1,101 @@
+"""``qcompile(model, spec, example_inputs)``: trace, rewrite, return a GraphModule.
+
+Example:
+    >>> import torch, qcompile as qc
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> gm = qc.qcompile(model, "int8-qat", example_inputs=(torch.randn(4, 8),))
+    >>> loss = gm(torch.randn(4, 8)).square().mean(); loss.backward()
+    >>> gm.get_submodule("0").weight.grad is not None
+    True
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+from qcompile import __version__
+from qcompile.context import Context
+from qcompile.errors import QCompileError
+from qcompile.passes import annotate, fold_bn, insert_quant, trace
+from qcompile.pipeline import Instrument, Pass, Pipeline
+from qcompile.records import Report
+from qcompile.specs import CompileSpec, load_spec
+
+REPORT_KEY = "qcompile.report"
+
+
+def default_passes(spec: CompileSpec) -> list[Pass]:
+    """The fixed pass order for a spec; quantization passes only when quantizing."""
+    passes = [trace]
+    if spec.quant.mode != "none":
+        passes += [fold_bn, annotate, insert_quant]
+    return passes
+
+
+def _as_spec(spec: CompileSpec | dict | str | Path) -> CompileSpec:
+    if isinstance(spec, CompileSpec):
+        return spec
+    if isinstance(spec, dict):
+        return CompileSpec.model_validate(spec)
+    if isinstance(spec, (str, Path)):
+        return load_spec(spec)
+    raise QCompileError(f"spec must be a CompileSpec, a dict or a path, got {type(spec).__name__}",
+                        fix="pass qc.load_spec('file.yaml') or a preset name like 'int8-qat'")
+
+
+def _as_inputs(example_inputs: Any) -> tuple[Any, ...] | None:
+    if example_inputs is None:
+        return None
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs)
+    raise QCompileError(f"example_inputs must be a tuple of inputs, got "
+                        f"{type(example_inputs).__name__}", fix="pass example_inputs=(x,)")
+
+
+def qcompile(
+    model: nn.Module,
+    spec: CompileSpec | dict | str | Path,
+    example_inputs: Any = None,
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    instruments: Sequence[Instrument] = (),
+) -> GraphModule:
+    """Compile ``model`` as ``spec`` says and return a ready-to-train ``GraphModule``.
+
+    ``spec`` is a ``CompileSpec``, a dict, a spec file path or a preset name.
+    ``example_inputs`` (optional) enables shape-dependent features. The model itself is
+    never modified: passes work on a deep copy.
+    """
+    if not isinstance(model, nn.Module):
+        raise QCompileError(f"qcompile takes an nn.Module, got {type(model).__name__}",
+                            fix="pass the model instance (not its class or a function)")
+    spec = _as_spec(spec)
+    if spec.pipeline is not None and spec.pipeline.num_stages > 1:
+        raise QCompileError("pipeline: stage partitioning is not available in this version",
+                            fix="remove the pipeline section (or use stages: 1)")
+    ctx = Context(spec=spec, model=model, example_inputs=_as_inputs(example_inputs),
+                  example_kwargs=example_kwargs)
+    t0 = time.perf_counter()
+    gm, records = Pipeline(default_passes(spec)).run(ctx, instruments=instruments)
+    if spec.cache_dir is not None:
+        records[-1].notes.append("cache_dir is not used by this version: compiled afresh")
+    gm.meta[REPORT_KEY] = Report(
+        qcompile_version=__version__,
+        torch_version=torch.__version__,
+        mode=spec.quant.mode,
+        trace_method=ctx.trace_method,
+        passes=records,
+        quantizers=ctx.quantizers,
+        rule_matches=ctx.rule_matches,
+        total_seconds=time.perf_counter() - t0,
+    )
+    return gm

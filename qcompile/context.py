@@ -1,0 +1,40 @@
+"""``Context``: the per-compile state passes read (spec, model, inputs) and write (notes,
+facts, quantizer records). One is made per ``qcompile`` call; nothing is module-level.
+
+Example:
+    >>> import torch
+    >>> from qcompile.context import Context
+    >>> from qcompile.specs import CompileSpec
+    >>> ctx = Context(spec=CompileSpec(), model=torch.nn.Linear(2, 2))
+    >>> ctx.note("hello"); ctx.notes
+    ['hello']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from qcompile.records import QuantizerRecord
+from qcompile.specs import CompileSpec
+
+
+@dataclass
+class Context:
+    """State shared by the passes of one compilation."""
+
+    spec: CompileSpec
+    model: torch.nn.Module
+    example_inputs: tuple[Any, ...] | None = None
+    example_kwargs: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+    quantizers: list[QuantizerRecord] = field(default_factory=list)
+    rule_matches: dict[int, list[str]] = field(default_factory=dict)
+    trace_method: str | None = None
+    has_shapes: bool = False
+
+    def note(self, message: str) -> None:
+        """Record a note for the running pass (it lands in the Report)."""
+        self.notes.append(message)

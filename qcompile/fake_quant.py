@@ -1,0 +1,219 @@
+"""``FakeQuantize``: the quantizer module qcompile inserts into graphs.
+
+``forward(x) = dequantize(quantize(x))`` with a straight-through gradient (and the LSQ
+gradient for learnable scales), following the numerics in ``qcompile.quant_math``.
+Two plain Python bools steer it: ``enabled`` (fake-quant on/off) and ``observe``
+(observer updates qparams on forward). Scales are 1-D float32 whatever the model dtype.
+
+Example:
+    >>> import torch
+    >>> from qcompile.fake_quant import FakeQuantize
+    >>> fq = FakeQuantize("int8", granularity="per_channel", axis=0, channels=4)
+    >>> w = torch.randn(4, 16)
+    >>> out = fq(w)                       # observes w, then fake-quantizes it
+    >>> fq.scale.shape, bool(((out / fq.scale[:, None]).round() - out / fq.scale[:, None]).abs().max() < 1e-4)
+    (torch.Size([4]), True)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qcompile.observers import MinMaxObserver, make_observer
+from qcompile.quant_math import (
+    FP8_DTYPES,
+    fake_quantize,
+    fake_quantize_fp8,
+    fp8_scale_from_minmax,
+    qparams_from_minmax,
+)
+from qcompile.specs.quant import FP8_MAX, Scheme
+
+
+def scale_count(scheme: Scheme, shape: tuple[int, ...] | None, *, role: str) -> int:
+    """How many scales a tensor of ``shape`` needs under ``scheme`` (raises ``ValueError``
+    with the reason when the shape does not allow the scheme)."""
+    g = scheme.granularity
+    if g in ("per_tensor", "per_token"):
+        return 1
+    if shape is None:
+        raise ValueError(f"{g} quantization needs the tensor's shape: pass example_inputs "
+                         "to qcompile or set trace.inputs in the spec")
+    if g == "per_channel":
+        axis = default_axis(scheme, role)
+        if not -len(shape) <= axis < len(shape):
+            raise ValueError(f"axis {axis} is out of range for a tensor of shape {list(shape)}")
+        return int(shape[axis])
+    # per_group: rows = dim 0, groups run along the flattened remaining dims
+    if len(shape) < 2:
+        raise ValueError(f"per_group needs a tensor of 2 or more dims, got shape {list(shape)}")
+    row = 1
+    for d in shape[1:]:
+        row *= int(d)
+    gs = int(scheme.group_size or 0)
+    if row % gs:
+        divisors = [d for d in range(min(gs, row), 0, -1) if row % d == 0][:3]
+        raise ValueError(f"group_size {gs} does not divide {row} (the {list(shape)} tensor's "
+                         f"row length); use one of {divisors} or granularity per_channel")
+    return int(shape[0]) * (row // gs)
+
+
+def default_axis(scheme: Scheme, role: str) -> int:
+    """The channel axis: as given, else 0 for weights (output channels) and 1 for
+    activations (PyTorch's N, C, ... layout)."""
+    if scheme.axis is not None:
+        return scheme.axis
+    return 0 if role == "weight" else 1
+
+
+class FakeQuantize(nn.Module):
+    """Simulated quantization of one tensor.
+
+    Attributes (contract): ``scale`` (1-D float32 buffer, or Parameter when learnable),
+    ``zero_point`` (1-D int32 buffer), ``quant_min``, ``quant_max``, ``axis`` (None unless
+    per-channel), ``group_size`` (None unless per-group), ``enabled``, ``observe``.
+
+    Per-token and dynamic quantizers compute their qparams from each input and keep no
+    state; ``observe`` does not apply to them.
+    """
+
+    def __init__(
+        self,
+        dtype: str = "int8",
+        *,
+        symmetric: bool = True,
+        granularity: str = "per_tensor",
+        axis: int | None = None,
+        group_size: int | None = None,
+        channels: int = 1,
+        observer: object = "minmax",
+        learnable: bool = False,
+        dynamic: bool = False,
+    ) -> None:
+        super().__init__()
+        scheme = Scheme(dtype=dtype, symmetric=symmetric, granularity=granularity,
+                        axis=axis if granularity == "per_channel" else None,
+                        group_size=group_size, observer=observer, learnable=learnable)
+        self.dtype = scheme.dtype
+        self.symmetric = scheme.symmetric
+        self.granularity = scheme.granularity
+        self.axis = (axis if axis is not None else 0) if granularity == "per_channel" else None
+        self.group_size = group_size if granularity == "per_group" else None
+        self.quant_min, self.quant_max = scheme.qrange()
+        self.learnable = learnable
+        self.dynamic = dynamic
+        self.enabled = True
+        self.observe = True
+        n = channels if granularity in ("per_channel", "per_group") else 1
+        scale = torch.ones(n, dtype=torch.float32)
+        if learnable:
+            self.scale = nn.Parameter(scale)
+        else:
+            self.register_buffer("scale", scale)
+        self.register_buffer("zero_point", torch.zeros(n, dtype=torch.int32))
+        self.observer: MinMaxObserver = make_observer(scheme.observer, n)
+
+    @classmethod
+    def from_scheme(
+        cls, scheme: Scheme, *, role: str, shape: tuple[int, ...] | None, dynamic: bool = False
+    ) -> FakeQuantize:
+        """Build the quantizer a spec scheme describes for a tensor of ``shape``."""
+        return cls(
+            scheme.dtype,
+            symmetric=scheme.symmetric,
+            granularity=scheme.granularity,
+            axis=default_axis(scheme, role) if scheme.granularity == "per_channel" else None,
+            group_size=scheme.group_size,
+            channels=scale_count(scheme, shape, role=role),
+            observer=scheme.observer,
+            learnable=scheme.learnable,
+            dynamic=dynamic,
+        )
+
+    # -- statistics -------------------------------------------------------------------
+    def _minmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.granularity
+        if g == "per_token":
+            return torch.aminmax(x, dim=-1, keepdim=True)
+        if g == "per_channel":
+            mn, mx = torch.aminmax(x.movedim(self.axis, 0).reshape(x.shape[self.axis], -1), dim=1)
+            return mn, mx
+        if g == "per_group":
+            mn, mx = torch.aminmax(x.reshape(x.shape[0], -1, self.group_size), dim=-1)
+            return mn.reshape(-1), mx.reshape(-1)
+        mn, mx = torch.aminmax(x)
+        return mn.reshape(1), mx.reshape(1)
+
+    def _qparams(self, mn: torch.Tensor, mx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.dtype in FP8_MAX:
+            return fp8_scale_from_minmax(mn, mx, FP8_MAX[self.dtype])
+        return qparams_from_minmax(mn, mx, self.quant_min, self.quant_max, self.symmetric)
+
+    @torch.no_grad()
+    def observe_tensor(self, x: torch.Tensor) -> None:
+        """Fold ``x`` into the observer and recompute ``scale`` / ``zero_point``."""
+        if x.numel() == 0:
+            return
+        mn, mx = self._minmax(x.detach().float())
+        self.observer.update(mn, mx)
+        scale, zero_point = self._qparams(self.observer.min_val, self.observer.max_val)
+        self.scale.copy_(scale)
+        self.zero_point.copy_(zero_point)
+        if self.learnable:
+            # LSQ: the observer only initialises the scale; from then on it is learned.
+            self.observe = False
+
+    # -- forward ----------------------------------------------------------------------
+    def _shaped(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.granularity == "per_channel":
+            shape = [1] * x.dim()
+            shape[self.axis] = -1
+            return t.view(shape)
+        if self.granularity == "per_group":
+            return t.view(x.shape[0], -1, 1)
+        return t
+
+    def _fake_quant(self, x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+                    shaped: bool) -> torch.Tensor:
+        src = x
+        if self.granularity == "per_group":
+            x = x.reshape(x.shape[0], -1, self.group_size)
+        if not shaped:
+            scale, zero_point = self._shaped(scale, x), self._shaped(zero_point, x)
+        if self.dtype in FP8_DTYPES:
+            out = fake_quantize_fp8(x, scale, self.dtype, FP8_MAX[self.dtype])
+        else:
+            out = fake_quantize(x, scale, zero_point, self.quant_min, self.quant_max,
+                                learnable=self.learnable)
+        return out.reshape(src.shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:
+            return x
+        if self.dynamic or self.granularity == "per_token":
+            if not self.enabled:
+                return x
+            with torch.no_grad():
+                scale, zero_point = self._qparams(*self._minmax(x.detach().float()))
+            return self._fake_quant(x, scale, zero_point, shaped=self.granularity == "per_token")
+        if self.observe:
+            self.observe_tensor(x)
+        if not self.enabled:
+            return x
+        return self._fake_quant(x, self.scale, self.zero_point, shaped=False)
+
+    def extra_repr(self) -> str:
+        parts = [self.dtype, self.granularity, "symmetric" if self.symmetric else "affine",
+                 f"range=[{self.quant_min}, {self.quant_max}]"]
+        if self.axis is not None:
+            parts.append(f"axis={self.axis}")
+        if self.group_size is not None:
+            parts.append(f"group_size={self.group_size}")
+        parts += [f"scales={self.scale.numel()}", f"enabled={self.enabled}",
+                  f"observe={self.observe}"]
+        if self.learnable:
+            parts.append("learnable")
+        if self.dynamic:
+            parts.append("dynamic")
+        return ", ".join(parts)

@@ -1,0 +1,157 @@
+"""Which rule selects which node: module ownership, op names, and the annotation record.
+
+Nodes are matched by *module ownership*, not by node kind: a node is owned by the module
+it calls (``call_module`` target) and by every module enclosing it
+(``node.meta["nn_module_stack"]``, recorded by both ``symbolic_trace`` and
+``torch.export``), so the same rule selects the same layers under either front end.
+
+Example:
+    >>> import torch
+    >>> from qcompile.matching import op_name
+    >>> gm = torch.fx.symbolic_trace(lambda x: torch.cat([x, x]) + x)
+    >>> [op_name(n) for n in gm.graph.nodes if n.op == "call_function"]
+    ['cat', 'add']
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.fx import GraphModule, Node
+
+from qcompile.specs import Match, Rule, Scheme
+
+# Operator spellings that mean the same op for matching (`x + y`, `x += y`, `torch.add`).
+_ALIASES = {
+    "iadd": "add", "radd": "add", "imul": "mul", "rmul": "mul", "isub": "sub", "rsub": "sub",
+    "truediv": "div", "itruediv": "div", "rtruediv": "div", "imatmul": "matmul",
+    "rmatmul": "matmul", "concat": "cat", "concatenate": "cat",
+}
+
+# Module types whose weight qcompile fake-quantizes (their forward is re-expressed with the
+# functional op, so the graph shows weight -> quantizer -> op explicitly).
+WEIGHTED_MODULES: dict[type[nn.Module], str] = {
+    nn.Linear: "linear", nn.Conv1d: "conv1d", nn.Conv2d: "conv2d", nn.Conv3d: "conv3d",
+    nn.Embedding: "embedding",
+}
+# Functional ops with a weight argument: op name -> index of the weight among the args.
+WEIGHTED_OPS = {"linear": 1, "conv1d": 1, "conv2d": 1, "conv3d": 1, "embedding": 1}
+_FUNCTIONAL = {F.linear, F.conv1d, F.conv2d, F.conv3d, F.embedding, torch.conv1d,
+               torch.conv2d, torch.conv3d}
+
+
+@dataclass(frozen=True)
+class Owner:
+    """A module owning a node: its qualified name and class."""
+
+    name: str
+    cls_name: str
+    cls_path: str
+
+
+@dataclass(frozen=True)
+class NodeQScheme:
+    """``node.meta["qcompile.qscheme"]``: the rule that selected a node and its schemes."""
+
+    rule: int
+    skip: bool
+    weight: Scheme | None
+    activation: Scheme | None
+    matched: str  # the owner (qualified name) or op that satisfied the rule
+
+    def describe(self) -> str:
+        if self.skip:
+            return f"rule={self.rule} skip"
+        parts = [f"rule={self.rule}"]
+        for role, s in (("w", self.weight), ("a", self.activation)):
+            if s is not None:
+                parts.append(f"{role}={s.dtype}/{s.granularity}/{'sym' if s.symmetric else 'asym'}")
+        return " ".join(parts)
+
+
+def _owner(name: str, cls: object) -> Owner:
+    if isinstance(cls, type):
+        return Owner(name, cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
+    path = str(cls)  # torch.export records the class as a dotted string
+    return Owner(name, path.rsplit(".", 1)[-1], path)
+
+
+def owners(node: Node, gm: GraphModule) -> tuple[Owner, ...]:
+    """Modules owning ``node``, innermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    found = [_owner(name, cls) for name, cls in stack.values()]
+    if node.op == "call_module" and not any(o.name == node.target for o in found):
+        found.append(_owner(str(node.target), type(gm.get_submodule(str(node.target)))))
+    return tuple(reversed(found))
+
+
+def op_name(node: Node) -> str | None:
+    """The normalised op a ``call_function`` / ``call_method`` node performs."""
+    if node.op == "call_method":
+        name = str(node.target)
+    elif node.op == "call_function":
+        t = node.target
+        packet = getattr(t, "overloadpacket", None)  # aten.add.Tensor -> add
+        name = getattr(packet or t, "__name__", str(t)).split(".")[-1]
+    else:
+        return None
+    name = name.strip("_")
+    return _ALIASES.get(name, name)
+
+
+def weighted_module_op(gm: GraphModule, node: Node) -> str | None:
+    """For a ``call_module`` node on Linear/Conv/Embedding with the stock forward: the
+    functional op it computes, else None."""
+    if node.op != "call_module":
+        return None
+    m = gm.get_submodule(str(node.target))
+    for cls, op in WEIGHTED_MODULES.items():
+        if type(m).forward is cls.forward and isinstance(m, cls):
+            return op
+    return None
+
+
+def is_weighted_call(node: Node) -> bool:
+    """A functional linear/conv/embedding call whose weight is a graph attribute."""
+    if node.op != "call_function" or node.target not in _FUNCTIONAL:
+        return False
+    w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    return isinstance(w, Node) and w.op == "get_attr"
+
+
+def _glob_any(patterns: list[str], *values: str) -> bool:
+    return any(fnmatch.fnmatchcase(v, p) for p in patterns for v in values)
+
+
+def match_node(match: Match, node: Node, node_owners: tuple[Owner, ...]) -> str | None:
+    """What satisfies ``match`` for ``node`` (an owner name or the op), or None.
+
+    ``op`` must hold for the node itself; ``module`` and ``name`` must hold together for
+    one owning module.
+    """
+    if match.op is not None:
+        op = op_name(node)
+        if op is None or op not in match.op:
+            return None
+        if match.module is None and match.name is None:
+            return op
+    for o in node_owners:
+        if match.module is not None and not _glob_any(match.module, o.cls_name, o.cls_path):
+            continue
+        if match.name is not None and not _glob_any(match.name, o.name):
+            continue
+        return o.name
+    return None
+
+
+def candidate(gm: GraphModule, node: Node, rule: Rule) -> bool:
+    """Nodes a rule may select: with ``op``, function/method calls; without, module calls
+    and functional weighted ops (a Linear's computation under either front end), never
+    shape bookkeeping inside a matched module."""
+    if rule.match.op is not None:
+        return node.op in ("call_function", "call_method")
+    return node.op == "call_module" or is_weighted_call(node)

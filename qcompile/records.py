@@ -1,0 +1,82 @@
+"""The compile ``Report``: what every pass did, which rule quantized which node.
+
+Example:
+    >>> from qcompile.records import Report, PassRecord
+    >>> r = Report(mode="qat", passes=[PassRecord(name="trace", seconds=0.01,
+    ...            nodes_before=0, nodes_after=3)])
+    >>> "trace" in r.text()
+    True
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class PassRecord(BaseModel):
+    """One pass's run: time, graph size before/after, nodes added/removed, notes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    seconds: float
+    nodes_before: int
+    nodes_after: int
+    added: list[str] = Field(default_factory=list)
+    removed: list[str] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+
+
+class QuantizerRecord(BaseModel):
+    """One inserted ``FakeQuantize``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="qualified name of the FakeQuantize module")
+    role: str = Field(description="weight | activation | input")
+    node: str = Field(description="graph node (or parameter) it quantizes")
+    rule: int | None = Field(description="index into quant.rules; None for quant.inputs")
+    dtype: str
+    granularity: str
+    symmetric: bool
+    scales: int
+    learnable: bool = False
+    dynamic: bool = False
+
+
+class Report(BaseModel):
+    """What ``qcompile`` did; ``qc.report(gm)`` returns it, ``.model_dump_json()`` saves it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    qcompile_version: str = ""
+    torch_version: str = ""
+    mode: str
+    trace_method: str | None = None
+    passes: list[PassRecord] = Field(default_factory=list)
+    quantizers: list[QuantizerRecord] = Field(default_factory=list)
+    rule_matches: dict[int, list[str]] = Field(
+        default_factory=dict, description="rule index -> nodes it selected"
+    )
+    total_seconds: float = 0.0
+
+    def text(self) -> str:
+        """A human-readable summary."""
+        lines = [f"qcompile {self.qcompile_version} (torch {self.torch_version}), "
+                 f"mode {self.mode}, traced by {self.trace_method}, "
+                 f"{self.total_seconds * 1e3:.1f} ms"]
+        lines.append(f"{'pass':<14}{'ms':>9}{'nodes':>8}{'+':>6}{'-':>6}")
+        for p in self.passes:
+            lines.append(f"{p.name:<14}{p.seconds * 1e3:>9.2f}{p.nodes_after:>8}"
+                         f"{len(p.added):>6}{len(p.removed):>6}")
+            lines += [f"    note: {n}" for n in p.notes]
+        for i, nodes in sorted(self.rule_matches.items()):
+            shown = ", ".join(nodes[:6]) + (f", ... (+{len(nodes) - 6})" if len(nodes) > 6 else "")
+            lines.append(f"rule {i}: {len(nodes)} node(s): {shown}")
+        by_kind: dict[str, int] = {}
+        for q in self.quantizers:
+            key = f"{q.role} {q.dtype} {q.granularity}"
+            by_kind[key] = by_kind.get(key, 0) + 1
+        lines.append(f"quantizers: {len(self.quantizers)}")
+        lines += [f"    {n:>4} x {k}" for k, n in sorted(by_kind.items())]
+        return "\n".join(lines)

@@ -1,0 +1,125 @@
+"""The whole spec: ``CompileSpec`` and its parallel-placement and tracing sections.
+
+Example:
+    >>> from qcompile.specs import CompileSpec
+    >>> spec = CompileSpec.model_validate({"quant": {"mode": "none"},
+    ...                                    "pipeline": {"stages": 2, "devices": ["cpu", "cpu"]}})
+    >>> spec.pipeline.num_stages
+    2
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, StrictInt, field_validator, model_validator
+
+from qcompile.specs.quant import Frozen, QuantSpec
+
+# Device strings are checked for form here (torch-free); whether the device exists on this
+# machine is checked when compiling.
+_DEVICE = re.compile(r"(cpu|meta|cuda|xpu|mps|hpu|npu)(:\d+)?")
+TORCH_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16",
+                "int8", "uint8", "bool")
+
+
+def _check_device(d: str) -> str:
+    if not _DEVICE.fullmatch(d):
+        raise ValueError(f"device {d!r} is not a device string like 'cpu', 'cuda' or 'cuda:1'")
+    return d
+
+
+class DataParallelSpec(Frozen):
+    """How the compiled model is replicated across ranks (``qcompile.distributed.wrap``)."""
+
+    kind: Literal["none", "ddp", "fsdp2"] = "none"
+
+
+class StageSpec(Frozen):
+    """One explicit pipeline stage: the modules (qualified-name globs) it holds."""
+
+    modules: list[str] = Field(min_length=1)
+    device: str | None = None
+
+    @field_validator("device")
+    @classmethod
+    def _dev(cls, v: str | None) -> str | None:
+        return None if v is None else _check_device(v)
+
+
+class PipelineSpec(Frozen):
+    """Pipeline placement: ``stages`` is a count (cost-balanced) or an explicit list."""
+
+    stages: StrictInt | list[StageSpec] = Field(1)
+    devices: list[str] | None = None
+    balance: Literal["params", "flops", "time"] = "params"
+    microbatches: int = Field(1, ge=1)
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "gpipe"
+    transfer: Literal["fp32", "int8"] = "fp32"
+    allow_tied: bool = Field(True, description="parameters shared between stages are allowed")
+
+    @field_validator("stages")
+    @classmethod
+    def _positive(cls, v: int | list[StageSpec]) -> int | list[StageSpec]:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("stages must be at least 1")
+        if isinstance(v, list) and not v:
+            raise ValueError("stages must list at least one stage")
+        return v
+
+    @field_validator("devices")
+    @classmethod
+    def _devices(cls, v: list[str] | None) -> list[str] | None:
+        return None if v is None else [_check_device(d) for d in v]
+
+    @model_validator(mode="after")
+    def _devices_fit(self) -> PipelineSpec:
+        if self.devices is not None and len(self.devices) != self.num_stages:
+            raise ValueError(
+                f"devices lists {len(self.devices)} devices for {self.num_stages} stages: "
+                "give one device per stage"
+            )
+        return self
+
+    @property
+    def num_stages(self) -> int:
+        return self.stages if isinstance(self.stages, int) else len(self.stages)
+
+
+class InputSpec(Frozen):
+    """An example input described by shape and dtype (zeros are fed when tracing)."""
+
+    shape: list[int] = Field(min_length=0)
+    dtype: Literal[TORCH_DTYPES] = "float32"  # type: ignore[valid-type]
+
+    @field_validator("shape")
+    @classmethod
+    def _nonneg(cls, v: list[int]) -> list[int]:
+        if any(d < 0 for d in v):
+            raise ValueError(f"shape {v} has a negative dimension")
+        return v
+
+
+class TraceSpec(Frozen):
+    """How the model is captured as a graph."""
+
+    method: Literal["auto", "symbolic", "export"] = "auto"
+    leaf_modules: list[str] = Field(
+        default_factory=list,
+        description="modules kept as single nodes: class names, dotted class paths or "
+        "qualified-name globs",
+    )
+    concrete_args: dict[str, None | bool | int | float | str] = Field(default_factory=dict)
+    inputs: list[InputSpec] | None = None
+
+
+class CompileSpec(Frozen):
+    """Everything ``qcompile`` needs to know besides the model."""
+
+    version: Literal[1] = 1
+    quant: QuantSpec = Field(default_factory=QuantSpec)
+    data_parallel: DataParallelSpec = Field(default_factory=DataParallelSpec)
+    pipeline: PipelineSpec | None = None
+    cache_dir: str | None = None
+    trace: TraceSpec = Field(default_factory=TraceSpec)

@@ -1,0 +1,209 @@
+"""The ``quant`` section of a spec: how to quantize, and which nodes.
+
+Torch-free on purpose: specs validate (and ``qcompile-inspect validate`` runs) without
+importing torch.
+
+Example:
+    >>> from qcompile.specs import QuantSpec
+    >>> q = QuantSpec.model_validate({"mode": "qat", "rules": [
+    ...     {"match": {"module": "Linear"}, "weight": {"dtype": "int4",
+    ...      "granularity": "per_group", "group_size": 32}}]})
+    >>> q.rules[0].weight.qrange()
+    (-8, 7)
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+INT_DTYPES = tuple(f"int{b}" for b in range(2, 17))
+UINT_DTYPES = tuple(f"uint{b}" for b in range(2, 17))
+FLOAT_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+DTYPES = INT_DTYPES + UINT_DTYPES + FLOAT_DTYPES
+
+# The largest finite magnitude of each fp8 format (OCP FP8: e4m3 "fn" variant, e5m2).
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+
+QDtype = Literal[DTYPES]  # type: ignore[valid-type]
+Granularity = Literal["per_tensor", "per_channel", "per_group", "per_token"]
+Mode = Literal["none", "dynamic", "static", "qat"]
+
+
+class Frozen(BaseModel):
+    """Base of every spec model: immutable, and unknown keys are errors."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class MinMaxObserver(Frozen):
+    """Running min and max of everything observed."""
+
+    kind: Literal["minmax"] = "minmax"
+
+
+class MovingAverageObserver(Frozen):
+    """Exponential moving average of each batch's min and max (torch.ao's MovingAverage...)."""
+
+    kind: Literal["moving_average"] = "moving_average"
+    momentum: float = Field(0.01, gt=0.0, le=1.0, description="weight of the newest batch")
+
+
+class HistogramObserver(Frozen):
+    """Histogram of values; the range minimising L2 quantization error is chosen."""
+
+    kind: Literal["histogram"] = "histogram"
+    bins: int = Field(2048, ge=16, le=65536)
+
+
+class PercentileObserver(Frozen):
+    """Range clipped to the given percentile of |x| (or of x at each end, asymmetric)."""
+
+    kind: Literal["percentile"] = "percentile"
+    percentile: float = Field(99.99, gt=50.0, le=100.0)
+
+
+class MseObserver(Frozen):
+    """Clip search minimising the mean squared quantization error."""
+
+    kind: Literal["mse"] = "mse"
+    steps: int = Field(100, ge=2, le=10000, description="candidate clip ratios searched")
+
+
+ObserverSpec = Annotated[
+    Union[
+        MinMaxObserver, MovingAverageObserver, HistogramObserver, PercentileObserver, MseObserver
+    ],
+    Field(discriminator="kind"),
+]
+
+
+class Scheme(Frozen):
+    """How one tensor (a weight, or a node's output) is quantized."""
+
+    dtype: QDtype = "int8"
+    symmetric: bool = True
+    granularity: Granularity = "per_tensor"
+    axis: int | None = Field(
+        None,
+        description="per_channel only: the channel dimension "
+        "(default 0 for weights, 1 for activations)",
+    )
+    group_size: int | None = Field(None, ge=1, description="per_group only: elements per group")
+    observer: ObserverSpec = Field(default_factory=MinMaxObserver)
+    learnable: bool = Field(False, description="LSQ: the scale is a trained parameter (QAT)")
+
+    @field_validator("observer", mode="before")
+    @classmethod
+    def _short_observer(cls, v: object) -> object:
+        # `observer: minmax` is shorthand for `observer: {kind: minmax}`.
+        return {"kind": v} if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _granularity_fields(self) -> Scheme:
+        g = self.granularity
+        if g == "per_group" and self.group_size is None:
+            raise ValueError("granularity per_group needs group_size (e.g. group_size: 32)")
+        if g != "per_group" and self.group_size is not None:
+            raise ValueError(f"group_size is only used with granularity per_group, not {g}")
+        if g != "per_channel" and self.axis is not None:
+            raise ValueError(f"axis is only used with granularity per_channel, not {g}")
+        if self.dtype in FLOAT_DTYPES and not self.symmetric:
+            raise ValueError(f"{self.dtype} is a float format: it is symmetric only")
+        if self.dtype in FLOAT_DTYPES and self.learnable:
+            raise ValueError(f"learnable scales are for integer dtypes, not {self.dtype}")
+        return self
+
+    def qrange(self) -> tuple[int, int]:
+        """Integer range ``(quant_min, quant_max)`` of the dtype (fp8: +-largest finite)."""
+        if self.dtype in FP8_MAX:
+            m = int(FP8_MAX[self.dtype])
+            return -m, m
+        bits = int(self.dtype.removeprefix("u").removeprefix("int"))
+        if self.dtype.startswith("u"):
+            return 0, 2**bits - 1
+        return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in FLOAT_DTYPES
+
+
+def _as_list(v: object) -> object:
+    return [v] if isinstance(v, str) else v
+
+
+class Match(Frozen):
+    """Which nodes a rule selects. Every given field must hold; a list means any of them.
+
+    ``module``: class name of an owning module (``Linear``) or its dotted path
+    (``torch.nn.modules.linear.Linear``), fnmatch globs allowed. ``name``: fnmatch glob on
+    the owning module's whole qualified name (``encoder.*``). A node is owned by the module
+    it calls and by every module enclosing it, so ``name: head`` also covers ``head.0``.
+    ``op``: functional ops and tensor methods (``add``, ``matmul``, ``cat``, ``linear``).
+    """
+
+    module: list[str] | None = None
+    name: list[str] | None = None
+    op: list[str] | None = None
+
+    @field_validator("module", "name", "op", mode="before")
+    @classmethod
+    def _lists(cls, v: object) -> object:
+        return _as_list(v)
+
+    @model_validator(mode="after")
+    def _something(self) -> Match:
+        if not (self.module or self.name or self.op):
+            raise ValueError("match needs at least one of module, name, op")
+        return self
+
+
+class Rule(Frozen):
+    """One quantization rule: nodes it matches get its weight/activation schemes."""
+
+    match: Match
+    skip: bool = Field(False, description="matched nodes stay in float, whatever other rules say")
+    weight: Scheme | None = None
+    activation: Scheme | None = None
+    optional: bool = Field(
+        False, description="allow this rule to match nothing (otherwise that is an error)"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Rule:
+        if self.skip and (self.weight or self.activation):
+            raise ValueError("a skip rule takes no weight/activation scheme")
+        if not self.skip and not (self.weight or self.activation):
+            raise ValueError("a rule needs a weight and/or activation scheme, or skip: true")
+        if self.weight is not None and self.weight.granularity == "per_token":
+            raise ValueError("weight: per_token is for activations; use per_channel or per_group")
+        if self.activation is not None and self.activation.granularity == "per_group":
+            raise ValueError(
+                "activation: per_group is for weights; use per_token for activations"
+            )
+        return self
+
+
+class QuantSpec(Frozen):
+    """The ``quant`` section."""
+
+    mode: Mode = "none"
+    rules: list[Rule] = Field(default_factory=list)
+    inputs: Scheme | None = Field(None, description="quantize the model's tensor inputs too")
+    fold_bn: bool = True
+    sync_observers: bool = True
+
+    @model_validator(mode="after")
+    def _mode_fits(self) -> QuantSpec:
+        schemes = [(f"rules[{i}].{role}", getattr(r, role)) for i, r in enumerate(self.rules)
+                   for role in ("weight", "activation")]
+        schemes.append(("inputs", self.inputs))
+        for where, s in schemes:
+            if s is not None and s.learnable and self.mode != "qat":
+                raise ValueError(
+                    f"{where}.learnable: learnable scales train only in QAT; "
+                    f"set mode: qat or learnable: false (mode is {self.mode})"
+                )
+        return self
