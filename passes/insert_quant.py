@@ -16,9 +16,19 @@ activation qparams from each batch. Weight qparams are computed here from the we
 
 Example:
     >>> import torch, qcompile as qc
-    >>> gm = qc.qcompile(torch.nn.Linear(4, 4), qc.load_spec("int8-qat"))
-    >>> print(gm.code.strip().splitlines()[-1].strip())
-    return output_fake_quant
+    >>> gm = qc.qcompile(torch.nn.Sequential(torch.nn.Linear(4, 4)), qc.load_spec("int8-qat"))
+    >>> print(gm.code)  # doctest: +NORMALIZE_WHITESPACE +ELLIPSIS
+    <BLANKLINE>
+    <BLANKLINE>
+    <BLANKLINE>
+    def forward(self, input):
+        input_1 = input
+        _0_weight = getattr(self, "0").weight
+        _0_weight_fake_quant = getattr(self, "0").weight_fake_quant(_0_weight);  _0_weight = None
+        _0_bias = getattr(self, "0").bias
+        linear = torch._C._nn.linear(input_1, _0_weight_fake_quant, _0_bias);  ...
+        _0_output_fake_quant = getattr(self, "0").output_fake_quant(linear);  linear = None
+        return _0_output_fake_quant
 """
 
 from __future__ import annotations

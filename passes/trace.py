@@ -8,9 +8,8 @@ eval mode under ``no_grad`` so BatchNorm statistics and the RNG are left as they
 Example:
     >>> import torch, qcompile as qc
     >>> from qcompile.context import Context
-from qcompile.distributed import refuse_wrapped
     >>> from qcompile.passes import trace
-    >>> ctx = Context(spec=qc.CompileSpec(), model=torch.nn.Linear(3, 2),
+    >>> ctx = Context(spec=qc.CompileSpec(), model=torch.nn.Sequential(torch.nn.Linear(3, 2)),
     ...               example_inputs=(torch.randn(1, 3),))
     >>> gm = trace(None, ctx)
     >>> [n.meta["tensor_meta"].shape for n in gm.graph.nodes if n.op == "call_module"]
@@ -31,6 +30,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from qcompile.context import Context
 from qcompile.distributed import refuse_wrapped
 from qcompile.errors import QCompileError
+from qcompile.matching import ROOT_CLASS_KEY
 from qcompile.pipeline import graph_pass
 
 
@@ -84,8 +84,9 @@ def example_args(gm: GraphModule, ctx: Context) -> list[Any] | None:
         elif p.args:
             args.append(p.args[0])  # the parameter's default
         else:
-            raise QCompileError(f"input {p.target!r} of the model has no example value",
-                                fix=f"pass it in example_inputs or example_kwargs={{'{p.target}': ...}}")
+            raise QCompileError(
+                f"input {p.target!r} of the model has no example value",
+                fix=f"pass it in example_inputs or example_kwargs={{'{p.target}': ...}}")
     if len(args) > len(placeholders):
         raise QCompileError(
             f"{len(args)} example inputs given, the traced model takes {len(placeholders)} "
@@ -104,7 +105,7 @@ def _propagate_shapes(gm: GraphModule, args: list[Any]) -> None:
     try:
         with torch.no_grad():
             prop.propagate(*args)
-    except Exception as e:  # noqa: BLE001 - any failure on user inputs is a user mistake
+    except Exception as e:
         node = getattr(prop, "current", None)
         where = f"node {node.name!r} ({node.format_node()})" if node is not None else "the model"
         cause = e.__cause__ or e
@@ -134,7 +135,7 @@ def trace(gm: GraphModule | None, ctx: Context) -> GraphModule:
     concrete = dict(ctx.spec.trace.concrete_args) or None
     try:
         graph = tracer.trace(root, concrete_args=concrete)
-    except Exception as e:  # noqa: BLE001 - tracing user code fails in many ways
+    except Exception as e:
         if tracer.path:
             name, cls = tracer.path[-1]
             where = f"module {name!r} ({cls})"
@@ -149,6 +150,7 @@ def trace(gm: GraphModule | None, ctx: Context) -> GraphModule:
     for p in sorted(set(ctx.spec.trace.leaf_modules) - tracer.used_patterns):
         ctx.note(f"trace.leaf_modules entry {p!r} matched no module")
     gm = GraphModule(tracer.root, graph, type(model).__name__)
+    gm.meta[ROOT_CLASS_KEY] = type(model)
     ctx.trace_method = "symbolic"
     args = example_args(gm, ctx)
     if args is not None:

@@ -3,7 +3,7 @@
 Example:
     >>> import torch, qcompile as qc
     >>> gm = qc.qcompile(torch.nn.Linear(4, 4), "int8-static", example_inputs=(torch.randn(2, 4),))
-    >>> qc.calibrate(gm, [(torch.randn(2, 4),) for _ in range(3)])
+    >>> gm = qc.calibrate(gm, [(torch.randn(2, 4),) for _ in range(3)])
     >>> all(q.enabled and not q.observe for q in qc.quantizers(gm).values())
     True
 """
@@ -54,7 +54,7 @@ def calibrate(gm: nn.Module, batches: Iterable[Any]) -> nn.Module:
     was_training = gm.training
     gm.eval()
     for q in qs.values():
-        if not q.dynamic and q.granularity != "per_token" and not q.learnable:
+        if q.observer is not None and not q.learnable:
             q.observe = True
     seen = 0
     try:
@@ -62,9 +62,8 @@ def calibrate(gm: nn.Module, batches: Iterable[Any]) -> nn.Module:
             for batch in batches:
                 gm(*batch) if isinstance(batch, (tuple, list)) else gm(batch)
                 seen += 1
-                bad = [n for n, q in qs.items() if not torch.isfinite(q.scale).all()
-                       or not torch.isfinite(q.observer.min_val).logical_or(
-                           torch.isinf(q.observer.min_val)).all()]
+                bad = [n for n, q in qs.items() if q.observer is not None and (
+                    q.observer.min_val.isnan().any() or q.observer.max_val.isnan().any())]
                 if bad:
                     raise QCompileError(f"calibration batch {seen - 1} put NaN into the "
                                         f"observer of {bad[0]}",

@@ -11,7 +11,8 @@ Example:
     >>> fq = FakeQuantize("int8", granularity="per_channel", axis=0, channels=4)
     >>> w = torch.randn(4, 16)
     >>> out = fq(w)                       # observes w, then fake-quantizes it
-    >>> fq.scale.shape, bool(((out / fq.scale[:, None]).round() - out / fq.scale[:, None]).abs().max() < 1e-4)
+    >>> steps = out / fq.scale[:, None]   # integers: the output lies on the grid
+    >>> fq.scale.shape, bool((steps - steps.round()).abs().max() < 1e-4)
     (torch.Size([4]), True)
 """
 
@@ -112,7 +113,10 @@ class FakeQuantize(nn.Module):
         else:
             self.register_buffer("scale", scale)
         self.register_buffer("zero_point", torch.zeros(n, dtype=torch.int32))
-        self.observer: MinMaxObserver = make_observer(scheme.observer, n)
+        # Per-token and dynamic quantizers derive qparams from each input: no statistics.
+        stateless = dynamic or granularity == "per_token"
+        self.observer: MinMaxObserver | None = (
+            None if stateless else make_observer(scheme.observer, n))
 
     @classmethod
     def from_scheme(
@@ -153,7 +157,7 @@ class FakeQuantize(nn.Module):
     @torch.no_grad()
     def observe_tensor(self, x: torch.Tensor) -> None:
         """Fold ``x`` into the observer and recompute ``scale`` / ``zero_point``."""
-        if x.numel() == 0:
+        if x.numel() == 0 or self.observer is None:
             return
         mn, mx = self._minmax(x.detach().float())
         self.observer.update(mn, mx)

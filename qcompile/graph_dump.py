@@ -8,9 +8,9 @@ Example:
     >>> import torch
     >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.ReLU()))
     >>> print(format_graph(gm))
-    input   placeholder    input
-    _0      call_module    0(input)
-    output  output         output(_0)
+    input_1  placeholder    input
+    _0       call_module    0(input_1)
+    output   output         output(_0)
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _target(node: Node) -> str:
         return str(t)
     try:
         return _get_qualified_name(t)
-    except Exception:  # noqa: BLE001 - any callable: fall back to its name
+    except Exception:
         return getattr(t, "__name__", repr(t))
 
 
@@ -68,7 +68,8 @@ def format_graph(gm: torch.fx.GraphModule) -> str:
     width = max((len(n.name) for n in nodes), default=0)
     lines = []
     for n in nodes:
-        args = ", ".join([_arg(a) for a in n.args] + [f"{k}={_arg(v)}" for k, v in n.kwargs.items()])
+        args = ", ".join([_arg(a) for a in n.args]
+                         + [f"{k}={_arg(v)}" for k, v in n.kwargs.items()])
         call = _target(n) if n.op in ("placeholder", "get_attr") else f"{_target(n)}({args})"
         lines.append(f"{n.name:<{width}}  {n.op:<13}  {call}{_annotations(n)}".rstrip())
     return "\n".join(lines)

@@ -80,12 +80,18 @@ def _owner(name: str, cls: object) -> Owner:
     return Owner(name, path.rsplit(".", 1)[-1], path)
 
 
+ROOT_CLASS_KEY = "qcompile.root_class"
+
+
 def owners(node: Node, gm: GraphModule) -> tuple[Owner, ...]:
-    """Modules owning ``node``, innermost first."""
+    """Modules owning ``node``, innermost first; the root model (name ``""``) last."""
     stack = node.meta.get("nn_module_stack") or {}
-    found = [_owner(name, cls) for name, cls in stack.values()]
+    found = [_owner(name, cls) for name, cls in stack.values() if name]
     if node.op == "call_module" and not any(o.name == node.target for o in found):
         found.append(_owner(str(node.target), type(gm.get_submodule(str(node.target)))))
+    root = gm.meta.get(ROOT_CLASS_KEY)
+    if root is not None:
+        found.insert(0, _owner("", root))
     return tuple(reversed(found))
 
 

@@ -64,7 +64,8 @@ def fp8_scale_from_minmax(
     min_val: torch.Tensor, max_val: torch.Tensor, fp8_max: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale mapping the largest |x| to the format's largest finite value; zero point 0."""
-    amax = torch.maximum(-torch.clamp(min_val.float(), max=0.0), torch.clamp(max_val.float(), min=0.0))
+    amax = torch.maximum(-torch.clamp(min_val.float(), max=0.0),
+                         torch.clamp(max_val.float(), min=0.0))
     scale = torch.clamp(amax / fp8_max, min=_EPS)
     return scale, torch.zeros_like(scale, dtype=torch.int32)
 

@@ -110,7 +110,7 @@ class TraceSpec(Frozen):
         description="modules kept as single nodes: class names, dotted class paths or "
         "qualified-name globs",
     )
-    concrete_args: dict[str, None | bool | int | float | str] = Field(default_factory=dict)
+    concrete_args: dict[str, bool | int | float | str | None] = Field(default_factory=dict)
     inputs: list[InputSpec] | None = None
 
 

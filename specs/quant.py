@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -72,9 +72,7 @@ class MseObserver(Frozen):
 
 
 ObserverSpec = Annotated[
-    Union[
-        MinMaxObserver, MovingAverageObserver, HistogramObserver, PercentileObserver, MseObserver
-    ],
+    MinMaxObserver | MovingAverageObserver | HistogramObserver | PercentileObserver | MseObserver,
     Field(discriminator="kind"),
 ]
 

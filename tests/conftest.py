@@ -24,3 +24,29 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Two cores: keep intra-op threads fixed so runs are comparable and reproducible.
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+# -- golden files ---------------------------------------------------------------------
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def golden(request: pytest.FixtureRequest):
+    """``golden(name, text)``: compare ``text`` with ``golden/<name>.txt`` beside the test
+    file. ``QCOMPILE_UPDATE_GOLDEN=1`` (re)writes the file instead; review the diff."""
+    folder = Path(request.path).parent / "golden"
+
+    def check(name: str, text: str) -> None:
+        path = folder / f"{name}.txt"
+        text = text.rstrip("\n") + "\n"
+        if os.environ.get("QCOMPILE_UPDATE_GOLDEN") == "1":
+            folder.mkdir(exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+            return
+        assert path.exists(), f"no golden file {path}; run with QCOMPILE_UPDATE_GOLDEN=1"
+        expected = path.read_text(encoding="utf-8")
+        assert text == expected, f"graph differs from {path} (QCOMPILE_UPDATE_GOLDEN=1 rewrites)"
+
+    return check

@@ -9,16 +9,16 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import qcompile.specs
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+
+import qcompile.specs
+from qcompile.errors import QCompileError
 from qcompile.specs import DTYPES, CompileSpec, dump_spec, load_spec, presets
 from qcompile.specs.load import PRESET_DIR
 from qcompile.specs.quant import FLOAT_DTYPES
-
-from qcompile.errors import QCompileError
 
 PRESET_NAMES = sorted(presets())
 EXPECTED_PRESETS = ["int8-dynamic", "int8-qat", "int8-static", "w4a8-qat", "w8-weight-only"]

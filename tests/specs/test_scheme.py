@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+
 from qcompile.specs import DTYPES, FP8_MAX, CompileSpec, Match, QuantSpec, Rule, Scheme
 from qcompile.specs.quant import (
     FLOAT_DTYPES,

@@ -1,0 +1,1 @@
+"""Command-line tools: ``qcompile-inspect`` and the quick-start example."""
