@@ -104,7 +104,11 @@ def _fold(gm: GraphModule, head: Node, bn_node: Node, calls: Counter, ctx: Conte
         return False
     if isinstance(layer, nn.Linear):
         tm = head.meta.get("tensor_meta")
-        if tm is None or len(tm.shape) != 2:
+        if tm is None:
+            ctx.note(f"kept {bn_node.target}: Linear+BatchNorm folds only for 2-D outputs, "
+                     "and the shape is unknown (pass example_inputs)")
+            return False
+        if len(tm.shape) != 2:
             ctx.note(f"kept {bn_node.target}: Linear+BatchNorm folds only for 2-D outputs")
             return False
         w, b = fuse_linear_bn_weights(layer.weight, layer.bias, bn.running_mean,

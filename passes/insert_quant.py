@@ -43,7 +43,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from qcompile.context import Context
 from qcompile.errors import QCompileError
 from qcompile.fake_quant import FakeQuantize
-from qcompile.matching import is_weighted_call, weighted_module_op
+from qcompile.matching import is_weighted_call, weight_arg, weighted_module_op
 from qcompile.pipeline import graph_pass
 from qcompile.records import QuantizerRecord
 from qcompile.specs import Scheme
@@ -134,11 +134,28 @@ def _insert_after(gm: GraphModule, node: Node, name: str) -> Node:
     return q
 
 
+_SIZE_METHODS = {"size", "dim", "numel", "ndimension", "item", "tolist"}
+
+
+def _is_size_like(node: object) -> bool:
+    """Without shapes: values that are certainly Python numbers (``x.size(0) + 1``)."""
+    if not isinstance(node, Node):
+        return True
+    if node.op == "call_method":
+        return str(node.target) in _SIZE_METHODS
+    if node.op == "call_function":
+        if node.target is getattr and node.args[1:] in (("shape",), ("ndim",)):
+            return True
+        if getattr(node.target, "__module__", None) == "_operator":
+            return all(_is_size_like(a) for a in (*node.args, *node.kwargs.values()))
+    return False
+
+
 def _tensor_shape(node: Node, ctx: Context) -> tuple[bool, tuple[int, ...] | None]:
-    """(is a floating-point tensor, shape) from ShapeProp; unknown without shapes."""
+    """(is a floating-point tensor, shape) from ShapeProp; a guess without shapes."""
     tm = node.meta.get("tensor_meta")
     if not isinstance(tm, TensorMetadata):
-        return not ctx.has_shapes, None
+        return not ctx.has_shapes and not _is_size_like(node), None
     return tm.dtype.is_floating_point, tuple(tm.shape)
 
 
@@ -184,7 +201,9 @@ def _activations(gm: GraphModule, ctx: Context) -> None:
 
 def _weights(gm: GraphModule, ctx: Context) -> None:
     mode = ctx.spec.quant.mode
-    by_param: dict[str, Node] = {}  # parameter target -> its quantizer node (tied weights)
+    # One quantizer per Parameter, also when it is tied under several names. Keyed by
+    # id() in this call only: the dict dies with the pass, so nothing outlives the graph.
+    by_param: dict[int, Node] = {}
     no_weight: dict[int, list[str]] = {}
     for node in list(gm.graph.nodes):
         qs = node.meta.get("qcompile.qscheme")
@@ -196,14 +215,16 @@ def _weights(gm: GraphModule, ctx: Context) -> None:
         elif not is_weighted_call(node):
             no_weight.setdefault(qs.rule, []).append(node.name)
             continue
-        w_node = node.args[1]
+        w_node = weight_arg(node)
         target = str(w_node.target)
-        if target in by_param:
-            node.replace_input_with(w_node, by_param[target])
-            continue
         weight = _attr(gm, target)
         if not isinstance(weight, nn.Parameter):
             no_weight.setdefault(qs.rule, []).append(node.name)
+            continue
+        if id(weight) in by_param:
+            node.replace_input_with(w_node, by_param[id(weight)])
+            if not w_node.users:
+                gm.graph.erase_node(w_node)
             continue
         fq = _build(qs.weight, role="weight", shape=tuple(weight.shape), dynamic=False,
                     where=f"parameter {target!r} (node {node.name!r})",
@@ -216,7 +237,7 @@ def _weights(gm: GraphModule, ctx: Context) -> None:
             q = gm.graph.call_module(name, (w_node,))
         q.meta.update({k: v for k, v in node.meta.items() if k == "nn_module_stack"})
         node.replace_input_with(w_node, q)
-        by_param[target] = q
+        by_param[id(weight)] = q
         ctx.quantizers.append(_record(name, fq, "weight", target, qs.rule))
     for rule, names in sorted(no_weight.items()):
         ctx.note(f"rule {rule}: weight scheme not applied to {len(names)} node(s) without a "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import inspect
 from typing import Any
 
 import torch
@@ -76,17 +77,25 @@ def example_args(gm: GraphModule, ctx: Context) -> list[Any] | None:
     if inputs is None:
         return None
     kwargs = dict(ctx.example_kwargs or {})
+    concrete = ctx.spec.trace.concrete_args
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # fx may rename a placeholder (``double`` -> ``double_1``); the forward() signature
+    # gives the real parameter names, one per placeholder, in order.
+    names = _forward_params(ctx.model)
+    if len(names) != len(placeholders):
+        names = [str(p.target) for p in placeholders]
     args = list(inputs)
-    for p in placeholders[len(args):]:
-        if p.target in kwargs:
-            args.append(kwargs.pop(p.target))
+    for p, name in list(zip(placeholders, names))[len(args):]:
+        if name in concrete:
+            args.append(concrete[name])
+        elif name in kwargs:
+            args.append(kwargs.pop(name))
         elif p.args:
             args.append(p.args[0])  # the parameter's default
         else:
             raise QCompileError(
-                f"input {p.target!r} of the model has no example value",
-                fix=f"pass it in example_inputs or example_kwargs={{'{p.target}': ...}}")
+                f"input {name!r} of the model has no example value",
+                fix=f"pass it in example_inputs or example_kwargs={{'{name}': ...}}")
     if len(args) > len(placeholders):
         raise QCompileError(
             f"{len(args)} example inputs given, the traced model takes {len(placeholders)} "
@@ -96,6 +105,15 @@ def example_args(gm: GraphModule, ctx: Context) -> list[Any] | None:
         raise QCompileError(f"example_kwargs names {sorted(kwargs)}, which the model does not "
                             "take", fix="remove them or check the forward() signature")
     return args
+
+
+def _forward_params(model: nn.Module) -> list[str]:
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return []
+    return [n for n, p in sig.parameters.items()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def _propagate_shapes(gm: GraphModule, args: list[Any]) -> None:

@@ -88,7 +88,7 @@ def qcompile(
     gm, records = Pipeline(default_passes(spec)).run(ctx, instruments=instruments)
     if spec.cache_dir is not None:
         records[-1].notes.append("cache_dir is not used by this version: compiled afresh")
-    gm.meta[REPORT_KEY] = Report(
+    report = gm.meta[REPORT_KEY] = Report(
         qcompile_version=__version__,
         torch_version=torch.__version__,
         mode=spec.quant.mode,
@@ -98,4 +98,6 @@ def qcompile(
         rule_matches=ctx.rule_matches,
         total_seconds=time.perf_counter() - t0,
     )
+    for inst in instruments:
+        inst.finish(report, gm)
     return gm

@@ -193,7 +193,8 @@ class FakeQuantize(nn.Module):
         return out.reshape(src.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == 0:
+        # Only floating-point tensors are quantized: indices, masks and sizes pass through.
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
             return x
         if self.dynamic or self.granularity == "per_token":
             if not self.enabled:

@@ -21,7 +21,7 @@ import torch.fx
 from torch.fx.node import Node, _get_qualified_name
 
 from qcompile.context import Context
-from qcompile.records import PassRecord
+from qcompile.records import PassRecord, Report
 
 
 def _target(node: Node) -> str:
@@ -95,3 +95,7 @@ class GraphDumps:
     ) -> None:
         text = format_graph(gm) + "\n"
         (self.directory / f"{index:02d}_{record.name}.txt").write_text(text, encoding="utf-8")
+
+    def finish(self, report: Report, gm: torch.fx.GraphModule) -> None:
+        (self.directory / "report.json").write_text(report.model_dump_json(indent=2) + "\n",
+                                                    encoding="utf-8")

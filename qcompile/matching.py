@@ -121,12 +121,18 @@ def weighted_module_op(gm: GraphModule, node: Node) -> str | None:
     return None
 
 
+def weight_arg(node: Node) -> Node | None:
+    """The weight argument of a functional linear/conv/embedding call, if a graph node."""
+    if node.op != "call_function" or node.target not in _FUNCTIONAL:
+        return None
+    w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    return w if isinstance(w, Node) else None
+
+
 def is_weighted_call(node: Node) -> bool:
     """A functional linear/conv/embedding call whose weight is a graph attribute."""
-    if node.op != "call_function" or node.target not in _FUNCTIONAL:
-        return False
-    w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-    return isinstance(w, Node) and w.op == "get_attr"
+    w = weight_arg(node)
+    return w is not None and w.op == "get_attr"
 
 
 def _glob_any(patterns: list[str], *values: str) -> bool:

@@ -29,7 +29,7 @@ import torch.fx
 
 from qcompile.context import Context
 from qcompile.errors import QCompileError
-from qcompile.records import PassRecord
+from qcompile.records import PassRecord, Report
 
 PassFn = Callable[[torch.fx.GraphModule | None, Context], torch.fx.GraphModule]
 
@@ -59,11 +59,14 @@ def graph_pass(
 
 
 class Instrument(Protocol):
-    """Observes the pipeline from outside the passes."""
+    """Observes the pipeline from outside the passes: ``after_pass`` after each pass,
+    ``finish`` once with the final Report."""
 
     def after_pass(
         self, index: int, record: PassRecord, gm: torch.fx.GraphModule, ctx: Context
     ) -> None: ...
+
+    def finish(self, report: Report, gm: torch.fx.GraphModule) -> None: ...
 
 
 @dataclass(frozen=True)

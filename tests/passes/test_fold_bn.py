@@ -164,7 +164,8 @@ def test_static_linear_bn_folds_for_2d_outputs():
 def test_linear_bn_without_shapes_is_kept():
     _, gm, ctx = run_fold(with_stats(LinearBn()).eval(), spec("static", module="Linear"))
     assert bn_modules(gm) == ["bn"]
-    assert ctx.notes == ["kept bn: Linear+BatchNorm folds only for 2-D outputs"]
+    assert ctx.notes == ["kept bn: Linear+BatchNorm folds only for 2-D outputs, "
+                         "and the shape is unknown (pass example_inputs)"]
 
 
 def test_dynamic_mode_folds_too():

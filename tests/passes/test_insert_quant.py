@@ -183,10 +183,6 @@ def test_module_called_twice_gets_one_weight_quantizer():
     assert [r.name for r in ctx.quantizers] == ["fc.weight_fake_quant"]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: passes/insert_quant.py _weights re-expresses the second call of "
-                   "a Linear with its own get_attr (fc_weight_1) and then rewires the op to the "
-                   "first quantizer, leaving the get_attr unused in the graph")
 def test_module_called_twice_leaves_no_dead_weight_node():
     _, gm, _ = run_insert(Twice(), qspec({"match": {"module": "Linear"}, "weight": W8}),
                           torch.randn(2, 4))
@@ -194,11 +190,6 @@ def test_module_called_twice_leaves_no_dead_weight_node():
     assert dead == []
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: passes/insert_quant.py _weights keys tied weights by get_attr "
-                   "target ('a.weight', 'b.weight'), not by Parameter identity, so one Parameter "
-                   "shared by two Linears gets two quantizers (docstring: one quantizer per "
-                   "parameter)")
 def test_parameter_tied_across_modules_gets_one_quantizer():
     _, gm, _ = run_insert(Tied(), qspec({"match": {"module": "Linear"}, "weight": W8}),
                           torch.randn(2, 4))
@@ -380,10 +371,6 @@ class KwargWeight(nn.Module):
         return F.linear(x, weight=self.w, bias=self.b)
 
 
-@pytest.mark.xfail(strict=True, raises=IndexError,
-                   reason="bug: passes/insert_quant.py _weights reads the weight as "
-                   "node.args[1], but qcompile.matching.is_weighted_call also accepts it as "
-                   "the `weight=` keyword, so F.linear(x, weight=p) dies with IndexError")
 def test_functional_linear_with_weight_keyword():
     _, gm, _ = run_insert(KwargWeight(), qspec({"match": {"op": "linear"}, "weight": W8}),
                           torch.randn(2, 4))
@@ -412,11 +399,6 @@ def test_op_rule_on_int_arithmetic_with_shapes_is_noted():
     assert gm(torch.randn(2, 4)).shape == (2, 4)
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="bug: passes/insert_quant.py _tensor_shape treats every node as a "
-                   "float tensor when there are no shapes, so an `op: add` rule puts a "
-                   "FakeQuantize on `x.size(0) + 1` and the compiled graph fails at run time "
-                   "with AttributeError: 'int' object has no attribute 'numel'")
 def test_op_rule_on_int_arithmetic_without_shapes_still_runs():
     _, gm, _ = run_insert(SizeArithmetic(), qspec(
         {"match": {"op": "add"}, "activation": {"dtype": "int8"}}))

@@ -219,11 +219,6 @@ class FlaggedNoDefault(Flagged):
         return super().forward(x, double)
 
 
-@pytest.mark.xfail(strict=True, raises=qc.QCompileError,
-                   reason="bug: passes/trace.py example_args feeds a concrete-arg placeholder "
-                   "the forward() default (or reports it has no example value) instead of the "
-                   "value given in trace.concrete_args, so ShapeProp trips fx's specialisation "
-                   "assert")
 @pytest.mark.parametrize("model_cls", [Flagged, FlaggedNoDefault],
                          ids=["value-differs-from-default", "no-default"])
 def test_trace_concrete_args_with_example_inputs_use_the_concrete_value(model_cls):

@@ -23,7 +23,7 @@ def user_error(fn: Callable[[], object]) -> qc.QCompileError:
     """Run ``fn``, which must fail with a QCompileError carrying a fix."""
     try:
         fn()
-    except Exception as e:  # noqa: BLE001 - the type is the assertion
+    except Exception as e:  # any type: the isinstance below is the assertion
         assert isinstance(e, qc.QCompileError), f"{type(e).__name__}: {e}"
         assert isinstance(e.fix, str) and e.fix.strip(), f"no fix in {e}"
         assert e.message in str(e) and e.fix in str(e)
@@ -237,12 +237,24 @@ def test_calibrate_without_quantizers_or_batches() -> None:
     assert "no batches" in e.message
 
 
-def test_calibrate_with_inf_is_an_error() -> None:
+def test_calibrate_with_nan_names_the_batch() -> None:
     static = qc.qcompile(mlp(), "int8-static", (X,))
     bad = X.clone()
+    bad[1, 3] = float("nan")
+    e = user_error(lambda: qc.calibrate(static, [(X,), (bad,)]))
+    assert "batch 1" in e.message and "NaN" in e.fix
+
+
+@pytest.mark.xfail(strict=True, reason="bug: qc.calibrate only checks observers for NaN; an "
+                   "Inf in the data gives an infinite scale silently")
+def test_calibrate_with_inf_is_an_error() -> None:
+    # A single Linear: the Inf reaches the output observer as +-inf (no NaN on the way).
+    torch.manual_seed(0)
+    static = qc.qcompile(nn.Sequential(nn.Linear(8, 4)), "int8-static", (X,))
+    bad = X.clone()
     bad[0, 0] = float("inf")
-    e = user_error(lambda: qc.calibrate(static, [(bad,)]))
-    assert "batch 0" in e.message and "Inf" in e.fix
+    e = user_error(lambda: qc.calibrate(static, [(X,), (bad,)]))
+    assert "batch 1" in e.message and "Inf" in e.fix
 
 
 # -- data-parallel wrappers: compile first, then wrap ----------------------------------------
