@@ -110,6 +110,8 @@ def _build(scheme: Scheme, *, role: str, shape: tuple[int, ...] | None, dynamic:
         raise QCompileError(f"{where}: {field}: {e}",
                             fix=f"change {field} in the spec, or exclude {where} with a "
                             "skip rule") from None
+    except QCompileError as e:  # an observer this version does not provide
+        raise QCompileError(f"{where}: {field}.observer: {e.message}", fix=e.fix) from None
 
 
 def _record(name: str, fq: FakeQuantize, role: str, node: str, rule: int | None) -> QuantizerRecord:

@@ -148,6 +148,12 @@ def trace(gm: GraphModule | None, ctx: Context) -> GraphModule:
             fix="use trace.method: symbolic (or auto) and list modules symbolic tracing cannot "
             "follow in trace.leaf_modules",
         )
+    params = _forward_params(model)
+    unknown = sorted(set(ctx.spec.trace.concrete_args) - set(params)) if params else []
+    if unknown:
+        raise QCompileError(f"trace.concrete_args names {unknown}, which forward() does not "
+                            f"take (it takes {', '.join(params)})",
+                            fix="use the names of forward()'s parameters")
     root = copy.deepcopy(model)
     tracer = _Tracer(list(ctx.spec.trace.leaf_modules))
     concrete = dict(ctx.spec.trace.concrete_args) or None

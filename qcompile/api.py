@@ -44,6 +44,13 @@ def freeze(gm: nn.Module) -> nn.Module:
     return gm
 
 
+def _finite_stats(min_val: torch.Tensor, max_val: torch.Tensor) -> bool:
+    # Unobserved entries are min=+inf, max=-inf; anything else non-finite came from data.
+    bad = min_val.isnan() | max_val.isnan() | (min_val == float("-inf")) | (
+        max_val == float("inf"))
+    return not bool(bad.any())
+
+
 def calibrate(gm: nn.Module, batches: Iterable[Any]) -> nn.Module:
     """Static PTQ: run ``batches`` (tuples of inputs, or single tensors) through ``gm``
     with observers on, then freeze qparams and turn fake-quant on."""
@@ -62,11 +69,11 @@ def calibrate(gm: nn.Module, batches: Iterable[Any]) -> nn.Module:
             for batch in batches:
                 gm(*batch) if isinstance(batch, (tuple, list)) else gm(batch)
                 seen += 1
-                bad = [n for n, q in qs.items() if q.observer is not None and (
-                    q.observer.min_val.isnan().any() or q.observer.max_val.isnan().any())]
+                bad = [n for n, q in qs.items() if q.observer is not None
+                       and not _finite_stats(q.observer.min_val, q.observer.max_val)]
                 if bad:
-                    raise QCompileError(f"calibration batch {seen - 1} put NaN into the "
-                                        f"observer of {bad[0]}",
+                    raise QCompileError(f"calibration batch {seen - 1} put NaN or Inf into "
+                                        f"the observer of {bad[0]}",
                                         fix="remove NaN/Inf values from the calibration data")
     finally:
         gm.train(was_training)

@@ -31,6 +31,8 @@ from qcompile.quant_math import (
 )
 from qcompile.specs.quant import FP8_MAX, Scheme
 
+_FLAG_INDEX = {"enabled": 0, "observe": 1}
+
 
 def scale_count(scheme: Scheme, shape: tuple[int, ...] | None, *, role: str) -> int:
     """How many scales a tensor of ``shape`` needs under ``scheme`` (raises ``ValueError``
@@ -104,6 +106,7 @@ class FakeQuantize(nn.Module):
         self.quant_min, self.quant_max = scheme.qrange()
         self.learnable = learnable
         self.dynamic = dynamic
+        self.register_buffer("mode_flags", torch.ones(2, dtype=torch.uint8))
         self.enabled = True
         self.observe = True
         n = channels if granularity in ("per_channel", "per_group") else 1
@@ -207,6 +210,25 @@ class FakeQuantize(nn.Module):
         if not self.enabled:
             return x
         return self._fake_quant(x, self.scale, self.zero_point, shaped=False)
+
+    # The two switches are plain Python bools, read in forward without .item() (export- and
+    # meta-friendly). A calibrated graph must still reload as calibrated, so they are
+    # mirrored into a small uint8 buffer (a tensor, like torch.ao's flags, so state_dicts
+    # stay all-tensor for safetensors and distributed checkpoints) and read back on load.
+    def __setattr__(self, name: str, value: object) -> None:
+        super().__setattr__(name, value)
+        if name in _FLAG_INDEX and "mode_flags" in self._buffers:
+            flags = self._buffers["mode_flags"]
+            if flags is not None and flags.device.type != "meta":
+                with torch.no_grad():
+                    flags[_FLAG_INDEX[name]] = int(bool(value))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        flags = state_dict.get(prefix + "mode_flags")
+        if isinstance(flags, torch.Tensor) and flags.device.type != "meta":
+            self.enabled = bool(flags[0])
+            self.observe = bool(flags[1])
 
     def extra_repr(self) -> str:
         parts = [self.dtype, self.granularity, "symmetric" if self.symmetric else "affine",

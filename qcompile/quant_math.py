@@ -28,6 +28,10 @@ import torch
 _EPS = torch.finfo(torch.float32).eps
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# Where round-to-nearest-even stops landing on the largest finite value: max + ulp(max)/2
+# (e4m3: 448 + 32/2, e5m2: 57344 + 8192/2). Inside it the gradient passes, as for the
+# integer path's round(x / scale) in [quant_min, quant_max].
+_FP8_ROUNDS_IN = {"fp8_e4m3": 464.0, "fp8_e5m2": 61440.0}
 
 
 def symmetric_zero_point(quant_min: int, quant_max: int) -> int:
@@ -113,12 +117,13 @@ class _FakeQuantLSQ(torch.autograd.Function):
 
 
 class _FakeQuantFP8(torch.autograd.Function):
-    """Cast-based fp8 fake-quant, saturating at +-fp8_max; STE inside the range."""
+    """Cast-based fp8 fake-quant, saturating at +-fp8_max; STE where the value rounds to a
+    finite value of the format."""
 
     @staticmethod
-    def forward(ctx, x, scale, fp8_dtype, fp8_max):  # type: ignore[override]
+    def forward(ctx, x, scale, fp8_dtype, fp8_max, rounds_in):  # type: ignore[override]
         xs = x / scale
-        mask = xs.abs() <= fp8_max
+        mask = xs.abs() < rounds_in
         out = torch.clamp(xs, -fp8_max, fp8_max).to(fp8_dtype).to(xs.dtype) * scale
         ctx.save_for_backward(mask)
         return out
@@ -126,7 +131,7 @@ class _FakeQuantFP8(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         (mask,) = ctx.saved_tensors
-        return grad * mask, None, None, None
+        return grad * mask, None, None, None, None
 
 
 def fake_quantize(
@@ -155,5 +160,5 @@ def fake_quantize_fp8(
     x: torch.Tensor, scale: torch.Tensor, fmt: str, fp8_max: float
 ) -> torch.Tensor:
     """Fake-quantize ``x`` to an fp8 format (``fp8_e4m3`` / ``fp8_e5m2``)."""
-    out = _FakeQuantFP8.apply(x.float(), scale, FP8_DTYPES[fmt], fp8_max)
+    out = _FakeQuantFP8.apply(x.float(), scale, FP8_DTYPES[fmt], fp8_max, _FP8_ROUNDS_IN[fmt])
     return out.to(x.dtype)

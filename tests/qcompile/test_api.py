@@ -109,7 +109,6 @@ def test_every_spec_form_gives_the_same_graph(tmp_path: Path) -> None:
     yaml_path.write_text(yaml.safe_dump(as_dict))
     forms = {
         "CompileSpec": qc.load_spec("int8-qat"),
-        "model_validate": qc.CompileSpec.model_validate(as_dict),
         "dict": as_dict,
         "preset name": "int8-qat",
         "str path": str(preset_path),
@@ -257,8 +256,7 @@ def _assert_same(before: dict, after: dict) -> None:
 
 @pytest.mark.parametrize(("preset", "train"), [
     *((p, True) for p in PRESETS),
-    ("int8-static", False),  # BatchNorm folding
-    ("int8-qat", False),
+    ("int8-static", False),  # BatchNorm folding from an eval-mode model
 ])
 def test_user_model_is_never_mutated(preset: str, train: bool) -> None:
     model = seeded(CNN)
@@ -274,7 +272,8 @@ def test_user_model_is_never_mutated(preset: str, train: bool) -> None:
     _assert_same(before, _snapshot(model))
     user_ptrs = {p.data_ptr() for p in model.parameters()} | {
         b.data_ptr() for b in model.buffers()}
-    assert not user_ptrs & {t.data_ptr() for t in gm.state_dict().values()}
+    assert not user_ptrs & {t.data_ptr() for t in gm.state_dict().values()
+                             if isinstance(t, torch.Tensor)}
 
 
 # -- report -------------------------------------------------------------------------------
@@ -559,8 +558,6 @@ def test_torch_save_and_weights_only_load(tmp_path: Path,
     assert torch.equal(fresh.eval()(x), gm.eval()(x))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: FakeQuantize.enabled/observe are not part of "
-                   "the state_dict, so a calibrated static graph does not round trip")
 def test_calibrated_static_state_dict_round_trip() -> None:
     x = cnn_input()
     gm = qc.qcompile(seeded(CNN), "int8-static", (x,))

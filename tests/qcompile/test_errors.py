@@ -219,8 +219,6 @@ def test_histogram_observer_is_refused_clearly(role: str) -> None:
     assert "minmax" in e.fix
 
 
-@pytest.mark.xfail(strict=True, reason="bug: the unavailable-observer error comes from "
-                   "qcompile.observers.make_observer and does not name the spec field")
 def test_histogram_observer_error_names_the_rule() -> None:
     rule = {"match": {"module": "Linear"}, "weight": {"dtype": "int8", "observer": "histogram"}}
     e = user_error(lambda: qc.qcompile(mlp(), qat(rule), (X,)))
@@ -245,8 +243,6 @@ def test_calibrate_with_nan_names_the_batch() -> None:
     assert "batch 1" in e.message and "NaN" in e.fix
 
 
-@pytest.mark.xfail(strict=True, reason="bug: qc.calibrate only checks observers for NaN; an "
-                   "Inf in the data gives an infinite scale silently")
 def test_calibrate_with_inf_is_an_error() -> None:
     # A single Linear: the Inf reaches the output observer as +-inf (no NaN on the way).
     torch.manual_seed(0)

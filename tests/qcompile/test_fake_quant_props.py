@@ -487,11 +487,6 @@ def test_fp8_saturation_and_gradient_mask(data: st.DataObject, fmt: str,
     assert np.all(grad[np.abs(xs) >= 2 * fp8_max] == 0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "quant_math._FakeQuantFP8 masks the gradient with |x/scale| <= fp8_max before "
-    "rounding; with scale = amax/fp8_max, amax/scale can be 448.00003 in float32, so the "
-    "observed maximum (which casts to 448, in range) gets gradient 0. The integer path "
-    "masks after rounding and keeps it."))
 @pytest.mark.parametrize("fmt", sorted(FP8))
 def test_fp8_observed_maximum_keeps_its_gradient(fmt: str) -> None:
     # each of these amax values satisfies fl(amax / fl(amax / 448)) > 448 in float32
