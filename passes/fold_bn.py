@@ -26,19 +26,16 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Node
 from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
 
 from qcompile.context import Context
-from qcompile.matching import is_weighted_call, op_name, weighted_module_op
+from qcompile.matching import is_weighted_call, op_name, weight_use, weighted_module_op
 from qcompile.pipeline import graph_pass
 
 _BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _RELU_MODULES = (nn.ReLU, nn.ReLU6)
-_RELU_FUNCTIONS = {F.relu, torch.relu, F.relu6}
 
 
 def _module(gm: GraphModule, node: Node) -> nn.Module | None:
@@ -52,9 +49,8 @@ def _is_bn(gm: GraphModule, node: Node) -> bool:
 def _is_relu(gm: GraphModule, node: Node) -> bool:
     if node.op == "call_module":
         return isinstance(_module(gm, node), _RELU_MODULES)
-    if node.op == "call_function":
-        return node.target in _RELU_FUNCTIONS
-    return node.op == "call_method" and op_name(node) == "relu"
+    # F.relu, torch.relu, x.relu(), aten.relu.default, F.relu6 alike
+    return node.op in ("call_function", "call_method") and op_name(node) in ("relu", "relu6")
 
 
 def _only_user(node: Node) -> Node | None:
@@ -86,23 +82,46 @@ def _fusion_groups(gm: GraphModule) -> list[list[Node]]:
     return groups
 
 
+def _functional_params(gm: GraphModule, head: Node) -> tuple[str, str | None] | None:
+    """(weight target, bias target or None) of a functional conv/linear reading its
+    parameters straight from graph attributes (export graphs), else None."""
+    use = weight_use(head)
+    if use is None or use.consumer is not head:
+        return None
+    bias = head.args[2] if len(head.args) > 2 else head.kwargs.get("bias")
+    if bias is not None and not (isinstance(bias, Node) and bias.op == "get_attr"):
+        return None
+    return str(use.param.target), (str(bias.target) if bias is not None else None)
+
+
 def _fold(gm: GraphModule, head: Node, bn_node: Node, calls: Counter, ctx: Context) -> bool:
     """Fold ``bn_node`` into ``head`` in the traced copy; False (with a note) when unsafe."""
-    if head.op != "call_module":
-        ctx.note(f"kept {bn_node.name}: {head.name} is a functional call")
-        return False
-    layer, bn = gm.get_submodule(str(head.target)), gm.get_submodule(str(bn_node.target))
+    bn = gm.get_submodule(str(bn_node.target))
+    if head.op == "call_module":
+        layer = gm.get_submodule(str(head.target))
+        where, weight, is_linear = str(head.target), layer.weight, isinstance(layer, nn.Linear)
+        bias = layer.bias
+    else:
+        targets = _functional_params(gm, head)
+        if targets is None:
+            ctx.note(f"kept {bn_node.target}: {head.name} does not read its weight and bias "
+                     "straight from parameters")
+            return False
+        where = targets[0].rpartition(".")[0] or head.name
+        weight = gm.get_parameter(targets[0])
+        bias = gm.get_parameter(targets[1]) if targets[1] else None
+        is_linear = op_name(head) == "linear"
     if calls[head.target] > 1 or calls[bn_node.target] > 1:
-        ctx.note(f"kept {bn_node.target}: {head.target} or {bn_node.target} is called twice")
+        ctx.note(f"kept {bn_node.target}: {where} or {bn_node.target} is called twice")
         return False
     if bn.running_mean is None or bn.running_var is None:
         ctx.note(f"kept {bn_node.target}: it has no running statistics to fold")
         return False
-    shared = sum(p is layer.weight for _, p in gm.named_parameters(remove_duplicate=False))
+    shared = sum(p is weight for _, p in gm.named_parameters(remove_duplicate=False))
     if shared > 1:
-        ctx.note(f"kept {bn_node.target}: {head.target}.weight is shared with another layer")
+        ctx.note(f"kept {bn_node.target}: {where}.weight is shared with another layer")
         return False
-    if isinstance(layer, nn.Linear):
+    if is_linear:
         tm = head.meta.get("tensor_meta")
         if tm is None:
             ctx.note(f"kept {bn_node.target}: Linear+BatchNorm folds only for 2-D outputs, "
@@ -111,16 +130,32 @@ def _fold(gm: GraphModule, head: Node, bn_node: Node, calls: Counter, ctx: Conte
         if len(tm.shape) != 2:
             ctx.note(f"kept {bn_node.target}: Linear+BatchNorm folds only for 2-D outputs")
             return False
-        w, b = fuse_linear_bn_weights(layer.weight, layer.bias, bn.running_mean,
+        w, b = fuse_linear_bn_weights(weight, bias, bn.running_mean,
                                       bn.running_var, bn.eps, bn.weight, bn.bias)
     else:
-        w, b = fuse_conv_bn_weights(layer.weight, layer.bias, bn.running_mean,
+        w, b = fuse_conv_bn_weights(weight, bias, bn.running_mean,
                                     bn.running_var, bn.eps, bn.weight, bn.bias)
-    layer.weight, layer.bias = w, b
+    if head.op == "call_module":
+        layer.weight, layer.bias = w, b
+    else:
+        _set_param(gm, targets[0], w)
+        bias_target = targets[1] or f"{targets[0].rpartition('.')[0]}.bias".lstrip(".")
+        _set_param(gm, bias_target, b)
+        if targets[1] is None:  # the op had no bias: feed it the folded one
+            with gm.graph.inserting_before(head):
+                b_node = gm.graph.get_attr(bias_target)
+            args = list(head.args) + [None] * max(0, 3 - len(head.args))
+            args[2] = b_node
+            head.args = tuple(args)
     bn_node.replace_all_uses_with(head)
     gm.graph.erase_node(bn_node)
     ctx.note(f"folded {bn_node.target} into {head.target}")
     return True
+
+
+def _set_param(gm: GraphModule, target: str, value: nn.Parameter) -> None:
+    parent, _, leaf = target.rpartition(".")
+    setattr(gm.get_submodule(parent) if parent else gm, leaf, value)
 
 
 @graph_pass(requires=("graph",), provides=("fusion_groups",))

@@ -43,7 +43,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from qcompile.context import Context
 from qcompile.errors import QCompileError
 from qcompile.fake_quant import FakeQuantize
-from qcompile.matching import is_weighted_call, weight_arg, weighted_module_op
+from qcompile.matching import module_output, weight_use, weighted_module_op
 from qcompile.pipeline import graph_pass
 from qcompile.records import QuantizerRecord
 from qcompile.specs import Scheme
@@ -103,9 +103,10 @@ def _functionalize(gm: GraphModule, node: Node, op: str) -> Node:
 
 
 def _build(scheme: Scheme, *, role: str, shape: tuple[int, ...] | None, dynamic: bool,
-           where: str, field: str) -> FakeQuantize:
+           where: str, field: str, channel_axis: int | None = None) -> FakeQuantize:
     try:
-        return FakeQuantize.from_scheme(scheme, role=role, shape=shape, dynamic=dynamic)
+        return FakeQuantize.from_scheme(scheme, role=role, shape=shape, dynamic=dynamic,
+                                        channel_axis=channel_axis)
     except ValueError as e:
         raise QCompileError(f"{where}: {field}: {e}",
                             fix=f"change {field} in the spec, or exclude {where} with a "
@@ -162,12 +163,16 @@ def _tensor_shape(node: Node, ctx: Context) -> tuple[bool, tuple[int, ...] | Non
 
 
 def _activation_name(gm: GraphModule, head: Node) -> str:
+    """``<module>.output_fake_quant`` for what a module returns (either front end), else
+    ``<owner>.<node>_fake_quant``."""
     module = head.meta.get("qcompile.module") or (
         head.target if head.op == "call_module" else None)
     if module is not None:
         return f"{module}.output_fake_quant"
     stack = head.meta.get("nn_module_stack") or {}
     owner = next(reversed(stack.values()))[0] if stack else ""
+    if owner and module_output(head):
+        return f"{owner}.output_fake_quant"
     return f"{owner}.{head.name}_fake_quant" if owner else f"{head.name}_fake_quant"
 
 
@@ -214,23 +219,30 @@ def _weights(gm: GraphModule, ctx: Context) -> None:
         op = weighted_module_op(gm, node)
         if op is not None:
             node = _functionalize(gm, node, op)
-        elif not is_weighted_call(node):
+        use = weight_use(node)
+        if use is None:
             no_weight.setdefault(qs.rule, []).append(node.name)
             continue
-        w_node = weight_arg(node)
+        w_node = use.param
         target = str(w_node.target)
         weight = _attr(gm, target)
         if not isinstance(weight, nn.Parameter):
             no_weight.setdefault(qs.rule, []).append(node.name)
             continue
         if id(weight) in by_param:
-            node.replace_input_with(w_node, by_param[id(weight)])
+            use.consumer.replace_input_with(w_node, by_param[id(weight)])
             if not w_node.users:
                 gm.graph.erase_node(w_node)
             continue
+        where = f"parameter {target!r} (node {node.name!r})"
+        field = f"quant.rules[{qs.rule}].weight"
+        if use.axis % weight.dim() != 0 and qs.weight.granularity == "per_group":
+            raise QCompileError(
+                f"{where}: {field}: per_group needs the weight stored as [out, in]; "
+                f"{node.name} uses it as [in, out]",
+                fix="use granularity per_channel for this layer, or skip it with a rule")
         fq = _build(qs.weight, role="weight", shape=tuple(weight.shape), dynamic=False,
-                    where=f"parameter {target!r} (node {node.name!r})",
-                    field=f"quant.rules[{qs.rule}].weight")
+                    where=where, field=field, channel_axis=use.axis % weight.dim())
         fq.observe_tensor(weight)
         # Weights move only in QAT: keep tracking them there, freeze them otherwise.
         fq.observe = mode == "qat" and not fq.learnable
@@ -238,7 +250,7 @@ def _weights(gm: GraphModule, ctx: Context) -> None:
         with gm.graph.inserting_after(w_node):
             q = gm.graph.call_module(name, (w_node,))
         q.meta.update({k: v for k, v in node.meta.items() if k == "nn_module_stack"})
-        node.replace_input_with(w_node, q)
+        use.consumer.replace_input_with(w_node, q)
         by_param[id(weight)] = q
         ctx.quantizers.append(_record(name, fq, "weight", target, qs.rule))
     for rule, names in sorted(no_weight.items()):

@@ -1,9 +1,13 @@
 """``trace``: capture the model as a ``torch.fx.GraphModule`` and record tensor shapes.
 
-Works on a deep copy (the user's model is never touched). Leaf modules and concrete
-arguments come from ``spec.trace``. With example inputs (the argument, or
+Two front ends, chosen by ``trace.method``: ``symbolic`` (torch.fx symbolic tracing, with
+leaf modules and concrete arguments from ``spec.trace``), ``export`` (torch.export, see
+``qcompile.export_capture``; needs example inputs), and ``auto`` (symbolic first, export
+when symbolic tracing fails; the Report notes why). Both work on a copy: the user's
+model is never touched. On symbolic graphs with example inputs (the argument, or
 ``spec.trace.inputs``), ``ShapeProp`` records ``node.meta["tensor_meta"]``; it runs in
 eval mode under ``no_grad`` so BatchNorm statistics and the RNG are left as they were.
+Export graphs take their shapes from export's own fake values.
 
 Example:
     >>> import torch, qcompile as qc
@@ -31,6 +35,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from qcompile.context import Context
 from qcompile.distributed import refuse_wrapped
 from qcompile.errors import QCompileError
+from qcompile.export_capture import export_graph
 from qcompile.matching import ROOT_CLASS_KEY
 from qcompile.pipeline import graph_pass
 
@@ -61,6 +66,10 @@ class _Tracer(Tracer):
         return out
 
 
+class _TraceFailure(QCompileError):
+    """Symbolic tracing could not capture the model (``auto`` then tries torch.export)."""
+
+
 class _ShapeProp(ShapeProp):
     def run_node(self, n: Node) -> Any:
         self.current = n
@@ -70,10 +79,7 @@ class _ShapeProp(ShapeProp):
 def example_args(gm: GraphModule, ctx: Context) -> list[Any] | None:
     """Positional arguments for the graph's placeholders from the example inputs (or the
     spec's ``trace.inputs``), with keyword inputs placed by name; None without inputs."""
-    inputs = ctx.example_inputs
-    if inputs is None and ctx.spec.trace.inputs is not None:
-        inputs = tuple(torch.zeros(i.shape, dtype=getattr(torch, i.dtype))
-                       for i in ctx.spec.trace.inputs)
+    inputs = _inputs(ctx)
     if inputs is None:
         return None
     kwargs = dict(ctx.example_kwargs or {})
@@ -136,24 +142,18 @@ def _propagate_shapes(gm: GraphModule, args: list[Any]) -> None:
             m.training = modes.get(name, m.training)
 
 
-@graph_pass(requires=("model",), provides=("graph",))
-def trace(gm: GraphModule | None, ctx: Context) -> GraphModule:
-    """Capture ``ctx.model`` (a deep copy of it) as a GraphModule."""
+def _inputs(ctx: Context) -> tuple[Any, ...] | None:
+    if ctx.example_inputs is not None:
+        return ctx.example_inputs
+    if ctx.spec.trace.inputs is not None:
+        return tuple(torch.zeros(i.shape, dtype=getattr(torch, i.dtype))
+                     for i in ctx.spec.trace.inputs)
+    return None
+
+
+def _symbolic(ctx: Context) -> GraphModule:
+    """torch.fx symbolic tracing; raises ``_TraceFailure`` when the model cannot be traced."""
     model = ctx.model
-    refuse_wrapped(model)
-    method = ctx.spec.trace.method
-    if method == "export":
-        raise QCompileError(
-            "trace.method: export is not available in this version of qcompile",
-            fix="use trace.method: symbolic (or auto) and list modules symbolic tracing cannot "
-            "follow in trace.leaf_modules",
-        )
-    params = _forward_params(model)
-    unknown = sorted(set(ctx.spec.trace.concrete_args) - set(params)) if params else []
-    if unknown:
-        raise QCompileError(f"trace.concrete_args names {unknown}, which forward() does not "
-                            f"take (it takes {', '.join(params)})",
-                            fix="use the names of forward()'s parameters")
     root = copy.deepcopy(model)
     tracer = _Tracer(list(ctx.spec.trace.leaf_modules))
     concrete = dict(ctx.spec.trace.concrete_args) or None
@@ -169,17 +169,77 @@ def trace(gm: GraphModule | None, ctx: Context) -> GraphModule:
             where = f"the forward of {type(model).__name__}"
             fix = ("pass concrete_args for arguments used in Python control flow, or move the "
                    "control flow into a submodule listed in trace.leaf_modules")
-        raise QCompileError(f"symbolic tracing failed in {where}: {type(e).__name__}: {e}",
+        raise _TraceFailure(f"symbolic tracing failed in {where}: {type(e).__name__}: {e}",
                             fix=fix) from e
     for p in sorted(set(ctx.spec.trace.leaf_modules) - tracer.used_patterns):
         ctx.note(f"trace.leaf_modules entry {p!r} matched no module")
-    gm = GraphModule(tracer.root, graph, type(model).__name__)
+    return GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _export(ctx: Context, symbolic_error: _TraceFailure | None) -> GraphModule:
+    inputs = _inputs(ctx)
+    earlier = f"{symbolic_error.message}\n  " if symbolic_error is not None else ""
+    if inputs is None:
+        raise QCompileError(
+            f"{earlier}the torch.export front end needs example inputs",
+            fix="pass example_inputs (and example_kwargs) to qcompile, or set trace.inputs"
+            + (f"; or for symbolic tracing: {symbolic_error.fix}" if symbolic_error else ""))
+    try:
+        gm, notes = export_graph(ctx.model, inputs, dict(ctx.example_kwargs or {}),
+                                 ctx.spec.trace.dynamic_dims)
+    except QCompileError:
+        raise
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        fix = ("make the failing code exportable (torch.export guidance: "
+               "https://pytorch.org/docs/stable/export.html, e.g. torch.cond for data-dependent "
+               "branches, no .item() in forward), or keep the module out of the graph with "
+               "trace.leaf_modules and trace.method: symbolic")
+        if symbolic_error is not None:
+            fix = f"{symbolic_error.fix}; or {fix}"
+        raise QCompileError(f"{earlier}torch.export failed: {type(e).__name__}: {first}",
+                            fix=fix) from e
+    for note in notes:
+        ctx.note(note)
+    return gm
+
+
+@graph_pass(requires=("model",), provides=("graph",))
+def trace(gm: GraphModule | None, ctx: Context) -> GraphModule:
+    """Capture ``ctx.model`` (a copy of it) as a GraphModule: symbolic tracing, torch.export,
+    or symbolic first and export when it fails (``trace.method: auto``)."""
+    model = ctx.model
+    refuse_wrapped(model)
+    params = _forward_params(model)
+    unknown = sorted(set(ctx.spec.trace.concrete_args) - set(params)) if params else []
+    if unknown:
+        raise QCompileError(f"trace.concrete_args names {unknown}, which forward() does not "
+                            f"take (it takes {', '.join(params)})",
+                            fix="use the names of forward()'s parameters")
+    method = ctx.spec.trace.method
+    failure: _TraceFailure | None = None
+    if method in ("auto", "symbolic"):
+        try:
+            gm = _symbolic(ctx)
+        except _TraceFailure as e:
+            if method == "symbolic":
+                raise QCompileError(e.message, fix=e.fix) from e.__cause__
+            failure = e
+        else:
+            gm.meta[ROOT_CLASS_KEY] = type(model)
+            ctx.trace_method = "symbolic"
+            args = example_args(gm, ctx)
+            if args is not None:
+                _propagate_shapes(gm, args)
+                ctx.has_shapes = True
+            else:
+                ctx.note("no example inputs: shapes unknown (pass example_inputs or "
+                         "trace.inputs)")
+            return gm
+    gm = _export(ctx, failure)
     gm.meta[ROOT_CLASS_KEY] = type(model)
-    ctx.trace_method = "symbolic"
-    args = example_args(gm, ctx)
-    if args is not None:
-        _propagate_shapes(gm, args)
-        ctx.has_shapes = True
-    else:
-        ctx.note("no example inputs: shapes unknown (pass example_inputs or trace.inputs)")
+    ctx.trace_method = "export"
+    ctx.has_shapes = True
+    if failure is not None:
+        ctx.note(f"captured with torch.export: {failure.message.splitlines()[0]}")
     return gm

@@ -123,9 +123,14 @@ class FakeQuantize(nn.Module):
 
     @classmethod
     def from_scheme(
-        cls, scheme: Scheme, *, role: str, shape: tuple[int, ...] | None, dynamic: bool = False
+        cls, scheme: Scheme, *, role: str, shape: tuple[int, ...] | None, dynamic: bool = False,
+        channel_axis: int | None = None,
     ) -> FakeQuantize:
-        """Build the quantizer a spec scheme describes for a tensor of ``shape``."""
+        """Build the quantizer a spec scheme describes for a tensor of ``shape``.
+        ``channel_axis`` is the default channel axis when the scheme gives none (a weight
+        used as [in, out] has its output channels on axis 1)."""
+        if scheme.axis is None and channel_axis is not None:
+            scheme = scheme.model_copy(update={"axis": channel_axis})
         return cls(
             scheme.dtype,
             symmetric=scheme.symmetric,

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import fnmatch
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -38,10 +39,31 @@ WEIGHTED_MODULES: dict[type[nn.Module], str] = {
     nn.Linear: "linear", nn.Conv1d: "conv1d", nn.Conv2d: "conv2d", nn.Conv3d: "conv3d",
     nn.Embedding: "embedding",
 }
-# Functional ops with a weight argument: op name -> index of the weight among the args.
-WEIGHTED_OPS = {"linear": 1, "conv1d": 1, "conv2d": 1, "conv3d": 1, "embedding": 1}
-_FUNCTIONAL = {F.linear, F.conv1d, F.conv2d, F.conv3d, F.embedding, torch.conv1d,
-               torch.conv2d, torch.conv3d}
+aten = torch.ops.aten
+# Ops that consume a weight, torch-level (symbolic graphs) and aten-level (export graphs):
+# target -> (index of the weight argument, the weight's output-channel axis as stored).
+# Linear/conv/embedding weights are [out, ...]; `x @ W`, mm and addmm take W as [in, out].
+_WEIGHTED: dict[object, tuple[int, int]] = {
+    F.linear: (1, 0), F.conv1d: (1, 0), F.conv2d: (1, 0), F.conv3d: (1, 0),
+    torch.conv1d: (1, 0), torch.conv2d: (1, 0), torch.conv3d: (1, 0), F.embedding: (1, 0),
+    aten.linear.default: (1, 0), aten.conv1d.default: (1, 0), aten.conv2d.default: (1, 0),
+    aten.conv3d.default: (1, 0), aten.embedding.default: (0, 0),
+    torch.matmul: (1, -1), operator.matmul: (1, -1), torch.mm: (1, 1), torch.addmm: (2, 1),
+    aten.matmul.default: (1, -1), aten.mm.default: (1, 1), aten.addmm.default: (2, 1),
+}
+# A transposed 2-D parameter (`W.t()`) feeding mm/matmul: quantize W itself, channel axis 0.
+_TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default, torch.t,
+               torch.transpose}
+INTERNAL_MODULES = ("_guards_fn",)  # export's input guard: never a quantization target
+
+
+@dataclass(frozen=True)
+class WeightUse:
+    """Where a weighted op takes its parameter from."""
+
+    param: Node  # the get_attr node of the parameter
+    consumer: Node  # the node reading ``param``: the op, or a transpose feeding it
+    axis: int  # the parameter's output-channel axis
 
 
 @dataclass(frozen=True)
@@ -121,18 +143,59 @@ def weighted_module_op(gm: GraphModule, node: Node) -> str | None:
     return None
 
 
-def weight_arg(node: Node) -> Node | None:
-    """The weight argument of a functional linear/conv/embedding call, if a graph node."""
-    if node.op != "call_function" or node.target not in _FUNCTIONAL:
+def _is_transpose(node: Node) -> bool:
+    if node.op == "call_method":
+        return node.target in ("t", "T")
+    if node.op != "call_function" or node.target not in _TRANSPOSES:
+        return False
+    if node.target is aten.permute.default:
+        return list(node.args[1]) == [1, 0]
+    if node.target in (aten.transpose.int, torch.transpose):
+        return sorted(int(d) % 2 for d in node.args[1:3]) == [0, 1]
+    return True
+
+
+def weight_use(node: Node) -> WeightUse | None:
+    """For a call consuming a parameter as its weight (linear, conv, embedding, or the
+    right-hand side of matmul/mm/addmm): the parameter node and its channel axis."""
+    if node.op != "call_function":
         return None
-    w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-    return w if isinstance(w, Node) else None
+    try:
+        spec = _WEIGHTED.get(node.target)
+    except TypeError:  # unhashable target
+        return None
+    if spec is None:
+        return None
+    index, axis = spec
+    w = node.args[index] if len(node.args) > index else node.kwargs.get("weight")
+    if not isinstance(w, Node):
+        return None
+    if w.op == "get_attr":
+        return WeightUse(w, node, axis)
+    if _is_transpose(w) and isinstance(w.args[0], Node) and w.args[0].op == "get_attr":
+        return WeightUse(w.args[0], w, 0)
+    return None
 
 
 def is_weighted_call(node: Node) -> bool:
-    """A functional linear/conv/embedding call whose weight is a graph attribute."""
-    w = weight_arg(node)
-    return w is not None and w.op == "get_attr"
+    """A call whose weight is a graph attribute (see ``weight_use``)."""
+    return weight_use(node) is not None
+
+
+def module_output(node: Node) -> bool:
+    """Whether ``node`` is a value a (non-root) module returns: it is owned by a module call
+    and used outside that call. The same notion under both front ends: a leaf module's
+    ``call_module`` node, or the last op of a module's region in an export graph."""
+    if node.op == "call_module":
+        return str(node.target) not in INTERNAL_MODULES
+    stack = node.meta.get("nn_module_stack") or {}
+    if node.op not in ("call_function", "call_method") or not stack:
+        return False
+    key = next(reversed(stack))
+    if not stack[key][0]:  # owned by the root model only
+        return False
+    return any(u.op == "output" or key not in (u.meta.get("nn_module_stack") or {})
+               for u in node.users)
 
 
 def _glob_any(patterns: list[str], *values: str) -> bool:
@@ -161,9 +224,9 @@ def match_node(match: Match, node: Node, node_owners: tuple[Owner, ...]) -> str 
 
 
 def candidate(gm: GraphModule, node: Node, rule: Rule) -> bool:
-    """Nodes a rule may select: with ``op``, function/method calls; without, module calls
-    and functional weighted ops (a Linear's computation under either front end), never
-    shape bookkeeping inside a matched module."""
+    """Nodes a rule may select: with ``op``, function/method calls; without, the values
+    modules return and ops consuming a parameter as weight (a Linear's computation under
+    either front end), never shape bookkeeping inside a matched module."""
     if rule.match.op is not None:
         return node.op in ("call_function", "call_method")
-    return node.op == "call_module" or is_weighted_call(node)
+    return module_output(node) or is_weighted_call(node)

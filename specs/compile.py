@@ -112,6 +112,21 @@ class TraceSpec(Frozen):
     )
     concrete_args: dict[str, bool | int | float | str | None] = Field(default_factory=dict)
     inputs: list[InputSpec] | None = None
+    dynamic_dims: dict[str, dict[int, str]] = Field(
+        default_factory=dict,
+        description="export: forward() argument -> {dim index: name}; dims with the same "
+        "name are equal, e.g. {input_ids: {0: batch, 1: seq}}",
+    )
+
+    @field_validator("dynamic_dims")
+    @classmethod
+    def _dim_names(cls, v: dict[str, dict[int, str]]) -> dict[str, dict[int, str]]:
+        for arg, dims in v.items():
+            for d, name in dims.items():
+                if not name.isidentifier():
+                    raise ValueError(f"dynamic_dims.{arg}.{d}: {name!r} is not a valid name "
+                                     "(letters, digits, _)")
+        return v
 
 
 class CompileSpec(Frozen):

@@ -140,10 +140,11 @@ def test_name_glob(golden):
     ), X)
     golden("annotate_name_glob", dump(before, gm, ctx))
     r = rules_of(gm)
-    # the glob selects the modules under encoder (Linear and ReLU), not the functional adds
+    # the glob selects the modules under encoder (Linear and ReLU) and what each encoder
+    # block returns (its residual add), the same nodes torch.export graphs would give
     assert {n for n, i in r.items() if i == 0} == {
-        "encoder_0_fc", "encoder_0_act", "encoder_1_fc", "encoder_1_act"}
-    assert r["add"] is None and r["add_1"] is None
+        "encoder_0_fc", "encoder_0_act", "add", "encoder_1_fc", "encoder_1_act", "add_1"}
+    assert r["add_2"] is None and r["add_3"] is None  # root-level adds: no module owns them
     assert r["head_0"] == r["head_2"] == 1
 
 
@@ -153,7 +154,8 @@ def test_custom_module_owns_the_nodes_traced_through_it(golden):
     ), X)
     golden("annotate_custom_module_owner", dump(before, gm, ctx))
     r = rules_of(gm)
-    assert {n for n, i in r.items() if i == 0} == {"encoder_1_fc", "encoder_1_act"}
+    # the Block's layers and the value the Block returns
+    assert {n for n, i in r.items() if i == 0} == {"encoder_1_fc", "encoder_1_act", "add_1"}
     fc = next(n for n in gm.graph.nodes if n.name == "encoder_1_fc")
     assert fc.meta["qcompile.qscheme"].matched == "encoder.1"  # the Block, not the Linear
 
@@ -265,6 +267,7 @@ def test_bare_linear_model_is_matched_by_its_class():
 def test_root_module_owns_every_node():
     _, gm, ctx = run_annotate(Net(), qspec({"match": {"module": "Net"}, "weight": W8}), X)
     modules = {n for n in rules_of(gm) if n.startswith(("encoder", "head"))}
-    assert set(ctx.rule_matches[0]) == modules
+    # module calls, plus the residual adds the two encoder blocks return
+    assert set(ctx.rule_matches[0]) == modules | {"add", "add_1"}
     assert {n.meta["qcompile.qscheme"].matched for n in gm.graph.nodes
             if "qcompile.qscheme" in n.meta} == {""}

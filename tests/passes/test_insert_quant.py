@@ -170,7 +170,8 @@ def test_functional_linear_on_a_parameter_gets_a_weight_quantizer(golden):
     assert lin.args[1].op == "call_module" and lin.args[1].target == "proj.weight_fake_quant"
     assert lin.args[1].args[0].op == "get_attr" and lin.args[1].args[0].target == "proj.weight"
     assert lin.args[2].target == "proj.bias"  # bias stays float
-    assert sorted(qc.quantizers(gm)) == ["proj.linear_fake_quant", "proj.weight_fake_quant"]
+    # the linear-relu group is what module `proj` returns: named like a module's output
+    assert sorted(qc.quantizers(gm)) == ["proj.output_fake_quant", "proj.weight_fake_quant"]
 
 
 def test_module_called_twice_gets_one_weight_quantizer():

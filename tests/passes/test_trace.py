@@ -319,12 +319,12 @@ def test_too_many_example_inputs():
         trace(None, ctx)
 
 
-def test_trace_method_export_is_refused():
-    ctx = make_ctx(mlp(), {"trace": {"method": "export"}}, torch.randn(2, 6))
+def test_trace_method_export_needs_example_inputs():
+    ctx = make_ctx(mlp(), {"trace": {"method": "export"}})
     with pytest.raises(qc.QCompileError) as info:
         trace(None, ctx)
-    assert "trace.method: export" in info.value.message
-    assert "trace.method: symbolic" in info.value.fix
+    assert "torch.export front end needs example inputs" in info.value.message
+    assert "example_inputs" in info.value.fix
 
 
 # -- the user's model is never touched ------------------------------------------------

@@ -149,9 +149,9 @@ def test_untraceable_submodule_is_named_with_the_leaf_modules_fix() -> None:
     assert gm(X).shape == (2, 8)
 
 
-def test_export_front_end_is_not_available_yet() -> None:
+def test_export_front_end_without_inputs() -> None:
     e = user_error(lambda: qc.qcompile(mlp(), {"trace": {"method": "export"}}))
-    assert "trace.method" in e.message
+    assert "needs example inputs" in e.message and "trace.inputs" in e.fix
 
 
 # -- rules ----------------------------------------------------------------------------------
