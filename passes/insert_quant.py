@@ -54,7 +54,10 @@ _CONV = {"conv1d": F.conv1d, "conv2d": F.conv2d, "conv3d": F.conv3d}
 def _free_name(gm: GraphModule, base: str) -> str:
     """``base``, or ``base_1``, ``base_2``... whichever names no existing attribute."""
     parent, _, leaf = base.rpartition(".")
-    owner = gm.get_submodule(parent) if parent else gm
+    try:
+        owner = gm.get_submodule(parent) if parent else gm
+    except AttributeError:  # the owner holds no parameters, so the graph never copied it
+        return base  # add_submodule creates the containers
     name, k = leaf, 0
     while hasattr(owner, name):
         k += 1

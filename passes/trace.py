@@ -148,7 +148,7 @@ def _inputs(ctx: Context) -> tuple[Any, ...] | None:
     if ctx.spec.trace.inputs is not None:
         return tuple(torch.zeros(i.shape, dtype=getattr(torch, i.dtype))
                      for i in ctx.spec.trace.inputs)
-    return None
+    return () if ctx.example_kwargs else None
 
 
 def _symbolic(ctx: Context) -> GraphModule:
