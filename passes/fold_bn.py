@@ -149,7 +149,7 @@ def _fold(gm: GraphModule, head: Node, bn_node: Node, calls: Counter, ctx: Conte
             head.args = tuple(args)
     bn_node.replace_all_uses_with(head)
     gm.graph.erase_node(bn_node)
-    ctx.note(f"folded {bn_node.target} into {head.target}")
+    ctx.note(f"folded {bn_node.target} into {where}")
     return True
 
 
