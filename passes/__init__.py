@@ -9,6 +9,8 @@ Example:
 from qcompile.passes.annotate import annotate
 from qcompile.passes.fold_bn import fold_bn
 from qcompile.passes.insert_quant import insert_quant
+from qcompile.passes.partition import partition
+from qcompile.passes.place import place
 from qcompile.passes.trace import trace
 
-__all__ = ["annotate", "fold_bn", "insert_quant", "trace"]
+__all__ = ["annotate", "fold_bn", "insert_quant", "partition", "place", "trace"]

@@ -43,7 +43,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from qcompile.context import Context
 from qcompile.errors import QCompileError
 from qcompile.fake_quant import FakeQuantize
-from qcompile.matching import module_output, weight_use, weighted_module_op
+from qcompile.matching import is_size_like, module_output, weight_use, weighted_module_op
 from qcompile.pipeline import graph_pass
 from qcompile.records import QuantizerRecord
 from qcompile.specs import Scheme
@@ -140,28 +140,11 @@ def _insert_after(gm: GraphModule, node: Node, name: str) -> Node:
     return q
 
 
-_SIZE_METHODS = {"size", "dim", "numel", "ndimension", "item", "tolist"}
-
-
-def _is_size_like(node: object) -> bool:
-    """Without shapes: values that are certainly Python numbers (``x.size(0) + 1``)."""
-    if not isinstance(node, Node):
-        return True
-    if node.op == "call_method":
-        return str(node.target) in _SIZE_METHODS
-    if node.op == "call_function":
-        if node.target is getattr and node.args[1:] in (("shape",), ("ndim",)):
-            return True
-        if getattr(node.target, "__module__", None) == "_operator":
-            return all(_is_size_like(a) for a in (*node.args, *node.kwargs.values()))
-    return False
-
-
 def _tensor_shape(node: Node, ctx: Context) -> tuple[bool, tuple[int, ...] | None]:
     """(is a floating-point tensor, shape) from ShapeProp; a guess without shapes."""
     tm = node.meta.get("tensor_meta")
     if not isinstance(tm, TensorMetadata):
-        return not ctx.has_shapes and not _is_size_like(node), None
+        return not ctx.has_shapes and not is_size_like(node), None
     return tm.dtype.is_floating_point, tuple(tm.shape)
 
 

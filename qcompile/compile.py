@@ -23,7 +23,7 @@ from torch.fx import GraphModule
 from qcompile import __version__
 from qcompile.context import Context
 from qcompile.errors import QCompileError
-from qcompile.passes import annotate, fold_bn, insert_quant, trace
+from qcompile.passes import annotate, fold_bn, insert_quant, partition, place, trace
 from qcompile.pipeline import Instrument, Pass, Pipeline
 from qcompile.records import Report
 from qcompile.specs import CompileSpec, load_spec
@@ -36,6 +36,8 @@ def default_passes(spec: CompileSpec) -> list[Pass]:
     passes = [trace]
     if spec.quant.mode != "none":
         passes += [fold_bn, annotate, insert_quant]
+    if spec.pipeline is not None:
+        passes += [partition, place]
     return passes
 
 
@@ -61,6 +63,13 @@ def _as_inputs(example_inputs: Any) -> tuple[Any, ...] | None:
                         f"{type(example_inputs).__name__}", fix="pass example_inputs=(x,)")
 
 
+def _balance_ratio(ctx: Context) -> float | None:
+    costs = [s.cost for s in ctx.stages]
+    if not costs or sum(costs) == 0:
+        return None
+    return max(costs) / (sum(costs) / len(costs))
+
+
 def qcompile(
     model: nn.Module,
     spec: CompileSpec | dict | str | Path,
@@ -79,9 +88,6 @@ def qcompile(
         raise QCompileError(f"qcompile takes an nn.Module, got {type(model).__name__}",
                             fix="pass the model instance (not its class or a function)")
     spec = _as_spec(spec)
-    if spec.pipeline is not None and spec.pipeline.num_stages > 1:
-        raise QCompileError("pipeline: stage partitioning is not available in this version",
-                            fix="remove the pipeline section (or use stages: 1)")
     ctx = Context(spec=spec, model=model, example_inputs=_as_inputs(example_inputs),
                   example_kwargs=example_kwargs)
     t0 = time.perf_counter()
@@ -96,6 +102,9 @@ def qcompile(
         passes=records,
         quantizers=ctx.quantizers,
         rule_matches=ctx.rule_matches,
+        stages=ctx.stages,
+        balance=ctx.balance,
+        balance_ratio=_balance_ratio(ctx),
         total_seconds=time.perf_counter() - t0,
     )
     for inst in instruments:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from qcompile.records import QuantizerRecord
+from qcompile.records import QuantizerRecord, StageRecord
 from qcompile.specs import CompileSpec
 
 
@@ -34,6 +34,8 @@ class Context:
     rule_matches: dict[int, list[str]] = field(default_factory=dict)
     trace_method: str | None = None
     has_shapes: bool = False
+    stages: list[StageRecord] = field(default_factory=list)
+    balance: str | None = None
 
     def note(self, message: str) -> None:
         """Record a note for the running pass (it lands in the Report)."""

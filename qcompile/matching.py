@@ -230,3 +230,20 @@ def candidate(gm: GraphModule, node: Node, rule: Rule) -> bool:
     if rule.match.op is not None:
         return node.op in ("call_function", "call_method")
     return module_output(node) or is_weighted_call(node)
+
+
+_SIZE_METHODS = {"size", "dim", "numel", "ndimension", "item", "tolist"}
+
+
+def is_size_like(node: object) -> bool:
+    """Without shapes: values that are certainly Python numbers (``x.size(0) + 1``)."""
+    if not isinstance(node, Node):
+        return True
+    if node.op == "call_method":
+        return str(node.target) in _SIZE_METHODS
+    if node.op == "call_function":
+        if node.target is getattr and node.args[1:] in (("shape",), ("ndim",)):
+            return True
+        if getattr(node.target, "__module__", None) == "_operator":
+            return all(is_size_like(a) for a in (*node.args, *node.kwargs.values()))
+    return False

@@ -44,6 +44,22 @@ class QuantizerRecord(BaseModel):
     dynamic: bool = False
 
 
+class StageRecord(BaseModel):
+    """One pipeline stage: what it holds, what it costs, what crosses its edges."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stage: int
+    device: str
+    nodes: int
+    parameters: int = Field(description="parameter elements held by the stage")
+    parameter_bytes: int
+    cost: float = Field(description="estimated forward+backward cost (unit of the balance)")
+    bytes_in: int = Field(description="activation bytes received per forward")
+    bytes_out: int = Field(description="activation bytes sent per forward")
+    modules: list[str] = Field(default_factory=list, description="top-level modules it holds")
+
+
 class Report(BaseModel):
     """What ``qcompile`` did; ``qc.report(gm)`` returns it, ``.model_dump_json()`` saves it."""
 
@@ -58,6 +74,9 @@ class Report(BaseModel):
     rule_matches: dict[int, list[str]] = Field(
         default_factory=dict, description="rule index -> nodes it selected"
     )
+    stages: list[StageRecord] = Field(default_factory=list)
+    balance: str | None = Field(None, description="cost model used for the stages")
+    balance_ratio: float | None = Field(None, description="max stage cost / mean stage cost")
     total_seconds: float = 0.0
 
     def text(self) -> str:
@@ -79,4 +98,12 @@ class Report(BaseModel):
             by_kind[key] = by_kind.get(key, 0) + 1
         lines.append(f"quantizers: {len(self.quantizers)}")
         lines += [f"    {n:>4} x {k}" for k, n in sorted(by_kind.items())]
+        if self.stages:
+            lines.append(f"stages: {len(self.stages)} (balance {self.balance}, max/mean cost "
+                         f"{self.balance_ratio:.2f})")
+            lines.append(f"{'stage':<7}{'device':<9}{'nodes':>6}{'params':>11}{'cost':>12}"
+                         f"{'bytes in':>11}{'bytes out':>11}")
+            for s in self.stages:
+                lines.append(f"{s.stage:<7}{s.device:<9}{s.nodes:>6}{s.parameters:>11}"
+                             f"{s.cost:>12.4g}{s.bytes_in:>11}{s.bytes_out:>11}")
         return "\n".join(lines)

@@ -202,12 +202,19 @@ def test_per_channel_activation_without_inputs_asks_for_them() -> None:
 
 
 # -- features of later versions -----------------------------------------------------------
-def test_pipeline_stages_are_refused_clearly() -> None:
-    e = user_error(lambda: qc.qcompile(mlp(), {"pipeline": {"stages": 2}}, (X,)))
-    assert "pipeline" in e.message
-    assert "stages: 1" in e.fix or "pipeline" in e.fix
+def test_pipeline_stages_beyond_cuttable_positions() -> None:
+    e = user_error(lambda: qc.qcompile(mlp(), {"pipeline": {"stages": 50}}, (X,)))
+    assert "pipeline.stages: 50 stages need 49 cuts" in e.message
+    assert "use at most" in e.fix
     gm = qc.qcompile(mlp(), {"pipeline": {"stages": 1}}, (X,))  # one stage is fine
     assert torch.equal(gm(X), mlp()(X))
+    assert [name for name, _ in gm.named_children()] == ["stage_0"]
+
+
+def test_pipeline_device_that_does_not_exist() -> None:
+    spec = {"pipeline": {"stages": 2, "devices": ["cpu", "cuda:7"]}}
+    e = user_error(lambda: qc.qcompile(mlp(), spec, (X,)))
+    assert "pipeline.devices[1]" in e.message and "cuda:7" in e.message
 
 
 @pytest.mark.parametrize("role", ["weight", "activation"])

@@ -1,0 +1,180 @@
+"""``place``: split the graph into ``stage_0 .. stage_{k-1}`` children on their devices.
+
+Each stage is a GraphModule whose inputs are *all* values alive across the cut before it
+and whose outputs are all values alive across the cut after it, so a skip connection that
+spans several stages is threaded through the ones in between and every stage only talks to
+its neighbours — the contract ``torch.distributed.pipelining.PipelineStage`` needs. The
+top-level graph calls the stages in order, moves tensors between devices where
+consecutive stages differ, and rebuilds the model's output structure.
+
+Parameters keep their qualified names inside each stage; ``state_dict()`` of the result
+reports them under the original names (stage prefixes stripped) and ``load_state_dict``
+accepts those names. A parameter used by several stages (tied weights) is the same
+Parameter object in each stage when they share a process and a device.
+
+Example:
+    >>> import torch, qcompile as qc
+    >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    >>> gm = qc.qcompile(m, {"pipeline": {"stages": 2}}, example_inputs=(torch.randn(3, 4),))
+    >>> [name for name, _ in gm.named_children()]
+    ['stage_0', 'stage_1']
+    >>> sorted(gm.state_dict()) == sorted(m.state_dict())
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import operator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.node import map_arg
+
+from qcompile.context import Context
+from qcompile.errors import QCompileError
+from qcompile.passes.partition import STAGE_KEY, Layout, _devices
+from qcompile.pipeline import graph_pass
+
+STAGE_NAMES_KEY = "qcompile.stage_names"
+
+
+def check_device(device: str, where: str) -> torch.device:
+    """The torch.device for a spec string, or a QCompileError if this machine lacks it."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise QCompileError(f"{where}: {device!r} is not a device: {e}",
+                            fix="use a device string like 'cpu' or 'cuda:0'") from None
+    kind = dev.type
+    if kind == "cpu" or kind == "meta":
+        return dev
+    backend = getattr(torch, kind, None)
+    available = bool(backend is not None and hasattr(backend, "is_available")
+                     and backend.is_available())
+    if kind == "mps":
+        available = torch.backends.mps.is_available()
+    count = backend.device_count() if available and hasattr(backend, "device_count") else 0
+    if not available or (dev.index is not None and dev.index >= count):
+        have = f"{count} {kind} device(s)" if available else f"no {kind} devices"
+        raise QCompileError(f"{where}: device {device!r} does not exist on this machine "
+                            f"({have})", fix="use a device this machine has, e.g. 'cpu'")
+    return dev
+
+
+def _stage_graph(layout: Layout, members: list[Node], live_in: list[Node],
+                 live_out: list[Node]) -> Graph:
+    g = Graph()
+    env: dict[Node, Node] = {}
+    for v in live_in:
+        ph = g.placeholder(v.name)
+        ph.meta = {k: v.meta[k] for k in ("tensor_meta", "val") if k in v.meta}
+        env[v] = ph
+
+    def copy_node(node: Node) -> Node:
+        if node not in env:
+            for i in node.all_input_nodes:
+                if i not in env:  # parameters and what is computed from them alone
+                    copy_node(i)
+            env[node] = g.node_copy(node, lambda x: env[x])
+        return env[node]
+
+    for a in members:
+        copy_node(a)
+    g.output(tuple(env[v] for v in live_out))
+    return g
+
+
+def _name_map(stages: dict[str, GraphModule]) -> dict[str, list[str]]:
+    names: dict[str, list[str]] = {}
+    for stage_name, stage in stages.items():
+        for key in stage.state_dict():
+            names.setdefault(key, []).append(f"{stage_name}.{key}")
+    return names
+
+
+def _register_original_names(gm: GraphModule, names: dict[str, list[str]]) -> None:
+    """state_dict under the original qualified names; load_state_dict accepts them."""
+    to_original = {stage_key: orig for orig, keys in names.items() for stage_key in keys}
+
+    def save_hook(module: nn.Module, state: dict[str, Any], prefix: str, meta: Any) -> None:
+        for key in [k for k in state if k.startswith(prefix)]:
+            orig = to_original.get(key[len(prefix):])
+            if orig is not None:
+                value = state.pop(key)
+                state.setdefault(prefix + orig, value)  # tied: the first holder's tensor
+
+    def load_hook(module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        for orig, keys in names.items():
+            if prefix + orig in state:
+                value = state.pop(prefix + orig)
+                for key in keys:
+                    state[prefix + key] = value
+
+    gm.register_state_dict_post_hook(save_hook)
+    gm.register_load_state_dict_pre_hook(load_hook)
+
+
+@graph_pass(requires=("stages",), provides=("placed",))
+def place(gm: GraphModule, ctx: Context) -> GraphModule:
+    """Split into stage children on their devices; thread values across stages."""
+    k = ctx.spec.pipeline.num_stages
+    devices = _devices(ctx, k)
+    field = "pipeline.stages" if isinstance(ctx.spec.pipeline.stages, list) else "pipeline.devices"
+    targets = [check_device(d, f"{field}[{i}]") for i, d in enumerate(devices)]
+    layout = Layout(gm, ctx.has_shapes)
+    n = len(layout.anchors)
+    stage_of = [a.meta[STAGE_KEY] for a in layout.anchors]
+    last_index = {s: max(i for i in range(n) if stage_of[i] == s) for s in range(k)}
+    holder = nn.Module()
+    stage_modules: dict[str, GraphModule] = {}
+    boundaries: list[tuple[list[Node], list[Node]]] = []
+    for s in range(k):
+        live_in = layout.crossing(last_index[s - 1] if s else -1)
+        live_out = layout.crossing(last_index[s])
+        members = [a for a, st in zip(layout.anchors, stage_of) if st == s]
+        graph = _stage_graph(layout, members, live_in, live_out)
+        stage = GraphModule(gm, graph, f"{type(gm).__name__}Stage{s}")
+        stage.train(gm.training)
+        for name, m in stage.named_modules():  # keep per-module train/eval flags
+            if name:
+                with contextlib.suppress(AttributeError):
+                    m.training = gm.get_submodule(name).training
+        stage_modules[f"stage_{s}"] = stage.to(targets[s])
+        holder.add_module(f"stage_{s}", stage)
+        boundaries.append((live_in, live_out))
+    # -- the top-level graph: call the stages in order ---------------------------------
+    top = Graph()
+    top._codegen = copy.deepcopy(gm.graph._codegen)  # same inputs/outputs (pytree specs)
+    env: dict[Node, Node] = {}
+    for ph in layout.placeholders:
+        env[ph] = top.node_copy(ph)
+    for s, (live_in, live_out) in enumerate(boundaries):
+        args = []
+        for v in live_in:
+            value = env[v]
+            moves = (s > 0 and targets[s] != targets[s - 1]) or (
+                s == 0 and targets[0].type != "cpu")
+            if moves and layout.is_tensor[v]:
+                value = top.call_method("to", (value, targets[s]))
+            args.append(value)
+        call = top.call_module(f"stage_{s}", tuple(args))
+        for j, v in enumerate(live_out):
+            env[v] = top.call_function(operator.getitem, (call, j))
+    output = next(node for node in gm.graph.nodes if node.op == "output")
+    missing = [x.name for x in output.all_input_nodes if x not in env]
+    if missing:
+        raise QCompileError(f"pipeline: the model returns {missing}, computed from parameters "
+                            "alone, which no stage produces", fix="return activations only")
+    top.output(map_arg(output.args[0], lambda x: env[x]), type_expr=output.type)
+    placed = GraphModule(holder, top, type(gm).__name__)
+    placed.train(gm.training)
+    placed.meta.update(gm.meta)
+    names = _name_map(stage_modules)
+    placed.meta[STAGE_NAMES_KEY] = names
+    _register_original_names(placed, names)
+    ctx.note(f"{k} stage(s) on {', '.join(devices)}")
+    return placed
