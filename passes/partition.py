@@ -45,6 +45,7 @@ from qcompile.matching import INTERNAL_MODULES, is_size_like, op_name, owners, w
 from qcompile.partitioning import balanced_cuts
 from qcompile.pipeline import graph_pass
 from qcompile.records import StageRecord
+from qcompile.specs import PipelineSpec
 
 STAGE_KEY = "qcompile.stage"
 
@@ -330,12 +331,12 @@ def _from_cuts(n: int, cuts: list[int]) -> list[int]:
     return out
 
 
-def _devices(ctx: Context, k: int) -> list[str]:
-    p = ctx.spec.pipeline
+def stage_devices(p: PipelineSpec) -> list[str]:
+    """The device string of each stage (``cpu`` where the spec names none)."""
     if isinstance(p.stages, list):
         return [s.device or (p.devices[i] if p.devices else "cpu")
                 for i, s in enumerate(p.stages)]
-    return list(p.devices) if p.devices else ["cpu"] * k
+    return list(p.devices) if p.devices else ["cpu"] * p.num_stages
 
 
 @graph_pass(requires=("graph",), provides=("stages",))
@@ -375,7 +376,7 @@ def partition(gm: GraphModule, ctx: Context) -> GraphModule:
         if node.op == "output":
             node.meta[STAGE_KEY] = k - 1
     # -- report ----------------------------------------------------------------------
-    devices = _devices(ctx, k)
+    devices = stage_devices(p)
     bounds = [i for i in range(n - 1) if stage_of[i] != stage_of[i + 1]]
     edges_in = [sum(tensor_bytes(v) for v in layout.crossing(-1))] + [cut_bytes[i] for i in bounds]
     out_vals = [v for v in layout.values if layout.last_use[v] == n]

@@ -36,7 +36,7 @@ from torch.fx.node import map_arg
 
 from qcompile.context import Context
 from qcompile.errors import QCompileError
-from qcompile.passes.partition import STAGE_KEY, Layout, _devices
+from qcompile.passes.partition import STAGE_KEY, Layout, stage_devices
 from qcompile.pipeline import graph_pass
 
 STAGE_NAMES_KEY = "qcompile.stage_names"
@@ -84,7 +84,8 @@ def _stage_graph(layout: Layout, members: list[Node], live_in: list[Node],
 
     for a in members:
         copy_node(a)
-    g.output(tuple(env[v] for v in live_out))
+    # One value: return it bare, as torch.distributed.pipelining's loss_fn expects it.
+    g.output(env[live_out[0]] if len(live_out) == 1 else tuple(env[v] for v in live_out))
     return g
 
 
@@ -122,7 +123,7 @@ def _register_original_names(gm: GraphModule, names: dict[str, list[str]]) -> No
 def place(gm: GraphModule, ctx: Context) -> GraphModule:
     """Split into stage children on their devices; thread values across stages."""
     k = ctx.spec.pipeline.num_stages
-    devices = _devices(ctx, k)
+    devices = stage_devices(ctx.spec.pipeline)
     field = "pipeline.stages" if isinstance(ctx.spec.pipeline.stages, list) else "pipeline.devices"
     targets = [check_device(d, f"{field}[{i}]") for i, d in enumerate(devices)]
     layout = Layout(gm, ctx.has_shapes)
@@ -162,8 +163,11 @@ def place(gm: GraphModule, ctx: Context) -> GraphModule:
                 value = top.call_method("to", (value, targets[s]))
             args.append(value)
         call = top.call_module(f"stage_{s}", tuple(args))
-        for j, v in enumerate(live_out):
-            env[v] = top.call_function(operator.getitem, (call, j))
+        if len(live_out) == 1:
+            env[live_out[0]] = call
+        else:
+            for j, v in enumerate(live_out):
+                env[v] = top.call_function(operator.getitem, (call, j))
     output = next(node for node in gm.graph.nodes if node.op == "output")
     missing = [x.name for x in output.all_input_nodes if x not in env]
     if missing:
@@ -174,6 +178,16 @@ def place(gm: GraphModule, ctx: Context) -> GraphModule:
     placed.train(gm.training)
     placed.meta.update(gm.meta)
     names = _name_map(stage_modules)
+    tied = {orig: keys for orig, keys in names.items() if len(keys) > 1}
+    if tied and not ctx.spec.pipeline.allow_tied:
+        orig, keys = next(iter(sorted(tied.items())))
+        held = " and ".join(key.split(".", 1)[0] for key in keys)
+        raise QCompileError(f"pipeline.allow_tied is false, but parameter {orig!r} is used by "
+                            f"{held}", fix="put the layers sharing it in one stage (explicit "
+                            "stages), or set allow_tied: true (its gradients are then summed "
+                            "across the stages holding it)")
+    for orig, keys in sorted(tied.items()):
+        ctx.note(f"{orig} is shared by {', '.join(key.split('.', 1)[0] for key in keys)}")
     placed.meta[STAGE_NAMES_KEY] = names
     _register_original_names(placed, names)
     ctx.note(f"{k} stage(s) on {', '.join(devices)}")
