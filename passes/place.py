@@ -27,17 +27,22 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
+from torch.fx.passes.shape_prop import TensorMetadata
 
 from qcompile.context import Context
 from qcompile.errors import QCompileError
-from qcompile.passes.partition import STAGE_KEY, Layout, stage_devices
+from qcompile.fake_quant import FakeQuantize
+from qcompile.passes.partition import STAGE_KEY, Layout, stage_devices, tensor_bytes
 from qcompile.pipeline import graph_pass
+from qcompile.specs import FP8_MAX
+from qcompile.transfer import pack, unpack
 
 STAGE_NAMES_KEY = "qcompile.stage_names"
 
@@ -65,28 +70,82 @@ def check_device(device: str, where: str) -> torch.device:
     return dev
 
 
-def _stage_graph(layout: Layout, members: list[Node], live_in: list[Node],
-                 live_out: list[Node]) -> Graph:
+@dataclass(frozen=True)
+class Packed:
+    """A boundary value sent as integers: the quantizer that produced it."""
+
+    quantizer: str
+    axis: int | None
+    quant_min: int
+    quant_max: int
+    dtype: torch.dtype
+
+
+def tensor_bytes_per_element(v: Node) -> int:
+    tm = v.meta.get("tensor_meta")
+    return torch.empty((), dtype=tm.dtype).element_size() if isinstance(tm, TensorMetadata) else 4
+
+
+def _packable(gm: GraphModule, v: Node) -> Packed | None:
+    if v.op != "call_module":
+        return None
+    fq = gm.get_submodule(str(v.target))
+    if (not isinstance(fq, FakeQuantize) or fq.dynamic or fq.dtype in FP8_MAX
+            or fq.granularity not in ("per_tensor", "per_channel")
+            or fq.quant_max - fq.quant_min > 255):
+        return None
+    tm = v.meta.get("tensor_meta")
+    dtype = tm.dtype if isinstance(tm, TensorMetadata) else torch.float32
+    return Packed(str(v.target), fq.axis, fq.quant_min, fq.quant_max, dtype)
+
+
+def _stage_graph(members: list[Node], live_in: list[Node], live_out: list[Node],
+                 packed: dict[Node, Packed], last: bool) -> tuple[Graph, int]:
+    """The stage's graph; packed values cross as (integers, scale, zero_point). Returns
+    the graph and the number of output slots."""
     g = Graph()
     env: dict[Node, Node] = {}
+    received: dict[Node, tuple[Node, Node, Node]] = {}
     for v in live_in:
+        if v in packed:
+            received[v] = (g.placeholder(f"{v.name}_q"), g.placeholder(f"{v.name}_scale"),
+                           g.placeholder(f"{v.name}_zero_point"))
+            continue
         ph = g.placeholder(v.name)
         ph.meta = {k: v.meta[k] for k in ("tensor_meta", "val") if k in v.meta}
         env[v] = ph
 
-    def copy_node(node: Node) -> Node:
+    def value(node: Node) -> Node:
         if node not in env:
-            for i in node.all_input_nodes:
-                if i not in env:  # parameters and what is computed from them alone
-                    copy_node(i)
-            env[node] = g.node_copy(node, lambda x: env[x])
+            if node in received:  # dequantize where first used
+                p = packed[node]
+                env[node] = g.call_function(unpack, (*received[node], p.axis, p.dtype))
+            else:  # parameters and what is computed from them alone
+                for i in node.all_input_nodes:
+                    value(i)
+                env[node] = g.node_copy(node, lambda x: env[x])
         return env[node]
 
     for a in members:
-        copy_node(a)
+        value(a)
+    outs: list[Node] = []
+    for v in live_out:
+        if v in packed and not last:
+            if v in received:  # still packed: pass it on
+                outs += received[v]
+            else:
+                p = packed[v]
+                scale = g.get_attr(f"{p.quantizer}.scale")
+                zero_point = g.get_attr(f"{p.quantizer}.zero_point")
+                flags = g.get_attr(f"{p.quantizer}.mode_flags")
+                q = g.call_function(pack, (value(v), scale, zero_point, p.axis, p.quant_min,
+                                           p.quant_max, flags))
+                outs += [q, scale, zero_point]
+        else:
+            outs.append(value(v))
     # One value: return it bare, as torch.distributed.pipelining's loss_fn expects it.
-    g.output(env[live_out[0]] if len(live_out) == 1 else tuple(env[v] for v in live_out))
-    return g
+    g.output(outs[0] if len(outs) == 1 else tuple(outs))
+    return g, len(outs)
 
 
 def _name_map(stages: dict[str, GraphModule]) -> dict[str, list[str]]:
@@ -132,12 +191,20 @@ def place(gm: GraphModule, ctx: Context) -> GraphModule:
     last_index = {s: max(i for i in range(n) if stage_of[i] == s) for s in range(k)}
     holder = nn.Module()
     stage_modules: dict[str, GraphModule] = {}
-    boundaries: list[tuple[list[Node], list[Node]]] = []
+    boundaries: list[tuple[list[Node], list[Node], int]] = []
+    packed: dict[Node, Packed] = {}
+    if ctx.spec.pipeline.transfer == "int8":
+        for s in range(k - 1):
+            for v in layout.crossing(last_index[s]):
+                p = _packable(gm, v)
+                if p is not None:
+                    packed[v] = p
+        ctx.note(f"transfer int8: {len(packed)} value(s) cross cuts as integers")
     for s in range(k):
         live_in = layout.crossing(last_index[s - 1] if s else -1)
         live_out = layout.crossing(last_index[s])
         members = [a for a, st in zip(layout.anchors, stage_of) if st == s]
-        graph = _stage_graph(layout, members, live_in, live_out)
+        graph, slots = _stage_graph(members, live_in, live_out, packed, s == k - 1)
         stage = GraphModule(gm, graph, f"{type(gm).__name__}Stage{s}")
         stage.train(gm.training)
         for name, m in stage.named_modules():  # keep per-module train/eval flags
@@ -146,28 +213,33 @@ def place(gm: GraphModule, ctx: Context) -> GraphModule:
                     m.training = gm.get_submodule(name).training
         stage_modules[f"stage_{s}"] = stage.to(targets[s])
         holder.add_module(f"stage_{s}", stage)
-        boundaries.append((live_in, live_out))
+        boundaries.append((live_in, live_out, slots))
     # -- the top-level graph: call the stages in order ---------------------------------
     top = Graph()
     top._codegen = copy.deepcopy(gm.graph._codegen)  # same inputs/outputs (pytree specs)
     env: dict[Node, Node] = {}
     for ph in layout.placeholders:
         env[ph] = top.node_copy(ph)
-    for s, (live_in, live_out) in enumerate(boundaries):
+    slots_of: dict[Node, list[Node]] = {}  # packed values: their three slots
+    for s, (live_in, live_out, slots) in enumerate(boundaries):
         args = []
+        moves = (s > 0 and targets[s] != targets[s - 1]) or (s == 0 and targets[0].type != "cpu")
         for v in live_in:
-            value = env[v]
-            moves = (s > 0 and targets[s] != targets[s - 1]) or (
-                s == 0 and targets[0].type != "cpu")
+            values = slots_of[v] if v in packed and v in slots_of else [env[v]]
             if moves and layout.is_tensor[v]:
-                value = top.call_method("to", (value, targets[s]))
-            args.append(value)
+                values = [top.call_method("to", (x, targets[s])) for x in values]
+            args += values
         call = top.call_module(f"stage_{s}", tuple(args))
-        if len(live_out) == 1:
-            env[live_out[0]] = call
-        else:
-            for j, v in enumerate(live_out):
-                env[v] = top.call_function(operator.getitem, (call, j))
+        items = [call] if slots == 1 else [top.call_function(operator.getitem, (call, j))
+                                           for j in range(slots)]
+        j = 0
+        for v in live_out:
+            if v in packed and s < k - 1:
+                slots_of[v] = items[j:j + 3]
+                j += 3
+            else:
+                env[v] = items[j]
+                j += 1
     output = next(node for node in gm.graph.nodes if node.op == "output")
     missing = [x.name for x in output.all_input_nodes if x not in env]
     if missing:
@@ -190,5 +262,17 @@ def place(gm: GraphModule, ctx: Context) -> GraphModule:
         ctx.note(f"{orig} is shared by {', '.join(key.split('.', 1)[0] for key in keys)}")
     placed.meta[STAGE_NAMES_KEY] = names
     _register_original_names(placed, names)
+    if packed:  # the report's byte counts: integers where values cross packed
+        for s in range(k - 1):
+            sent = 0
+            for v in boundaries[s][1]:
+                if v in packed:
+                    fq = gm.get_submodule(packed[v].quantizer)
+                    sent += tensor_bytes(v) // max(tensor_bytes_per_element(v), 1) + (
+                        fq.scale.numel() * 4 + fq.zero_point.numel() * 4)
+                else:
+                    sent += tensor_bytes(v)
+            if s < len(ctx.stages) - 1:
+                ctx.stages[s].bytes_out = ctx.stages[s + 1].bytes_in = sent
     ctx.note(f"{k} stage(s) on {', '.join(devices)}")
     return placed
