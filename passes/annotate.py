@@ -23,7 +23,7 @@ from torch.fx import GraphModule
 
 from qcompile.context import Context
 from qcompile.errors import QCompileError
-from qcompile.matching import NodeQScheme, candidate, match_node, op_name, owners
+from qcompile.matching import NodeQScheme, candidate, match_node, module_output, op_name, owners
 from qcompile.pipeline import graph_pass
 from qcompile.specs import Rule
 
@@ -59,8 +59,14 @@ def annotate(gm: GraphModule, ctx: Context) -> GraphModule:
             matched[i] += 1
         i, hit = next(((i, h) for i, h in hits if rules[i].skip), hits[0])
         rule = rules[i]
+        activation = rule.activation
+        if rule.match.op is None and not module_output(node):
+            # A module rule quantizes what the module returns; an op inside it that only
+            # consumes the weight (GPT-2 Conv1D's addmm, before its view) gets the weight
+            # scheme alone, or the module's output would be quantized twice.
+            activation = None
         node.meta["qcompile.qscheme"] = NodeQScheme(
-            rule=i, skip=rule.skip, weight=rule.weight, activation=rule.activation, matched=hit
+            rule=i, skip=rule.skip, weight=rule.weight, activation=activation, matched=hit
         )
         won[i].append(node.name)
     for i, rule in enumerate(rules):

@@ -38,6 +38,7 @@ from qcompile.errors import QCompileError
 from qcompile.export_capture import export_graph
 from qcompile.matching import ROOT_CLASS_KEY
 from qcompile.pipeline import graph_pass
+from qcompile.state_layout import keep_state_layout
 
 
 class _Tracer(Tracer):
@@ -173,7 +174,9 @@ def _symbolic(ctx: Context) -> GraphModule:
                             fix=fix) from e
     for p in sorted(set(ctx.spec.trace.leaf_modules) - tracer.used_patterns):
         ctx.note(f"trace.leaf_modules entry {p!r} matched no module")
-    return GraphModule(tracer.root, graph, type(model).__name__)
+    gm = GraphModule(tracer.root, graph, type(model).__name__)
+    keep_state_layout(gm, tracer.root)
+    return gm
 
 
 def _export(ctx: Context, symbolic_error: _TraceFailure | None) -> GraphModule:
@@ -190,7 +193,18 @@ def _export(ctx: Context, symbolic_error: _TraceFailure | None) -> GraphModule:
     except QCompileError:
         raise
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        text = str(e).strip()
+        first = text.splitlines()[0] if text else ""
+        if ctx.spec.trace.dynamic_dims and ("Constraints violated" in text
+                                            or "Suggested fixes" in text):
+            hints = text.split("Suggested fixes:", 1)[1].strip() if (
+                "Suggested fixes:" in text) else ""
+            hints = " ".join(line.strip() for line in hints.splitlines()[:6] if line.strip())
+            raise QCompileError(
+                f"trace.dynamic_dims: torch.export cannot keep these dims dynamic: {first} "
+                f"{hints}".rstrip(),
+                fix="bound the dims in the spec, e.g. {1: {name: seq, max: 64}} for export's "
+                "Dim('seq', max=64), or leave them static") from e
         fix = ("make the failing code exportable (torch.export guidance: "
                "https://pytorch.org/docs/stable/export.html, e.g. torch.cond for data-dependent "
                "branches, no .item() in forward), or keep the module out of the graph with "

@@ -65,11 +65,13 @@ class PipelineSchedule:
     stages on different ranks. Every other attribute is the torch schedule's."""
 
     def __init__(self, schedule: Any, input_names: list[str], microbatches: int,
-                 tied: list[tuple[list[torch.Tensor], Any]]) -> None:
+                 tied: list[tuple[list[torch.Tensor], Any]], params: list[torch.Tensor]
+                 ) -> None:
         self.schedule = schedule
         self.input_names = input_names
         self.microbatches = microbatches
         self.tied = tied
+        self.params = params
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.schedule, name)
@@ -97,6 +99,10 @@ class PipelineSchedule:
                     fix="use a batch size that is a multiple of the micro-batch count")
         kwargs: dict[str, Any] = {"target": target, "losses": losses}
         out = self.schedule.step(*args, **kwargs)
+        if getattr(self.schedule, "_has_backward", True):
+            for p in self.params:  # mean over micro-batches, once per parameter
+                if p.grad is not None:
+                    p.grad.div_(self.microbatches)
         for params, group in self.tied:  # one stage's share of a tied gradient each: sum
             for p in params:
                 if p.grad is None:
@@ -105,7 +111,7 @@ class PipelineSchedule:
         return out
 
 
-def _tied_groups(gm: nn.Module, stage_rank: dict[int, int], mine: list[int]
+def _tied_groups(gm: nn.Module, stage_rank: dict[int, int], mine: list[int], group: Any
                  ) -> list[tuple[list[torch.Tensor], Any]]:
     """Process groups among the ranks holding each tied parameter (created on every rank
     in the same order, as new_group requires), with this rank's copies."""
@@ -120,9 +126,13 @@ def _tied_groups(gm: nn.Module, stage_rank: dict[int, int], mine: list[int]
         if len(holders) > 1:
             groups.setdefault(tuple(holders), []).append(orig)
     out = []
+    me = torch.distributed.get_rank()
     for ranks, origs in sorted(groups.items()):
-        group = torch.distributed.new_group(list(ranks))
-        if torch.distributed.get_rank() in ranks:
+        # stage ranks count within `group`; new_group takes global ranks
+        global_ranks = [r if group is None else torch.distributed.get_global_rank(group, r)
+                        for r in ranks]
+        sub_group = torch.distributed.new_group(global_ranks)
+        if me in global_ranks:
             tensors = []
             for orig in origs:
                 for key in names[orig]:
@@ -130,7 +140,7 @@ def _tied_groups(gm: nn.Module, stage_rank: dict[int, int], mine: list[int]
                     if s in mine:
                         tensors.append(gm.get_parameter(key))
                         break  # one copy per rank: stages on one rank share the Parameter
-            out.append((tensors, group))
+            out.append((tensors, sub_group))
     return out
 
 
@@ -182,14 +192,17 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
     stages = [pp.PipelineStage(gm.get_submodule(f"stage_{s}"), s, k, devices[s], group=group)
               for s in mine]
     m = spec.pipeline.microbatches
+    # Gradients are averaged over micro-batches here, once per distinct parameter: torch's
+    # own scaling divides per stage, twice for a parameter two local stages share.
     if kind == "gpipe":
-        schedule = pp.ScheduleGPipe(stages[0], m, loss_fn=loss_fn)
+        schedule = pp.ScheduleGPipe(stages[0], m, loss_fn=loss_fn, scale_grads=False)
     elif kind == "1f1b":
-        schedule = pp.Schedule1F1B(stages[0], m, loss_fn=loss_fn)
+        schedule = pp.Schedule1F1B(stages[0], m, loss_fn=loss_fn, scale_grads=False)
     else:
-        schedule = pp.ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+        schedule = pp.ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn, scale_grads=False)
+    params = list({id(p): p for st in stages for p in st.submod.parameters()}.values())
     inputs = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
-    tied = _tied_groups(gm, stage_rank, mine)
+    tied = _tied_groups(gm, stage_rank, mine, group)
     return (stages if kind == "interleaved_1f1b" else stages[0],
-            PipelineSchedule(schedule, inputs, m, tied))
+            PipelineSchedule(schedule, inputs, m, tied, params))
 

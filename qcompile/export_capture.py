@@ -40,6 +40,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from qcompile.errors import QCompileError
 from qcompile.modes import ModeAwareBatchNorm, ModeAwareSDPA
+from qcompile.state_layout import keep_state_layout
 
 aten = torch.ops.aten
 _DROPOUTS = {aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
@@ -134,7 +135,7 @@ def _restore_modes(graph: Graph, root: nn.Module, notes: list[str]) -> None:
 
 
 def dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict,
-                   dims: dict[str, dict[int, str]]) -> dict[str, Any] | None:
+                   dims: dict[str, dict[int, Any]]) -> dict[str, Any] | None:
     """``torch.export`` dynamic_shapes from the spec's ``trace.dynamic_dims``."""
     if not dims:
         return None
@@ -148,7 +149,20 @@ def dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict,
                             f"example inputs ({', '.join(given)})",
                             fix="use the names of forward()'s parameters that you pass inputs for")
     values = dict(zip(params, args)) | dict(kwargs)
-    named: dict[str, torch.export.Dim] = {}
+    named: dict[str, tuple[Any, tuple[int | None, int | None]]] = {}
+
+    def dim(spec: Any) -> Any:
+        name = spec if isinstance(spec, str) else spec.name
+        bounds = (None, None) if isinstance(spec, str) else (spec.min, spec.max)
+        if name in named:
+            if isinstance(spec, str) or named[name][1] == bounds:
+                return named[name][0]
+            raise QCompileError(f"trace.dynamic_dims: dim {name!r} is given two different "
+                                "bounds", fix="give its min/max once, or the same everywhere")
+        kw = {k: v for k, v in zip(("min", "max"), bounds) if v is not None}
+        named[name] = (torch.export.Dim(name, **kw), bounds)
+        return named[name][0]
+
     shapes: dict[str, Any] = {}
     for arg in given:
         spec = dims.get(arg)
@@ -165,13 +179,12 @@ def dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict,
                     f"trace.dynamic_dims.{arg}: dim {d} has size {value.shape[d]} in the "
                     "example input; torch.export specialises sizes 0 and 1",
                     fix="use an example input with size >= 2 in every dynamic dimension")
-        shapes[arg] = {d % value.dim(): named.setdefault(n, torch.export.Dim(n))
-                       for d, n in spec.items()}
+        shapes[arg] = {d % value.dim(): dim(n) for d, n in spec.items()}
     return shapes
 
 
 def export_graph(model: nn.Module, args: tuple, kwargs: dict,
-                 dims: dict[str, dict[int, str]]) -> tuple[GraphModule, list[str]]:
+                 dims: dict[str, dict[int, Any]]) -> tuple[GraphModule, list[str]]:
     """Export a copy of ``model`` and return a trainable GraphModule plus notes.
 
     Raises whatever ``torch.export`` raises when it cannot capture the model."""
@@ -189,6 +202,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict,
             _assign(root, str(node.target), _lookup(exported, str(node.target)))
     _restore_modes(graph, root, notes)
     gm = GraphModule(root, graph, type(model).__name__)
+    keep_state_layout(gm, root)
     for name, m in gm.named_modules():
         owner = name
         while owner not in flags and owner:

@@ -188,12 +188,12 @@ def module_output(node: Node) -> bool:
     ``call_module`` node, or the last op of a module's region in an export graph."""
     if node.op == "call_module":
         return str(node.target) not in INTERNAL_MODULES
+    if node.op not in ("call_function", "call_method"):
+        return False
     stack = node.meta.get("nn_module_stack") or {}
-    if node.op not in ("call_function", "call_method") or not stack:
-        return False
-    key = next(reversed(stack))
-    if not stack[key][0]:  # owned by the root model only
-        return False
+    key = next(reversed(stack)) if stack else None
+    if key is None or not stack[key][0]:  # owned by the root model: what the model returns
+        return any(u.op == "output" for u in node.users)
     return any(u.op == "output" or key not in (u.meta.get("nn_module_stack") or {})
                for u in node.users)
 

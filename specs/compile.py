@@ -101,6 +101,20 @@ class InputSpec(Frozen):
         return v
 
 
+class DynamicDim(Frozen):
+    """A named dynamic dimension with optional bounds (``{name: seq, max: 512}``)."""
+
+    name: str
+    min: int | None = Field(None, ge=0)
+    max: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> DynamicDim:
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"dynamic dim {self.name}: min {self.min} > max {self.max}")
+        return self
+
+
 class TraceSpec(Frozen):
     """How the model is captured as a graph."""
 
@@ -112,17 +126,19 @@ class TraceSpec(Frozen):
     )
     concrete_args: dict[str, bool | int | float | str | None] = Field(default_factory=dict)
     inputs: list[InputSpec] | None = None
-    dynamic_dims: dict[str, dict[int, str]] = Field(
+    dynamic_dims: dict[str, dict[int, str | DynamicDim]] = Field(
         default_factory=dict,
-        description="export: forward() argument -> {dim index: name}; dims with the same "
-        "name are equal, e.g. {input_ids: {0: batch, 1: seq}}",
+        description="export: forward() argument -> {dim index: name or {name, min, max}}; "
+        "dims with the same name are equal, e.g. {input_ids: {0: batch, 1: seq}}",
     )
 
     @field_validator("dynamic_dims")
     @classmethod
-    def _dim_names(cls, v: dict[str, dict[int, str]]) -> dict[str, dict[int, str]]:
+    def _dim_names(cls, v: dict[str, dict[int, str | DynamicDim]]
+                   ) -> dict[str, dict[int, str | DynamicDim]]:
         for arg, dims in v.items():
-            for d, name in dims.items():
+            for d, dim in dims.items():
+                name = dim if isinstance(dim, str) else dim.name
                 if not name.isidentifier():
                     raise ValueError(f"dynamic_dims.{arg}.{d}: {name!r} is not a valid name "
                                      "(letters, digits, _)")

@@ -1,0 +1,67 @@
+"""Keep a compiled graph's ``state_dict`` layout equal to the model's.
+
+``GraphModule(root, graph)`` copies only the attributes the graph reads, and registers
+every buffer it copies as persistent. So a tied parameter known under two names (GPT-2's
+``lm_head.weight`` / ``transformer.wte.weight``) loses one, parameters of modules the
+forward never calls vanish, and non-persistent buffers (``position_ids``, ``inv_freq``)
+appear in the state_dict. ``keep_state_layout`` restores the model's names (sharing the
+same tensors) and persistence, so ``load_state_dict`` works both ways.
+
+Example:
+    >>> import torch
+    >>> class M(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.emb = torch.nn.Embedding(4, 2)
+    ...         self.head = torch.nn.Linear(2, 4, bias=False)
+    ...         self.head.weight = self.emb.weight  # tied
+    ...         self.register_buffer("pos", torch.arange(2.0), persistent=False)
+    ...     def forward(self, x):
+    ...         return torch.nn.functional.linear(x + self.pos, self.emb.weight)
+    >>> m = M()
+    >>> gm = torch.fx.symbolic_trace(m)
+    >>> sorted(gm.state_dict())  # head.weight lost, pos became persistent
+    ['emb.weight', 'pos']
+    >>> keep_state_layout(gm, m)
+    >>> sorted(gm.state_dict()) == sorted(m.state_dict()) == ['emb.weight', 'head.weight']
+    True
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def _container(gm: nn.Module, path: str) -> nn.Module:
+    mod = gm
+    for part in path.split(".") if path else []:
+        child = getattr(mod, part, None)
+        if not isinstance(child, nn.Module):
+            child = nn.Module()
+            mod.add_module(part, child)
+        mod = child
+    return mod
+
+
+def keep_state_layout(gm: nn.Module, root: nn.Module) -> None:
+    """Give ``gm`` every parameter and buffer name ``root`` has, with root's persistence."""
+    for mod_name, mod in root.named_modules(remove_duplicate=False):
+        target = None
+        for name, p in mod._parameters.items():
+            if p is None:
+                continue
+            target = target or _container(gm, mod_name)
+            if getattr(target, name, None) is None:
+                target.register_parameter(name, p)
+        for name, b in mod._buffers.items():
+            if b is None:
+                continue
+            target = target or _container(gm, mod_name)
+            persistent = name not in mod._non_persistent_buffers_set
+            if getattr(target, name, None) is None:
+                target.register_buffer(name, b, persistent=persistent)
+            elif name in target._buffers:
+                if persistent:
+                    target._non_persistent_buffers_set.discard(name)
+                else:
+                    target._non_persistent_buffers_set.add(name)
