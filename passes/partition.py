@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import statistics
 import time
 from typing import Any
@@ -91,6 +92,7 @@ class Layout:
 
     def __init__(self, gm: GraphModule, has_shapes: bool) -> None:
         self.gm = gm
+        self.has_shapes = has_shapes
         self.floating = floating_nodes(gm)
         self.anchors = [n for n in gm.graph.nodes
                         if n.op not in ("placeholder", "output") and n not in self.floating]
@@ -204,15 +206,22 @@ def _timed(gm: GraphModule, ctx: Context) -> dict[Node, float]:
         raise QCompileError("pipeline.balance: time measures the nodes on the example inputs",
                             fix="pass example_inputs, or use balance: params")
     modes = {name: m.training for name, m in gm.named_modules()}
+    # Timing must not calibrate: observers off, state restored after.
+    quantizers = [m for m in gm.modules() if isinstance(m, FakeQuantize)]
+    observing = [q.observe for q in quantizers]
     gm.eval()
     timer = _Timer(gm)
     try:
+        for q in quantizers:
+            q.observe = False
         with torch.no_grad():
             for _ in range(3):
                 timer.run(*args, enable_io_processing=False)
     finally:
         for name, m in gm.named_modules():
             m.training = modes.get(name, m.training)
+        for q, flag in zip(quantizers, observing):
+            q.observe = flag
     return {n: statistics.median(ts) for n, ts in timer.seconds.items()}
 
 
@@ -293,6 +302,28 @@ def _explicit(gm: GraphModule, layout: Layout, ctx: Context) -> list[int]:
     return [stage_of[a] for a in layout.anchors]
 
 
+def _make_contiguous(gm: GraphModule, layout: Layout, stage_of: list[int]) -> Layout:
+    """Reorder the graph so every stage is one contiguous run of anchors. Valid because
+    no edge goes to an earlier stage: sorting by (stage, position) keeps topological
+    order. Floating nodes move ahead of all anchors (they read parameters only)."""
+    if all(a <= b for a, b in itertools.pairwise(stage_of)):
+        return layout
+    order = sorted(range(len(stage_of)), key=lambda i: (stage_of[i], i))
+    graph = gm.graph
+    cursor = layout.placeholders[-1] if layout.placeholders else None
+    moved = [n for n in graph.nodes if n in layout.floating] + [layout.anchors[i] for i in order]
+    for node in moved:
+        if cursor is None:
+            next(iter(graph.nodes)).prepend(node)
+        else:
+            cursor.append(node)
+        cursor = node
+    graph.lint()
+    for i in order:
+        layout.anchors[i].meta[STAGE_KEY] = stage_of[i]
+    return Layout(gm, layout.has_shapes)
+
+
 def _quantized_groups(gm: GraphModule, layout: Layout) -> list[bool]:
     """Cut positions between an op (or the head of its fusion group, conv-bn-relu) and
     its activation quantizer: cutting there would send unquantized values."""
@@ -354,6 +385,11 @@ def partition(gm: GraphModule, ctx: Context) -> GraphModule:
     costs = anchor_costs(gm, layout, balance, ctx)
     if isinstance(p.stages, list):
         stage_of = _explicit(gm, layout, ctx)
+        before = {a: s for a, s in zip(layout.anchors, stage_of)}
+        layout = _make_contiguous(gm, layout, stage_of)
+        stage_of = [before[a] for a in layout.anchors]
+        cut_bytes, blocked = layout.cut_profile()
+        costs = anchor_costs(gm, layout, balance, ctx)
         for i in range(n - 1):
             if stage_of[i] != stage_of[i + 1] and blocked[i]:
                 bad = [v.name for v in layout.crossing(i) if not layout.is_tensor[v]]

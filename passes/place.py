@@ -42,9 +42,11 @@ from qcompile.fake_quant import FakeQuantize
 from qcompile.passes.partition import STAGE_KEY, Layout, stage_devices, tensor_bytes
 from qcompile.pipeline import graph_pass
 from qcompile.specs import FP8_MAX
+from qcompile.state_layout import keep_persistence
 from qcompile.transfer import pack, unpack
 
 STAGE_NAMES_KEY = "qcompile.stage_names"
+TIED_KEY = "qcompile.tied"  # stage keys of each parameter several stages hold
 
 
 def check_device(device: str, where: str) -> torch.device:
@@ -148,24 +150,37 @@ def _stage_graph(members: list[Node], live_in: list[Node], live_out: list[Node],
     return g, len(outs)
 
 
-def _name_map(stages: dict[str, GraphModule]) -> dict[str, list[str]]:
-    names: dict[str, list[str]] = {}
+def _name_map(gm: GraphModule, stages: dict[str, GraphModule]) -> dict[str, list[str]]:
+    """Original state_dict name -> the stage keys holding that very tensor. Matched by
+    identity, so a tied weight read under one name keeps all the names it had."""
+    holders: dict[int, list[str]] = {}
     for stage_name, stage in stages.items():
-        for key in stage.state_dict():
-            names.setdefault(key, []).append(f"{stage_name}.{key}")
-    return names
+        for key, t in stage.state_dict(keep_vars=True).items():
+            holders.setdefault(id(t), []).append(f"{stage_name}.{key}")
+    return {orig: holders[id(t)] for orig, t in gm.state_dict(keep_vars=True).items()
+            if id(t) in holders}
+
+
+def _tied(gm: GraphModule, stages: dict[str, GraphModule]) -> list[tuple[str, list[str]]]:
+    """Parameters held by more than one stage (by identity): (a name, stage keys)."""
+    by_id: dict[int, list[str]] = {}
+    for stage_name, stage in stages.items():
+        seen: set[int] = set()
+        for key, p in stage.named_parameters(remove_duplicate=False):
+            if id(p) not in seen:  # one key per stage
+                seen.add(id(p))
+                by_id.setdefault(id(p), []).append(f"{stage_name}.{key}")
+    name_of = {id(p): n for n, p in gm.named_parameters()}
+    return sorted((name_of.get(i, keys[0].split(".", 1)[1]), keys)
+                  for i, keys in by_id.items() if len(keys) > 1)
 
 
 def _register_original_names(gm: GraphModule, names: dict[str, list[str]]) -> None:
     """state_dict under the original qualified names; load_state_dict accepts them."""
-    to_original = {stage_key: orig for orig, keys in names.items() for stage_key in keys}
-
     def save_hook(module: nn.Module, state: dict[str, Any], prefix: str, meta: Any) -> None:
-        for key in [k for k in state if k.startswith(prefix)]:
-            orig = to_original.get(key[len(prefix):])
-            if orig is not None:
-                value = state.pop(key)
-                state.setdefault(prefix + orig, value)  # tied: the first holder's tensor
+        stage_values = {k: state.pop(k) for k in [k for k in state if k.startswith(prefix)]}
+        for orig, keys in names.items():  # the first holder's tensor for tied ones
+            state[prefix + orig] = stage_values[prefix + keys[0]]
 
     def load_hook(module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
         for orig, keys in names.items():
@@ -206,6 +221,7 @@ def place(gm: GraphModule, ctx: Context) -> GraphModule:
         members = [a for a, st in zip(layout.anchors, stage_of) if st == s]
         graph, slots = _stage_graph(members, live_in, live_out, packed, s == k - 1)
         stage = GraphModule(gm, graph, f"{type(gm).__name__}Stage{s}")
+        keep_persistence(stage, gm)
         stage.train(gm.training)
         for name, m in stage.named_modules():  # keep per-module train/eval flags
             if name:
@@ -249,18 +265,19 @@ def place(gm: GraphModule, ctx: Context) -> GraphModule:
     placed = GraphModule(holder, top, type(gm).__name__)
     placed.train(gm.training)
     placed.meta.update(gm.meta)
-    names = _name_map(stage_modules)
-    tied = {orig: keys for orig, keys in names.items() if len(keys) > 1}
+    names = _name_map(gm, stage_modules)
+    tied = _tied(gm, stage_modules)
     if tied and not ctx.spec.pipeline.allow_tied:
-        orig, keys = next(iter(sorted(tied.items())))
+        orig, keys = tied[0]
         held = " and ".join(key.split(".", 1)[0] for key in keys)
         raise QCompileError(f"pipeline.allow_tied is false, but parameter {orig!r} is used by "
                             f"{held}", fix="put the layers sharing it in one stage (explicit "
                             "stages), or set allow_tied: true (its gradients are then summed "
                             "across the stages holding it)")
-    for orig, keys in sorted(tied.items()):
+    for orig, keys in tied:
         ctx.note(f"{orig} is shared by {', '.join(key.split('.', 1)[0] for key in keys)}")
     placed.meta[STAGE_NAMES_KEY] = names
+    placed.meta[TIED_KEY] = [keys for _, keys in tied]
     _register_original_names(placed, names)
     if packed:  # the report's byte counts: integers where values cross packed
         for s in range(k - 1):

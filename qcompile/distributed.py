@@ -115,29 +115,28 @@ def _tied_groups(gm: nn.Module, stage_rank: dict[int, int], mine: list[int], gro
                  ) -> list[tuple[list[torch.Tensor], Any]]:
     """Process groups among the ranks holding each tied parameter (created on every rank
     in the same order, as new_group requires), with this rank's copies."""
-    from qcompile.passes.place import STAGE_NAMES_KEY
+    from qcompile.passes.place import TIED_KEY
 
-    names = gm.meta.get(STAGE_NAMES_KEY, {})
-    params = {k for k, _ in gm.named_parameters(remove_duplicate=False)}
-    groups: dict[tuple[int, ...], list[str]] = {}
-    for orig, keys in sorted(names.items()):
-        holders = sorted({stage_rank[int(key.split(".", 1)[0].removeprefix("stage_"))]
-                          for key in keys if key in params})
+    def stage_of(key: str) -> int:
+        return int(key.split(".", 1)[0].removeprefix("stage_"))
+
+    groups: dict[tuple[int, ...], list[list[str]]] = {}
+    for keys in gm.meta.get(TIED_KEY, []):
+        holders = sorted({stage_rank[stage_of(key)] for key in keys})
         if len(holders) > 1:
-            groups.setdefault(tuple(holders), []).append(orig)
+            groups.setdefault(tuple(holders), []).append(keys)
     out = []
     me = torch.distributed.get_rank()
-    for ranks, origs in sorted(groups.items()):
+    for ranks, tied_keys in sorted(groups.items()):
         # stage ranks count within `group`; new_group takes global ranks
         global_ranks = [r if group is None else torch.distributed.get_global_rank(group, r)
                         for r in ranks]
         sub_group = torch.distributed.new_group(global_ranks)
         if me in global_ranks:
             tensors = []
-            for orig in origs:
-                for key in names[orig]:
-                    s = int(key.split(".", 1)[0].removeprefix("stage_"))
-                    if s in mine:
+            for keys in tied_keys:
+                for key in keys:
+                    if stage_of(key) in mine:
                         tensors.append(gm.get_parameter(key))
                         break  # one copy per rank: stages on one rank share the Parameter
             out.append((tensors, sub_group))

@@ -65,3 +65,15 @@ def keep_state_layout(gm: nn.Module, root: nn.Module) -> None:
                     target._non_persistent_buffers_set.discard(name)
                 else:
                     target._non_persistent_buffers_set.add(name)
+
+
+def keep_persistence(gm: nn.Module, root: nn.Module) -> None:
+    """Mark ``gm``'s buffers non-persistent where ``root`` has them non-persistent."""
+    for mod_name, mod in gm.named_modules():
+        try:
+            src = root.get_submodule(mod_name)
+        except AttributeError:
+            continue
+        for name in list(mod._buffers):
+            if name in src._non_persistent_buffers_set:
+                mod._non_persistent_buffers_set.add(name)
