@@ -702,3 +702,27 @@ def test_bounded_dynamic_dims_on_bert() -> None:
         ids = torch.randint(0, 100, shape)
         with torch.no_grad():
             assert_same_output(gm(input_ids=ids), model(input_ids=ids))
+
+
+# -- 11. a 2-stage pipeline split of each model matches the unsplit graph ----------------------
+
+def test_two_stage_pipeline_matches_unsplit(built: Built) -> None:
+    """Every model splits into two stages (cost-balanced by parameters) whose composition
+    gives the unsplit graph's outputs bit for bit, with int8-qat quantizers frozen."""
+    kw = built.case.kwargs
+    spec = spec_with("int8-qat").model_dump()
+    flat = qc.qcompile(built.model, spec, example_kwargs=kw)
+    spec["pipeline"] = {"stages": 2}
+    piped = qc.qcompile(built.model, spec, example_kwargs=kw)
+    assert [name for name, _ in piped.named_children()] == ["stage_0", "stage_1"]
+    flat.eval()
+    flat(**kw)  # observe once, then freeze both with the same qparams
+    qc.freeze(flat)
+    piped.load_state_dict(flat.state_dict())
+    qc.freeze(piped)
+    piped.eval()
+    with torch.no_grad():
+        assert_same_output(piped(**kw), flat(**kw))
+    stages = qc.report(piped).stages
+    assert len(stages) == 2 and all(s.nodes > 0 for s in stages)
+    assert stages[0].bytes_out == stages[1].bytes_in > 0
