@@ -1,0 +1,160 @@
+"""``qcompile-bench``: side-by-side measurements, medians and ratios in one run.
+
+Subcommands:
+
+- ``pipeline``: partitioning time on a ~10,000-node graph, bytes crossing each cut with
+  ``transfer: fp32`` vs ``int8``, and the step time of a 2-stage GPipe pipeline (2 ranks,
+  gloo, CPU) next to the same model trained in one process.
+
+Example:
+    >>> from qcompile.tools.bench import deep_mlp
+    >>> len(list(deep_mlp(3).modules())) > 3
+    True
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+import qcompile as qc
+
+
+def deep_mlp(blocks: int, width: int = 64) -> nn.Sequential:
+    """``blocks`` x (Linear + ReLU): the scaling workload."""
+    layers: list[nn.Module] = []
+    for _ in range(blocks):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def _median(fn: Any, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_partition(blocks: int, stages: int) -> dict[str, Any]:
+    model = deep_mlp(blocks)
+    x = torch.randn(8, 64)
+    spec = qc.load_spec("int8-qat").model_dump()
+    spec["pipeline"] = {"stages": stages, "balance": "flops"}
+    gm = qc.qcompile(model, spec, example_inputs=(x,))
+    report = qc.report(gm)
+    seconds = {p.name: p.seconds for p in report.passes}
+    nodes = next(p.nodes_after for p in report.passes if p.name == "partition")
+    return {"graph_nodes": nodes, "stages": stages, "partition_s": seconds["partition"],
+            "place_s": seconds["place"], "balance_ratio": report.balance_ratio}
+
+
+def bench_transfer(blocks: int = 8, batch: int = 64) -> dict[str, Any]:
+    model = deep_mlp(blocks, 256)
+    x = torch.randn(batch, 256)
+    out = {}
+    for transfer in ("fp32", "int8"):
+        spec = qc.load_spec("int8-qat").model_dump()
+        spec["pipeline"] = {"stages": 2, "transfer": transfer}
+        gm = qc.qcompile(model, spec, example_inputs=(x,))
+        out[transfer] = qc.report(gm).stages[0].bytes_out
+    out["ratio"] = out["fp32"] / out["int8"]
+    return out
+
+
+def _rank(rank: int, store: str, steps: int, result: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = deep_mlp(16, 256)
+    x, y = torch.randn(64, 256), torch.randn(64, 256)
+    spec = qc.load_spec("int8-qat").model_dump()
+    spec["pipeline"] = {"stages": 2, "microbatches": 4}
+    gm = qc.qcompile(model, spec, example_inputs=(x[:16],))
+    stage, schedule = qc.distributed.pipeline(gm, spec, loss_fn=nn.functional.mse_loss)
+    opt = torch.optim.SGD(stage.submod.parameters(), lr=1e-3)
+
+    def step() -> None:
+        opt.zero_grad()
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y)
+        opt.step()
+
+    step()
+    dist.barrier()
+    seconds = _median(step, steps)
+    if rank == 0:
+        with open(result, "w") as f:
+            json.dump({"pipeline_step_s": seconds}, f)
+    dist.destroy_process_group()
+
+
+def bench_pipeline_step(steps: int = 10) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = deep_mlp(16, 256)
+    x, y = torch.randn(64, 256), torch.randn(64, 256)
+    gm = qc.qcompile(model, "int8-qat", example_inputs=(x[:16],))
+    opt = torch.optim.SGD(gm.parameters(), lr=1e-3)
+
+    def step() -> None:
+        opt.zero_grad()
+        for xm, ym in zip(x.chunk(4), y.chunk(4)):  # the same 4 micro-batches
+            (nn.functional.mse_loss(gm(xm), ym) / 4).backward()
+        opt.step()
+
+    step()
+    single = _median(step, steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
+        torch.multiprocessing.spawn(_rank, args=(os.path.join(tmp, "store"), steps, result),
+                                    nprocs=2, join=True)
+        with open(result) as f:
+            piped = json.load(f)["pipeline_step_s"]
+    return {"one_process_step_s": single, "pipeline_step_s": piped,
+            "pipeline_vs_one_process": piped / single}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qcompile-bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("suite", choices=["pipeline"])
+    parser.add_argument("--quick", action="store_true", help="smaller workloads")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    blocks = 300 if args.quick else 1667  # 6 nodes per block in an int8-qat graph: ~10,000
+    results = {
+        "partition": bench_partition(blocks, 4),
+        "transfer_bytes": bench_transfer(),
+        "step": bench_pipeline_step(3 if args.quick else 10),
+    }
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    p, t, s = results["partition"], results["transfer_bytes"], results["step"]
+    print(f"partition: {p['graph_nodes']} nodes into {p['stages']} stages in "
+          f"{p['partition_s'] * 1e3:.0f} ms (place {p['place_s'] * 1e3:.0f} ms), "
+          f"balance max/mean {p['balance_ratio']:.3f}")
+    print(f"bytes across the cut per forward: fp32 {t['fp32']}, int8 {t['int8']} "
+          f"({t['ratio']:.2f}x fewer)")
+    print(f"train step (4 micro-batches): one process {s['one_process_step_s'] * 1e3:.1f} ms, "
+          f"2-stage GPipe on 2 ranks {s['pipeline_step_s'] * 1e3:.1f} ms "
+          f"(ratio {s['pipeline_vs_one_process']:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
