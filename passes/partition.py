@@ -437,8 +437,13 @@ def partition(gm: GraphModule, ctx: Context) -> GraphModule:
                 if o.name:
                     tops.setdefault(o.name.split(".")[0])
                     break
+        param_bytes = sum(t.numel() * t.element_size() for t in params.values())
+        # GPipe keeps every micro-batch's activations; 1F1B at most (stages - s) of them
+        in_flight = p.microbatches if p.schedule == "gpipe" else min(p.microbatches, k - s)
+        activations = sum(tensor_bytes(a) for a in members)
         records.append(StageRecord(
             stage=s, device=devices[s], nodes=len(members),
+            memory_bytes=int(4 * param_bytes + activations * in_flight),
             parameters=sum(t.numel() for t in params.values()),
             parameter_bytes=sum(t.numel() * t.element_size() for t in params.values()),
             cost=sum(c for c, st in zip(costs, stage_of) if st == s),

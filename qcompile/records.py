@@ -57,6 +57,8 @@ class StageRecord(BaseModel):
     cost: float = Field(description="estimated forward+backward cost (unit of the balance)")
     bytes_in: int = Field(description="activation bytes received per forward")
     bytes_out: int = Field(description="activation bytes sent per forward")
+    memory_bytes: int = Field(0, description="estimate: parameters x4 (weights, gradients, "
+                              "two Adam moments) + activations x micro-batches in flight")
     modules: list[str] = Field(default_factory=list, description="top-level modules it holds")
 
 
@@ -102,8 +104,9 @@ class Report(BaseModel):
             lines.append(f"stages: {len(self.stages)} (balance {self.balance}, max/mean cost "
                          f"{self.balance_ratio:.2f})")
             lines.append(f"{'stage':<7}{'device':<9}{'nodes':>6}{'params':>11}{'cost':>12}"
-                         f"{'bytes in':>11}{'bytes out':>11}")
+                         f"{'bytes in':>11}{'bytes out':>11}{'memory':>12}")
             for s in self.stages:
                 lines.append(f"{s.stage:<7}{s.device:<9}{s.nodes:>6}{s.parameters:>11}"
-                             f"{s.cost:>12.4g}{s.bytes_in:>11}{s.bytes_out:>11}")
+                             f"{s.cost:>12.4g}{s.bytes_in:>11}{s.bytes_out:>11}"
+                             f"{s.memory_bytes:>12}")
         return "\n".join(lines)
