@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Node
@@ -49,6 +50,13 @@ from qcompile.records import QuantizerRecord
 from qcompile.specs import Scheme
 
 _CONV = {"conv1d": F.conv1d, "conv2d": F.conv2d, "conv3d": F.conv3d}
+
+
+def _device(gm: GraphModule) -> torch.device:
+    """Where the model's tensors live (activation quantizers go there too)."""
+    for t in (*gm.parameters(), *gm.buffers()):
+        return t.device
+    return torch.device("cpu")
 
 
 def _free_name(gm: GraphModule, base: str) -> str:
@@ -187,6 +195,7 @@ def _activations(gm: GraphModule, ctx: Context) -> None:
         fq = _build(qs.activation, role="activation", shape=shape, dynamic=mode == "dynamic",
                     where=f"node {last.name!r}", field=field)
         _set_activation_mode(fq, mode)
+        fq.to(_device(gm))
         name = _add(gm, _activation_name(gm, head), fq)
         _insert_after(gm, last, name)
         ctx.quantizers.append(_record(name, fq, "activation", last.name, qs.rule))
@@ -229,6 +238,7 @@ def _weights(gm: GraphModule, ctx: Context) -> None:
                 fix="use granularity per_channel for this layer, or skip it with a rule")
         fq = _build(qs.weight, role="weight", shape=tuple(weight.shape), dynamic=False,
                     where=where, field=field, channel_axis=use.axis % weight.dim())
+        fq.to(weight.device)  # a quantizer lives where its tensor does (cuda, meta, ...)
         fq.observe_tensor(weight)
         # Weights move only in QAT: keep tracking them there, freeze them otherwise.
         fq.observe = mode == "qat" and not fq.learnable
@@ -256,6 +266,7 @@ def _inputs(gm: GraphModule, ctx: Context) -> None:
                     dynamic=ctx.spec.quant.mode == "dynamic",
                     where=f"input {node.target!r}", field="quant.inputs")
         _set_activation_mode(fq, ctx.spec.quant.mode)
+        fq.to(_device(gm))
         name = _add(gm, f"{node.target}_input_fake_quant", fq)
         _insert_after(gm, node, name)
         ctx.quantizers.append(_record(name, fq, "input", node.name, None))

@@ -79,6 +79,10 @@ def calibrate(gm: nn.Module, batches: Iterable[Any]) -> nn.Module:
         gm.train(was_training)
     if seen == 0:
         raise QCompileError("calibrate: no batches were given", fix="pass a non-empty iterable")
+    if getattr(gm, "meta", {}).get("qcompile.sync_observers", False):
+        from qcompile.distributed import sync_observers
+
+        sync_observers(gm, everything=True)  # every rank ends with the same qparams
     for q in qs.values():
         q.observe = False
         q.enabled = True

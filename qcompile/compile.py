@@ -93,7 +93,8 @@ def qcompile(
     t0 = time.perf_counter()
     gm, records = Pipeline(default_passes(spec)).run(ctx, instruments=instruments)
     if spec.cache_dir is not None:
-        records[-1].notes.append("cache_dir is not used by this version: compiled afresh")
+        records[-1].notes.append("cache_dir is used by qc.distributed.compile_once: "
+                                 "qcompile itself compiles afresh")
     report = gm.meta[REPORT_KEY] = Report(
         qcompile_version=__version__,
         torch_version=torch.__version__,
@@ -107,6 +108,7 @@ def qcompile(
         balance_ratio=_balance_ratio(ctx),
         total_seconds=time.perf_counter() - t0,
     )
+    gm.meta["qcompile.sync_observers"] = spec.quant.sync_observers
     for inst in instruments:
         inst.finish(report, gm)
     return gm

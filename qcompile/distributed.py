@@ -205,3 +205,170 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
     return (stages if kind == "interleaved_1f1b" else stages[0],
             PipelineSchedule(schedule, inputs, m, tied, params))
 
+
+
+# -- data parallel ---------------------------------------------------------------------------
+def _initialised() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def sync_observers(gm: nn.Module, group: Any = None, *, everything: bool = False
+                   ) -> dict[str, int]:
+    """Reduce observer statistics across the data-parallel group, then recompute qparams.
+
+    Min-max observers take the min of mins and max of maxes; moving averages the mean.
+    All quantizers go in one flattened collective per reduction kind (at most three per
+    call), not one per quantizer. Only quantizers that observed since the last call take
+    part (every rank ran the same forward, so it is the same set), unless ``everything``.
+    Returns the number of collectives and bytes sent."""
+    from qcompile.fake_quant import FakeQuantize
+    from qcompile.observers import MovingAverageObserver
+
+    stats = {"collectives": 0, "bytes": 0}
+    if not _initialised():
+        return stats
+    qs = [m for _, m in sorted(gm.named_modules(), key=lambda kv: kv[0])
+          if isinstance(m, FakeQuantize) and m.observer is not None
+          and (everything or m.observed)]
+    if not qs:
+        return stats
+    world = torch.distributed.get_world_size(group)
+    mins = [q.observer.min_val for q in qs if not isinstance(q.observer, MovingAverageObserver)]
+    maxs = [q.observer.max_val for q in qs if not isinstance(q.observer, MovingAverageObserver)]
+    avgs = [t for q in qs if isinstance(q.observer, MovingAverageObserver)
+            for t in (q.observer.min_val, q.observer.max_val)]
+    ops = torch.distributed.ReduceOp
+    with torch.no_grad():
+        for tensors, op in ((mins, ops.MIN), (maxs, ops.MAX), (avgs, ops.SUM)):
+            if not tensors:
+                continue
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            torch.distributed.all_reduce(flat, op=op, group=group)
+            if op == ops.SUM:
+                flat /= world
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+            stats["collectives"] += 1
+            stats["bytes"] += flat.numel() * flat.element_size()
+        for q in qs:
+            was_learning = q.learnable and not q.observe
+            if not q.learnable or was_learning:
+                q.refresh_qparams()  # a learnable scale is (re)initialised from synced stats
+            q.observed = False
+    return stats
+
+
+def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Module:
+    """Replicate a compiled graph as ``spec.data_parallel.kind`` says.
+
+    - ``ddp``: ``DistributedDataParallel(gm, **kwargs)``.
+    - ``fsdp2``: ``fully_shard`` on every module the graph calls that owns parameters
+      (learnable quantizers get a float32 ``MixedPrecisionPolicy`` of their own, so scales
+      stay fp32 under a bf16 policy), then on the root with ``kwargs`` (``mesh``,
+      ``mp_policy``, ...). Parameters the graph reads directly (re-expressed Linear/Conv
+      weights) belong to the root's group.
+    - ``none``: ``gm`` itself.
+
+    With ``quant.sync_observers`` and an initialised process group, observer statistics
+    are reduced across ranks after every forward (``sync_observers``).
+    """
+    from qcompile.compile import _as_spec
+    from qcompile.fake_quant import FakeQuantize
+
+    spec = _as_spec(spec)
+    kind = spec.data_parallel.kind
+    if kind != "none" and not _initialised():
+        raise QCompileError(f"data_parallel.kind: {kind} needs an initialised process group",
+                            fix="launch with torchrun and call "
+                            "torch.distributed.init_process_group() first")
+    refuse_wrapped(gm)
+    if spec.quant.sync_observers and _initialised():
+        gm.register_forward_hook(lambda module, args, out: (sync_observers(module, group),
+                                                             None)[1])
+    if kind == "none":
+        return gm
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        if group is not None:
+            kwargs.setdefault("process_group", group)
+        return DistributedDataParallel(gm, **kwargs)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    read = {str(n.target).rpartition(".")[0] for n in gm.graph.nodes if n.op == "get_attr"}
+    for name in sorted(called, key=lambda s: -s.count(".")):  # innermost first
+        module = gm.get_submodule(name)
+        if not any(True for _ in module.parameters()) or name in read:
+            continue
+        if isinstance(module, FakeQuantize):
+            fully_shard(module, mesh=kwargs.get("mesh"),
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                       reduce_dtype=torch.float32))
+        elif not any(isinstance(m, FakeQuantize) and m.learnable for m in module.modules()):
+            fully_shard(module, **kwargs)
+    return fully_shard(gm, **kwargs)
+
+
+def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
+                 example_kwargs: dict[str, Any] | None = None,
+                 calibration: Any = None, cache_dir: str | None = None,
+                 group: Any = None) -> nn.Module:
+    """Quantize once, share with every rank.
+
+    Rank 0 builds the model, compiles it and (with ``calibration`` batches) calibrates it
+    — or loads the result from the compile cache (``cache_dir``, or ``spec.cache_dir``).
+    The other ranks build the model on the meta device (no memory), compile that, allocate
+    the compiled graph once and receive every parameter and buffer from rank 0. All ranks
+    end with bit-identical graphs; no rank but 0 ever holds the float model.
+    Without a process group this is compile (+ calibrate, + cache) in one process.
+    """
+    from qcompile.api import calibrate, report
+    from qcompile.cache import CompileCache, cache_key
+    from qcompile.compile import _as_inputs, _as_spec, qcompile
+
+    spec = _as_spec(spec)
+    directory = cache_dir or spec.cache_dir
+    rank = torch.distributed.get_rank(group) if _initialised() else 0
+    inputs = _as_inputs(example_inputs)
+    if rank == 0:
+        model = build_model()
+        gm = qcompile(model, spec, inputs, example_kwargs=example_kwargs)
+        batches = list(calibration) if calibration is not None else None
+        state, why = None, "no cache_dir"
+        if directory is not None:
+            key = cache_key(gm.code, spec.model_dump_json(), model, batches)
+            state, why = CompileCache(directory).load(key)
+        if state is not None:
+            gm.load_state_dict(state)
+        else:
+            if batches is not None:
+                calibrate(gm, batches)
+            if directory is not None:
+                CompileCache(directory).store(key, gm, report(gm).model_dump_json())
+        report(gm).passes[-1].notes.append(f"compile cache: {why}")
+        del model
+    else:
+        meta = torch.device("meta")
+        with meta:
+            model = build_model()
+
+        def to_meta(v: Any) -> Any:
+            return v.to(meta) if isinstance(v, torch.Tensor) else v
+
+        meta_inputs = tuple(to_meta(v) for v in inputs) if inputs is not None else None
+        meta_kwargs = {k: to_meta(v) for k, v in (example_kwargs or {}).items()} or None
+        gm = qcompile(model, spec, meta_inputs, example_kwargs=meta_kwargs)
+        gm = gm.to_empty(device="cpu")
+    if _initialised():
+        tensors = [t for _, t in sorted([*gm.named_parameters(remove_duplicate=True),
+                                         *gm.named_buffers(remove_duplicate=True)],
+                                        key=lambda kv: kv[0])]
+        src = torch.distributed.get_global_rank(group, 0) if group is not None else 0
+        with torch.no_grad():
+            for t in tensors:
+                torch.distributed.broadcast(t.data, src=src, group=group)
+        gm.load_state_dict(gm.state_dict())  # quantizer on/off flags follow their buffers
+    return gm

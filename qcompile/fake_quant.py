@@ -109,6 +109,7 @@ class FakeQuantize(nn.Module):
         self.register_buffer("mode_flags", torch.ones(2, dtype=torch.uint8))
         self.enabled = True
         self.observe = True
+        self.observed = False  # observed since the last synchronisation
         n = channels if granularity in ("per_channel", "per_group") else 1
         scale = torch.ones(n, dtype=torch.float32)
         if learnable:
@@ -169,12 +170,20 @@ class FakeQuantize(nn.Module):
             return
         mn, mx = self._minmax(x.detach().float())
         self.observer.update(mn, mx)
-        scale, zero_point = self._qparams(self.observer.min_val, self.observer.max_val)
-        self.scale.copy_(scale)
-        self.zero_point.copy_(zero_point)
+        self.refresh_qparams()
+        self.observed = True  # for synchronisation across data-parallel ranks
         if self.learnable:
             # LSQ: the observer only initialises the scale; from then on it is learned.
             self.observe = False
+
+    @torch.no_grad()
+    def refresh_qparams(self) -> None:
+        """Recompute ``scale`` / ``zero_point`` from the observer's statistics."""
+        if self.observer is None:
+            return
+        scale, zero_point = self._qparams(self.observer.min_val, self.observer.max_val)
+        self.scale.copy_(scale)
+        self.zero_point.copy_(zero_point)
 
     # -- forward ----------------------------------------------------------------------
     def _shaped(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -198,7 +207,9 @@ class FakeQuantize(nn.Module):
         else:
             out = fake_quantize(x, scale, zero_point, self.quant_min, self.quant_max,
                                 learnable=self.learnable)
-        return out.reshape(src.shape)
+        # per_group only changed the shape; returning a reshape view otherwise would make
+        # FSDP2 warn about views at the module boundary
+        return out.reshape(src.shape) if self.granularity == "per_group" else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only floating-point tensors are quantized: indices, masks and sizes pass through.
