@@ -155,7 +155,7 @@ def _inputs(ctx: Context) -> tuple[Any, ...] | None:
 def _symbolic(ctx: Context) -> GraphModule:
     """torch.fx symbolic tracing; raises ``_TraceFailure`` when the model cannot be traced."""
     model = ctx.model
-    root = copy.deepcopy(model)
+    root = model if ctx.inplace else copy.deepcopy(model)
     tracer = _Tracer(list(ctx.spec.trace.leaf_modules))
     concrete = dict(ctx.spec.trace.concrete_args) or None
     try:
@@ -189,7 +189,7 @@ def _export(ctx: Context, symbolic_error: _TraceFailure | None) -> GraphModule:
             + (f"; or for symbolic tracing: {symbolic_error.fix}" if symbolic_error else ""))
     try:
         gm, notes = export_graph(ctx.model, inputs, dict(ctx.example_kwargs or {}),
-                                 ctx.spec.trace.dynamic_dims)
+                                 ctx.spec.trace.dynamic_dims, inplace=ctx.inplace)
     except QCompileError:
         raise
     except Exception as e:

@@ -77,19 +77,22 @@ def qcompile(
     *,
     example_kwargs: dict[str, Any] | None = None,
     instruments: Sequence[Instrument] = (),
+    inplace: bool = False,
 ) -> GraphModule:
     """Compile ``model`` as ``spec`` says and return a ready-to-train ``GraphModule``.
 
     ``spec`` is a ``CompileSpec``, a dict, a spec file path or a preset name.
     ``example_inputs`` (optional) enables shape-dependent features. The model itself is
-    never modified: passes work on a deep copy.
+    never modified: passes work on a deep copy — unless ``inplace=True`` (as in torch.ao's
+    ``prepare_fx``), which saves the copy's memory and lets the graph take over the model's
+    modules and parameters: use it only for a model nothing else will use.
     """
     if not isinstance(model, nn.Module):
         raise QCompileError(f"qcompile takes an nn.Module, got {type(model).__name__}",
                             fix="pass the model instance (not its class or a function)")
     spec = _as_spec(spec)
     ctx = Context(spec=spec, model=model, example_inputs=_as_inputs(example_inputs),
-                  example_kwargs=example_kwargs)
+                  example_kwargs=example_kwargs, inplace=inplace)
     t0 = time.perf_counter()
     gm, records = Pipeline(default_passes(spec)).run(ctx, instruments=instruments)
     if spec.cache_dir is not None:

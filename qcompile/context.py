@@ -29,6 +29,7 @@ class Context:
     model: torch.nn.Module
     example_inputs: tuple[Any, ...] | None = None
     example_kwargs: dict[str, Any] | None = None
+    inplace: bool = False  # the graph may take the model's modules instead of copies
     notes: list[str] = field(default_factory=list)
     quantizers: list[QuantizerRecord] = field(default_factory=list)
     rule_matches: dict[int, list[str]] = field(default_factory=dict)

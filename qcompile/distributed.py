@@ -335,11 +335,15 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
     inputs = _as_inputs(example_inputs)
     if rank == 0:
         model = build_model()
-        gm = qcompile(model, spec, inputs, example_kwargs=example_kwargs)
+        key = None
         batches = list(calibration) if calibration is not None else None
+        if directory is not None:  # hash the weights before the graph takes them over
+            weights = cache_key("", "", model)
+        # The model was built here for this graph alone: no copy needed.
+        gm = qcompile(model, spec, inputs, example_kwargs=example_kwargs, inplace=True)
         state, why = None, "no cache_dir"
         if directory is not None:
-            key = cache_key(gm.code, spec.model_dump_json(), model, batches)
+            key = cache_key(gm.code + weights, spec.model_dump_json(), nn.Module(), batches)
             state, why = CompileCache(directory).load(key)
         if state is not None:
             gm.load_state_dict(state)
@@ -360,7 +364,7 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
 
         meta_inputs = tuple(to_meta(v) for v in inputs) if inputs is not None else None
         meta_kwargs = {k: to_meta(v) for k, v in (example_kwargs or {}).items()} or None
-        gm = qcompile(model, spec, meta_inputs, example_kwargs=meta_kwargs)
+        gm = qcompile(model, spec, meta_inputs, example_kwargs=meta_kwargs, inplace=True)
         gm = gm.to_empty(device="cpu")
     if _initialised():
         tensors = [t for _, t in sorted([*gm.named_parameters(remove_duplicate=True),
@@ -372,3 +376,43 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
                 torch.distributed.broadcast(t.data, src=src, group=group)
         gm.load_state_dict(gm.state_dict())  # quantizer on/off flags follow their buffers
     return gm
+
+
+def train_step(model: nn.Module, optimizer: Any, inputs: Any, target: Any, loss_fn: Any,
+               *, accumulate: int | None = None, spec: Any = None) -> float:
+    """One optimizer step over a batch split into ``accumulate`` micro-batches (default
+    ``spec.train.accumulate``). Under DDP the gradient all-reduce runs once, on the last
+    micro-batch (``no_sync`` on the others); the loss is the mean over micro-batches.
+
+    Example:
+        >>> import torch, qcompile as qc
+        >>> gm = qc.qcompile(torch.nn.Linear(4, 1), "int8-qat")
+        >>> opt = torch.optim.SGD(gm.parameters(), lr=0.1)
+        >>> loss = train_step(gm, opt, torch.randn(8, 4), torch.randn(8, 1),
+        ...                   torch.nn.functional.mse_loss, accumulate=4)
+        >>> isinstance(loss, float)
+        True
+    """
+    import contextlib
+
+    from qcompile.compile import _as_spec
+
+    n = accumulate or (_as_spec(spec).train.accumulate if spec is not None else 1)
+    xs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    if any(isinstance(x, torch.Tensor) and x.shape[0] % n for x in (*xs, target)):
+        raise QCompileError(f"train.accumulate = {n} does not divide the batch",
+                            fix="use a batch size that is a multiple of train.accumulate")
+    chunks = list(zip(*(x.chunk(n) for x in xs)))
+    targets = target.chunk(n)
+    optimizer.zero_grad()
+    total = 0.0
+    for i, (chunk, tgt) in enumerate(zip(chunks, targets)):
+        last = i == n - 1
+        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else (
+            model.no_sync())
+        with sync:
+            loss = loss_fn(model(*chunk), tgt) / n
+            loss.backward()
+        total += loss.item()
+    optimizer.step()
+    return total

@@ -184,13 +184,15 @@ def dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict,
 
 
 def export_graph(model: nn.Module, args: tuple, kwargs: dict,
-                 dims: dict[str, dict[int, Any]]) -> tuple[GraphModule, list[str]]:
-    """Export a copy of ``model`` and return a trainable GraphModule plus notes.
+                 dims: dict[str, dict[int, Any]], *, inplace: bool = False
+                 ) -> tuple[GraphModule, list[str]]:
+    """Export a copy of ``model`` (the model itself with ``inplace``) and return a
+    trainable GraphModule plus notes.
 
     Raises whatever ``torch.export`` raises when it cannot capture the model."""
     notes: list[str] = []
     flags = {name: m.training for name, m in model.named_modules()}
-    root = copy.deepcopy(model).train()
+    root = (model if inplace else copy.deepcopy(model)).train()
     shapes = dynamic_shapes(model, args, kwargs, dims)
     ep = torch.export.export(root, tuple(args), dict(kwargs), dynamic_shapes=shapes,
                              strict=False)

@@ -13,6 +13,7 @@ from qcompile.specs.compile import (
     PipelineSpec,
     StageSpec,
     TraceSpec,
+    TrainSpec,
 )
 from qcompile.specs.load import dump_spec, load_spec, presets
 from qcompile.specs.quant import (
@@ -37,6 +38,7 @@ __all__ = [
     "Scheme",
     "StageSpec",
     "TraceSpec",
+    "TrainSpec",
     "dump_spec",
     "load_spec",
     "presets",

@@ -145,6 +145,13 @@ class TraceSpec(Frozen):
         return v
 
 
+class TrainSpec(Frozen):
+    """How ``qcompile.distributed.train_step`` runs an optimizer step."""
+
+    accumulate: int = Field(1, ge=1, description="micro-batches per optimizer step; with "
+                            "DDP, gradients are all-reduced on the last one only")
+
+
 class CompileSpec(Frozen):
     """Everything ``qcompile`` needs to know besides the model."""
 
@@ -154,3 +161,4 @@ class CompileSpec(Frozen):
     pipeline: PipelineSpec | None = None
     cache_dir: str | None = None
     trace: TraceSpec = Field(default_factory=TraceSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)

@@ -5,6 +5,8 @@ Subcommands:
 - ``pipeline``: partitioning time on a ~10,000-node graph, bytes crossing each cut with
   ``transfer: fp32`` vs ``int8``, and the step time of a 2-stage GPipe pipeline (2 ranks,
   gloo, CPU) next to the same model trained in one process.
+- ``compile-once``: peak RSS of each rank when two ranks share one compile of a ~400 MB
+  model (``qc.distributed.compile_once``: rank 1 builds on the meta device).
 
 Example:
     >>> from qcompile.tools.bench import deep_mlp
@@ -129,12 +131,66 @@ def bench_pipeline_step(steps: int = 10) -> dict[str, Any]:
             "pipeline_vs_one_process": piped / single}
 
 
+def _big_model(layers: int = 24, width: int = 2048) -> nn.Sequential:
+    """~400 MB of fp32 weights at the defaults."""
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _compile_once_rank(rank: int, store: str, layers: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    base = _peak_rss_mb()
+    torch.manual_seed(0)
+    gm = qc.distributed.compile_once(lambda: _big_model(layers), "int8-qat",
+                                     (torch.randn(2, 2048),))
+    params = sum(p.numel() for p in gm.parameters()) * 4 / 2**20
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"peak_mb": _peak_rss_mb(), "import_mb": base, "model_mb": params}, f)
+    dist.destroy_process_group()
+
+
+def bench_compile_once(layers: int) -> dict[str, Any]:
+    """Peak RSS per rank of compile_once on two ranks (rank 1 builds on meta)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.spawn(_compile_once_rank,
+                                    args=(os.path.join(tmp, "store"), layers, tmp),
+                                    nprocs=2, join=True)
+        ranks = []
+        for r in range(2):
+            with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+    net = [r["peak_mb"] - r["import_mb"] for r in ranks]  # above the torch-import baseline
+    return {"model_mb": ranks[0]["model_mb"], "rank0_peak_mb": ranks[0]["peak_mb"],
+            "rank1_peak_mb": ranks[1]["peak_mb"],
+            "rank1_vs_rank0": ranks[1]["peak_mb"] / ranks[0]["peak_mb"],
+            "rank0_net_mb": net[0], "rank1_net_mb": net[1], "net_ratio": net[1] / net[0]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qcompile-bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("suite", choices=["pipeline"])
+    parser.add_argument("suite", choices=["pipeline", "compile-once"])
     parser.add_argument("--quick", action="store_true", help="smaller workloads")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
+    if args.suite == "compile-once":
+        r = bench_compile_once(6 if args.quick else 24)
+        if args.json:
+            print(json.dumps(r, indent=2))
+        else:
+            print(f"compile_once of a {r['model_mb']:.0f} MB model on 2 ranks: peak RSS rank 0 "
+                  f"{r['rank0_peak_mb']:.0f} MB, rank 1 {r['rank1_peak_mb']:.0f} MB "
+                  f"({r['rank1_vs_rank0']:.0%} of rank 0); above the torch import: rank 0 "
+                  f"{r['rank0_net_mb']:.0f} MB, rank 1 {r['rank1_net_mb']:.0f} MB "
+                  f"({r['net_ratio']:.0%})")
+        return 0
     blocks = 300 if args.quick else 1667  # 6 nodes per block in an int8-qat graph: ~10,000
     results = {
         "partition": bench_partition(blocks, 4),
