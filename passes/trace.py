@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.fx import GraphModule, Node, Tracer
-from torch.fx.passes.shape_prop import ShapeProp
+from torch.fx import GraphModule, Interpreter, Node, Tracer
+from torch.fx.node import map_aggregate
+from torch.fx.passes.shape_prop import ShapeProp, _extract_tensor_metadata
 
 from qcompile.context import Context
 from qcompile.distributed import refuse_wrapped
@@ -72,9 +73,25 @@ class _TraceFailure(QCompileError):
 
 
 class _ShapeProp(ShapeProp):
+    """ShapeProp that records which node ran last and leaves error reporting to us
+    (torch's prints a traceback to stderr before raising)."""
+
     def run_node(self, n: Node) -> Any:
         self.current = n
-        return super().run_node(n)
+        result = Interpreter.run_node(self, n)
+        tensors = []
+
+        def extract(obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor):
+                tensors.append(obj)
+                return _extract_tensor_metadata(obj)
+            return obj
+
+        meta = map_aggregate(result, extract)
+        if tensors:
+            n.meta["tensor_meta"] = meta
+        n.meta["type"] = type(result)
+        return result
 
 
 def example_args(gm: GraphModule, ctx: Context) -> list[Any] | None:
@@ -134,8 +151,9 @@ def _propagate_shapes(gm: GraphModule, args: list[Any]) -> None:
         node = getattr(prop, "current", None)
         where = f"node {node.name!r} ({node.format_node()})" if node is not None else "the model"
         cause = e.__cause__ or e
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
         raise QCompileError(
-            f"running {where} on the example inputs failed: {type(cause).__name__}: {cause}",
+            f"running {where} on the example inputs failed: {type(cause).__name__}: {first}",
             fix="check the shapes and dtypes of example_inputs / trace.inputs",
         ) from e
     finally:

@@ -1,31 +1,591 @@
-"""``qcompile-inspect``: the graph dump tool (its subcommands are still being built).
+"""``qcompile-inspect``: what qcompile does to a model, as text, JSON or a picture.
+
+Subcommands (one function each; every result goes through one output sink, data on
+stdout and diagnostics on stderr):
+
+- ``validate SPEC``: check a spec file without importing torch.
+- ``schema``: the JSON schema of the spec.
+- ``show SPEC --model REF --input-shape 1x3x32x32``: the compiled graph as a table (node,
+  op, target, shape, rule, scheme, quantizers, stage, device) and a summary.
+- ``explain SPEC --model REF ... [--node NAME]``: the nodes each rule selected; for one
+  node, every rule and why it did or did not match.
+- ``passes SPEC --model REF ... --dump-dir DIR [--diff PASS]``: numbered per-pass dumps
+  and the report JSON; ``--diff`` shows what one pass added and removed.
+- ``sqnr SPEC --model REF ... [--calib FILE.pt | --random N]``: per-layer SQNR of the
+  quantized graph against the float model, worst first.
+
+``REF`` is ``package.module:factory`` or ``path/to/file.py:factory`` (a callable returning
+the model). ``--format json`` gives stable, documented JSON; ``--graph dot|svg|html``
+writes a picture with quantizers and stage colours. Exit codes: 0 ok, 1 invalid spec or
+model error, 2 usage. ``--debug`` shows tracebacks.
 
 Example:
     >>> from qcompile.tools.inspect_cli import main
-    >>> main(["--version"])  # doctest: +ELLIPSIS
-    qcompile-inspect ...
+    >>> main(["validate", "int8-qat"])
+    ok: int8-qat: mode qat, 2 rule(s), no pipeline
     0
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import importlib.util
+import json
+import math
+import shutil
+import subprocess
 import sys
+import traceback
+from collections.abc import Callable
+from html import escape
+from pathlib import Path
+from typing import Any
 
 from qcompile import __version__
+from qcompile.errors import QCompileError
+
+JSON_VERSION = 1  # bumped when a JSON field changes meaning
+
+
+class UsageError(Exception):
+    """Wrong arguments (exit 2)."""
+
+
+# -- the output sink ------------------------------------------------------------------------
+def emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
+    """Print ``data`` as JSON or ``text`` for people: the only place that writes results."""
+    if args.format == "json":
+        print(json.dumps({"qcompile_inspect": JSON_VERSION, **data}, indent=2, default=str))
+    else:
+        print(text)
+
+
+def note(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+# -- loading ----------------------------------------------------------------------------------
+def load_factory(ref: str) -> Callable[[], Any]:
+    """``pkg.module:factory`` or ``path/file.py:factory`` -> the factory callable."""
+    module_ref, sep, attr = ref.rpartition(":")
+    if not sep or not module_ref or not attr:
+        raise QCompileError(f"--model {ref!r} is not MODULE:FACTORY",
+                            fix="use package.module:factory or path/to/file.py:factory")
+    try:
+        if module_ref.endswith(".py") or "/" in module_ref:
+            path = Path(module_ref)
+            if not path.is_file():
+                raise QCompileError(f"--model: no file {module_ref}",
+                                    fix="check the path to the Python file")
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+            spec.loader.exec_module(module)  # type: ignore[union-attr]
+        else:
+            module = importlib.import_module(module_ref)
+    except QCompileError:
+        raise
+    except Exception as e:  # the user's module failed to import
+        raise QCompileError(f"--model: importing {module_ref} failed: {type(e).__name__}: {e}",
+                            fix="fix the module, or run with --debug for the traceback") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise QCompileError(f"--model: {module_ref} has no callable {attr!r}",
+                            fix="name a function or class that returns the model")
+    return factory
+
+
+def build(args: argparse.Namespace) -> tuple[Any, Any, tuple[Any, ...] | None]:
+    """(model, spec, example inputs) from the command line."""
+    import torch
+
+    import qcompile as qc
+
+    spec = qc.load_spec(args.spec)
+    factory = load_factory(args.model)
+    try:
+        model = factory()
+    except Exception as e:
+        raise QCompileError(f"--model: {args.model} raised {type(e).__name__}: {e}",
+                            fix="fix the factory, or run with --debug for the traceback") from e
+    if not isinstance(model, torch.nn.Module):
+        raise QCompileError(f"--model: {args.model} returned {type(model).__name__}, not a "
+                            "torch.nn.Module", fix="return the model instance")
+    inputs = None
+    if args.input_shape:
+        dtype = getattr(torch, args.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise UsageError(f"--dtype {args.dtype!r} is not a torch dtype")
+        inputs = []
+        for shape in args.input_shape:
+            try:
+                dims = [int(d) for d in shape.lower().split("x")]
+            except ValueError:
+                raise UsageError(f"--input-shape {shape!r} is not like 1x3x32x32") from None
+            gen = torch.Generator().manual_seed(0)
+            inputs.append(torch.randn(dims, generator=gen).to(dtype) if dtype.is_floating_point
+                          else torch.randint(0, 2, dims, generator=gen).to(dtype))
+        inputs = tuple(inputs)
+    return model, spec, inputs
+
+
+def compile_graph(args: argparse.Namespace, instruments: tuple = ()) -> tuple[Any, Any, Any]:
+    import qcompile as qc
+
+    model, spec, inputs = build(args)
+    gm = qc.qcompile(model, spec, inputs, instruments=instruments)
+    return gm, spec, inputs
+
+
+# -- graph facts ------------------------------------------------------------------------------
+def _rule_text(spec: Any, index: int | None) -> str:
+    if index is None:
+        return ""
+    m = spec.quant.rules[index].match
+    fields = [f"{k}={','.join(v)}" for k, v in (("module", m.module), ("name", m.name),
+                                                 ("op", m.op)) if v]
+    return f"#{index} " + " ".join(fields)
+
+
+def _scheme_text(s: Any) -> str | None:
+    if s is None:
+        return None
+    return f"{s.dtype}/{s.granularity}/{'sym' if s.symmetric else 'asym'}"
+
+
+def node_rows(gm: Any, spec: Any) -> list[dict[str, Any]]:
+    """One row per node of the compiled graph (stage children flattened)."""
+    from torch.fx.passes.shape_prop import TensorMetadata
+
+    from qcompile.fake_quant import FakeQuantize
+    from qcompile.graph_dump import _target
+
+    stage_of_child = {}
+    graphs = [("", gm)]
+    children = [(n, c) for n, c in gm.named_children() if n.startswith("stage_")]
+    if children:
+        graphs = [(name, child) for name, child in children]
+        for i, (name, _) in enumerate(children):
+            stage_of_child[name] = i
+    stages = qc_report(gm).stages
+    rows = []
+    for prefix, g in graphs:
+        for n in g.graph.nodes:
+            tm = n.meta.get("tensor_meta")
+            qs = n.meta.get("qcompile.qscheme")
+            quantizer = None
+            if n.op == "call_module" and isinstance(g.get_submodule(str(n.target)),
+                                                    FakeQuantize):
+                fq = g.get_submodule(str(n.target))
+                quantizer = f"{fq.dtype}/{fq.granularity}"
+            stage = stage_of_child.get(prefix)
+            rows.append({
+                "node": n.name, "op": n.op, "target": _target(n),
+                "shape": list(tm.shape) if isinstance(tm, TensorMetadata) else None,
+                "rule": qs.rule if qs is not None else None,
+                "rule_match": _rule_text(spec, qs.rule if qs is not None else None),
+                "weight": _scheme_text(qs.weight) if qs is not None else None,
+                "activation": _scheme_text(qs.activation) if qs is not None else None,
+                "skip": bool(qs.skip) if qs is not None else False,
+                "quantizer": quantizer,
+                "stage": stage,
+                "device": stages[stage].device if stage is not None else None,
+            })
+    return rows
+
+
+def qc_report(gm: Any) -> Any:
+    import qcompile as qc
+
+    return qc.report(gm)
+
+
+def summary(gm: Any) -> dict[str, Any]:
+    import qcompile as qc
+
+    report = qc.report(gm)
+    counts: dict[str, int] = {}
+    for q in report.quantizers:
+        key = f"{q.role} {q.dtype} {q.granularity}"
+        counts[key] = counts.get(key, 0) + 1
+    fp32 = quantized = 0
+    bits = {q.node: int("".join(c for c in q.dtype if c.isdigit()) or 8)
+            for q in report.quantizers if q.role == "weight"}
+    for name, p in gm.named_parameters():
+        fp32 += p.numel() * 4
+        quantized += p.numel() * bits.get(name, 32) / 8
+    return {"quantizers": counts, "fp32_bytes": fp32, "quantized_bytes": int(quantized),
+            "stages": [s.model_dump() for s in report.stages],
+            "balance_ratio": report.balance_ratio, "mode": report.mode,
+            "trace_method": report.trace_method}
+
+
+def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    cells = [[("" if r[c] is None else str(r[c])) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+# -- pictures -----------------------------------------------------------------------------------
+_COLOURS = ["#dbeafe", "#dcfce7", "#fef9c3", "#fce7f3", "#ede9fe", "#ffedd5"]
+
+
+def to_dot(rows: list[dict[str, Any]], gm: Any) -> str:
+    lines = ["digraph qcompile {", '  node [shape=box, style="rounded,filled", '
+             'fontname="Helvetica", fontsize=10];']
+    graphs = [c for n, c in gm.named_children() if n.startswith("stage_")] or [gm]
+    index = 0
+    for s, g in enumerate(graphs):
+        for n in g.graph.nodes:
+            row = rows[index]
+            index += 1
+            colour = _COLOURS[s % len(_COLOURS)] if len(graphs) > 1 else "#f3f4f6"
+            if row["quantizer"]:
+                colour = "#fca5a5"
+            label = f"{row['node']}\\n{row['target']}"[:80].replace('"', "'")
+            if row["shape"]:
+                label += f"\\n{row['shape']}"
+            lines.append(f'  "s{s}_{n.name}" [label="{label}", fillcolor="{colour}"];')
+            for i in n.all_input_nodes:
+                lines.append(f'  "s{s}_{i.name}" -> "s{s}_{n.name}";')
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def to_html(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
+    cols = ["node", "op", "target", "shape", "rule_match", "weight", "activation", "quantizer",
+            "stage", "device"]
+    head = "".join(f"<th>{c}</th>" for c in cols)
+    body = []
+    for r in rows:
+        colour = "#fca5a5" if r["quantizer"] else (
+            _COLOURS[r["stage"] % len(_COLOURS)] if r["stage"] is not None else "#ffffff")
+        cells = "".join(f"<td>{escape('' if r[c] is None else str(r[c]))}</td>" for c in cols)
+        body.append(f'<tr style="background:{colour}">{cells}</tr>')
+    return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>qcompile graph</title>"
+            "<style>body{font-family:sans-serif}table{border-collapse:collapse}"
+            "td,th{border:1px solid #ccc;padding:2px 6px;font-size:12px}</style></head><body>"
+            f"<h1>qcompile graph</h1><pre>{escape(json.dumps(info, indent=1, default=str))}"
+            f"</pre><table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+            "</body></html>\n")
+
+
+def write_picture(args: argparse.Namespace, rows: list[dict[str, Any]], gm: Any,
+                  info: dict[str, Any]) -> list[str]:
+    if not getattr(args, "graph", None):
+        return []
+    out = Path(args.out or f"qcompile-graph.{args.graph}")
+    written = []
+    if args.graph in ("dot", "svg"):
+        dot_path = out.with_suffix(".dot")
+        dot_path.write_text(to_dot(rows, gm), encoding="utf-8")
+        written.append(str(dot_path))
+        if args.graph == "svg":
+            exe = shutil.which("dot")
+            if exe is None:
+                raise QCompileError("--graph svg needs Graphviz's `dot`, which is not installed "
+                                    f"(the DOT file is at {dot_path})",
+                                    fix="install graphviz (apt-get install graphviz), or use "
+                                    "--graph html, which needs no extra tools")
+            subprocess.run([exe, "-Tsvg", str(dot_path), "-o", str(out.with_suffix(".svg"))],
+                           check=True)
+            written.append(str(out.with_suffix(".svg")))
+    else:
+        out.with_suffix(".html").write_text(to_html(rows, info), encoding="utf-8")
+        written.append(str(out.with_suffix(".html")))
+    for path in written:
+        note(f"wrote {path}")
+    return written
+
+
+# -- subcommands ----------------------------------------------------------------------------------
+def cmd_validate(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from qcompile.specs import load_spec
+
+    try:
+        spec = load_spec(args.spec)
+    except ValidationError as e:
+        errors = [{"field": ".".join(str(p) for p in err["loc"]), "message": err["msg"]}
+                  for err in e.errors()]
+        text = "\n".join(f"invalid: {err['field']}: {err['message']}" for err in errors)
+        emit(args, {"valid": False, "errors": errors}, text)
+        return 1
+    p = spec.pipeline
+    pipe = f"{p.num_stages} pipeline stage(s)" if p is not None else "no pipeline"
+    emit(args, {"valid": True, "spec": spec.model_dump(mode="json")},
+         f"ok: {args.spec}: mode {spec.quant.mode}, {len(spec.quant.rules)} rule(s), {pipe}")
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from qcompile.specs import CompileSpec
+
+    schema = CompileSpec.model_json_schema()
+    print(json.dumps(schema, indent=2))  # JSON either way: it is a JSON schema
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    gm, spec, _ = compile_graph(args)
+    rows = node_rows(gm, spec)
+    info = summary(gm)
+    written = write_picture(args, rows, gm, info)
+    cols = ["node", "op", "target", "shape", "rule_match", "weight", "activation", "quantizer"]
+    if info["stages"]:
+        cols += ["stage", "device"]
+    lines = [table(rows, cols), "", f"mode {info['mode']}, traced by {info['trace_method']}"]
+    lines += [f"quantizers: {n} x {k}" for k, n in sorted(info["quantizers"].items())]
+    ratio = info["quantized_bytes"] / info["fp32_bytes"] if info["fp32_bytes"] else 1.0
+    lines.append(f"parameters: fp32 {info['fp32_bytes']} bytes, quantized "
+                 f"{info['quantized_bytes']} bytes ({ratio:.0%})")
+    if info["stages"]:
+        lines.append(f"stages: {len(info['stages'])}, max/mean cost "
+                     f"{info['balance_ratio']:.2f}" if info["balance_ratio"] else "")
+        for s in info["stages"]:
+            lines.append(f"  stage {s['stage']} on {s['device']}: {s['nodes']} nodes, "
+                         f"{s['parameters']} params, cost {s['cost']:.4g}, "
+                         f"in {s['bytes_in']} B, out {s['bytes_out']} B")
+    else:
+        lines.append("stages: none (no pipeline section)")
+    emit(args, {"nodes": rows, "summary": info, "files": written}, "\n".join(lines))
+    return 0
+
+
+def _why(rule: Any, node: Any, gm: Any) -> tuple[bool, str]:
+    from qcompile.matching import candidate, match_node, op_name, owners
+
+    m = rule.match
+    if not candidate(gm, node, rule):
+        if m.op is not None:
+            return False, f"not a function/method call ({node.op})"
+        return False, "neither a module's output nor an op with a weight"
+    own = owners(node, gm)
+    if match_node(m, node, own) is not None:
+        return True, "matches"
+    if m.op is not None and op_name(node) not in m.op:
+        return False, f"op {op_name(node)!r} is not one of {m.op}"
+    names = ", ".join(f"{o.name or '<root>'} ({o.cls_name})" for o in own) or "no module"
+    wanted = " and ".join(f"{k} {v}" for k, v in (("module", m.module), ("name", m.name)) if v)
+    return False, f"no owner has {wanted}; owners: {names}"
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from qcompile.context import Context
+    from qcompile.passes import annotate, fold_bn, trace
+
+    model, spec, inputs = build(args)
+    # The annotated graph before insertion shows matching as the rules saw it.
+    ctx = Context(spec=spec, model=model, example_inputs=inputs)
+    gm = fold_bn(trace(None, ctx), ctx)
+    try:
+        annotated = annotate(gm, ctx)
+        matches = ctx.rule_matches
+    except QCompileError as e:  # an unmatched rule: explain the rest anyway
+        annotated, matches = gm, {}
+        note(f"note: {e.message}")
+    rules = [{"rule": i, "match": _rule_text(spec, i), "skip": r.skip,
+              "nodes": matches.get(i, [])} for i, r in enumerate(spec.quant.rules)]
+    if args.node is None:
+        text = "\n".join(f"rule {r['match']}{' (skip)' if r['skip'] else ''}: "
+                         f"{len(r['nodes'])} node(s): {', '.join(r['nodes']) or '-'}"
+                         for r in rules)
+        emit(args, {"rules": rules}, text or "the spec has no rules")
+        return 0
+    node = next((n for n in annotated.graph.nodes if n.name == args.node), None)
+    if node is None:
+        names = ", ".join(n.name for n in list(annotated.graph.nodes)[:20])
+        raise QCompileError(f"--node {args.node!r} is not a node of the graph",
+                            fix=f"use a node name from `show`, e.g. {names}")
+    tried = []
+    for i, rule in enumerate(spec.quant.rules):
+        ok, why = _why(rule, node, annotated)
+        tried.append({"rule": i, "match": _rule_text(spec, i), "matched": ok, "why": why})
+    qs = node.meta.get("qcompile.qscheme")
+    chosen = qs.rule if qs is not None else None
+    text = "\n".join([f"node {node.name} ({node.op} {node.target}): "
+                      + (f"rule {chosen} applies" if chosen is not None else "no rule applies")]
+                     + [f"  {'*' if t['rule'] == chosen else ' '} {t['match']}: {t['why']}"
+                        for t in tried])
+    emit(args, {"node": node.name, "chosen_rule": chosen, "rules": tried}, text)
+    return 0
+
+
+def cmd_passes(args: argparse.Namespace) -> int:
+    from qcompile.graph_dump import GraphDumps
+
+    out = Path(args.dump_dir)
+    gm, _, _ = compile_graph(args, instruments=(GraphDumps(out),))
+    files = sorted(p.name for p in out.iterdir())
+    data: dict[str, Any] = {"dump_dir": str(out), "files": files}
+    text = [f"wrote {len(files)} files to {out}: {', '.join(files)}"]
+    if args.diff:
+        import qcompile as qc
+
+        record = next((p for p in qc.report(gm).passes if p.name == args.diff), None)
+        if record is None:
+            raise UsageError(f"--diff {args.diff!r} is not a pass of this compile "
+                             f"({', '.join(p.name for p in qc.report(gm).passes)})")
+        data["diff"] = {"pass": record.name, "added": record.added, "removed": record.removed,
+                        "notes": record.notes}
+        text += [f"pass {record.name}: +{len(record.added)} -{len(record.removed)}"]
+        text += [f"  + {n}" for n in record.added] + [f"  - {n}" for n in record.removed]
+        text += [f"  note: {n}" for n in record.notes]
+    emit(args, data, "\n".join(text))
+    return 0
+
+
+def _sqnr(ref: Any, out: Any) -> float:
+    """10 log10(|ref|^2 / |ref - out|^2) in dB (inf when identical)."""
+    ref, out = ref.detach().double(), out.detach().double()
+    noise = (ref - out).pow(2).sum().item()
+    signal = ref.pow(2).sum().item()
+    if noise == 0:
+        return math.inf
+    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
+
+
+def cmd_sqnr(args: argparse.Namespace) -> int:
+    import torch
+    from torch.fx import Interpreter
+
+    import qcompile as qc
+    from qcompile.fake_quant import FakeQuantize
+
+    model, spec, inputs = build(args)
+    if args.calib:
+        loaded = torch.load(args.calib, weights_only=True)
+        batches = [b if isinstance(b, (tuple, list)) else (b,) for b in (
+            loaded if isinstance(loaded, (list, tuple)) else [loaded])]
+    else:
+        if inputs is None:
+            raise UsageError("sqnr needs --input-shape (for --random) or --calib FILE.pt")
+        gen = torch.Generator().manual_seed(1)
+        batches = [tuple(torch.randn(x.shape, generator=gen).to(x.dtype) for x in inputs)
+                   for _ in range(args.random)]
+    gm = qc.qcompile(model, spec, inputs or batches[0])
+    if qc.report(gm).mode == "static":
+        qc.calibrate(gm, batches)
+    qc.freeze(gm)
+    gm.eval()
+
+    class Record(Interpreter):
+        def __init__(self, g: Any) -> None:
+            super().__init__(g)
+            self.values: dict[str, Any] = {}
+
+        def run_node(self, n: Any) -> Any:
+            out = super().run_node(n)
+            self.values[n.name] = out
+            return out
+
+    float_gm = qc.qcompile(model, {"quant": {"mode": "none"}, "trace": spec.trace.model_dump()},
+                           inputs or batches[0]).eval()
+    results: dict[str, list[float]] = {}
+    with torch.no_grad():
+        for batch in batches:
+            q, f = Record(gm), Record(float_gm)
+            q.run(*batch)
+            f.run(*batch)
+            for n in gm.graph.nodes:  # each quantized output vs the float node it follows
+                if n.op != "call_module" or not isinstance(gm.get_submodule(str(n.target)),
+                                                           FakeQuantize):
+                    continue
+                src = n.args[0]
+                if src.op == "get_attr" or src.name not in f.values:
+                    continue
+                a, b = f.values[src.name], q.values[n.name]
+                if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (
+                        a.shape == b.shape):
+                    results.setdefault(src.name, []).append(_sqnr(a, b))
+    rows = sorted(({"node": k, "sqnr_db": sum(v) / len(v)} for k, v in results.items()),
+                  key=lambda r: r["sqnr_db"])
+    text = table([{**r, "sqnr_db": f"{r['sqnr_db']:.2f}"} for r in rows], ["node", "sqnr_db"])
+    emit(args, {"layers": rows, "batches": len(batches)}, text or "no quantized activations")
+    return 0
+
+
+# -- the command line ------------------------------------------------------------------------
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", help="spec file (.yaml/.json) or preset name")
+    p.add_argument("--model", required=True, help="package.module:factory or file.py:factory")
+    p.add_argument("--input-shape", action="append", default=[],
+                   help="example input shape like 1x3x32x32 (repeat for several inputs)")
+    p.add_argument("--dtype", default="float32", help="example input dtype (float32)")
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="qcompile-inspect",
+                                   description="Inspect what qcompile does to a model.")
+    root.add_argument("--version", action="version", version=f"qcompile-inspect {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--format", choices=["text", "json"], default="text")
+    common.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = root.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("validate", parents=[common], help="validate a spec (no torch)")
+    p.add_argument("spec")
+    p.set_defaults(fn=cmd_validate)
+    p = sub.add_parser("schema", parents=[common], help="print the spec's JSON schema")
+    p.set_defaults(fn=cmd_schema)
+    p = sub.add_parser("show", parents=[common], help="the compiled graph as a table")
+    _model_args(p)
+    p.add_argument("--graph", choices=["dot", "svg", "html"], help="also write a picture")
+    p.add_argument("--out", help="picture file name (default qcompile-graph.<kind>)")
+    p.set_defaults(fn=cmd_show)
+    p = sub.add_parser("explain", parents=[common], help="which rule matched what, and why")
+    _model_args(p)
+    p.add_argument("--node", help="explain one node: every rule and why it (did not) match")
+    p.set_defaults(fn=cmd_explain)
+    p = sub.add_parser("passes", parents=[common], help="per-pass graph dumps")
+    _model_args(p)
+    p.add_argument("--dump-dir", required=True)
+    p.add_argument("--diff", help="what one pass added and removed")
+    p.set_defaults(fn=cmd_passes)
+    p = sub.add_parser("sqnr", parents=[common], help="per-layer SQNR, worst first")
+    _model_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--calib", help="a .pt file: a list of input tuples (or tensors)")
+    src.add_argument("--random", type=int, default=4, help="N random batches (default 4)")
+    p.set_defaults(fn=cmd_sqnr)
+    return root
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qcompile-inspect",
-                                     description="Inspect what qcompile does to a model.")
-    parser.add_argument("--version", action="store_true", help="print the version")
-    args = parser.parse_args(argv)
-    if args.version:
-        print(f"qcompile-inspect {__version__}")
-        return 0
-    print("qcompile-inspect: subcommands (validate, show, explain, passes, sqnr) are not "
-          "available in this version yet", file=sys.stderr)
-    return 2
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:  # argparse: --help/--version exit 0, usage errors 2
+        return int(e.code or 0)
+    try:
+        return args.fn(args)
+    except UsageError as e:
+        note(f"usage error: {e}")
+        return 2
+    except QCompileError as e:
+        if args.debug:
+            traceback.print_exc()
+        note(f"error: {e.message}")
+        if e.fix:
+            note(f"  fix: {e.fix}")
+        return 1
+    except Exception as e:  # a user mistake surfacing as something else: one line, exit 1
+        if args.debug:
+            traceback.print_exc()
+        else:
+            with contextlib.suppress(Exception):
+                from pydantic import ValidationError
+
+                if isinstance(e, ValidationError):
+                    first = e.errors()[0]
+                    note(f"error: invalid spec: {'.'.join(map(str, first['loc']))}: "
+                         f"{first['msg']}")
+                    return 1
+            note(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            note("  (run with --debug for the traceback)")
+        return 1
 
 
 if __name__ == "__main__":
