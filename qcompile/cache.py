@@ -93,13 +93,16 @@ class CompileCache:
             return None, "miss"
         try:
             manifest = json.loads((entry / MANIFEST).read_text(encoding="utf-8"))
-            if manifest.get("key") != key or manifest.get("format") != FORMAT:
+            if (not isinstance(manifest, dict) or manifest.get("key") != key
+                    or manifest.get("format") != FORMAT
+                    or not isinstance(manifest.get("files"), dict)):
                 return None, "manifest does not match the key"
-            if _file_hash(entry / STATE) != manifest["files"][STATE]:
+            if _file_hash(entry / STATE) != manifest["files"].get(STATE):
                 return None, f"{STATE} fails its hash check (truncated or modified)"
             state = torch.load(entry / STATE, weights_only=True, map_location="cpu")
-        except (OSError, ValueError, KeyError, RuntimeError, json.JSONDecodeError) as e:
-            return None, f"unreadable entry ({type(e).__name__}: {e})"
+        except Exception as e:  # any unreadable entry is reported and rebuilt, never trusted
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            return None, f"unreadable entry ({type(e).__name__}: {first})"
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
                                                   for v in state.values()):
             return None, f"{STATE} does not hold a state dict of tensors"
@@ -124,8 +127,10 @@ class CompileCache:
                         "report": json.loads(report_json) if report_json else None}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
             final = self.directory / key
-            if final.exists():  # a stale or broken entry: replace it
+            if final.is_dir() and not final.is_symlink():  # a stale or broken entry
                 shutil.rmtree(final, ignore_errors=True)
+            elif final.exists() or final.is_symlink():
+                final.unlink()
             try:
                 os.replace(tmp, final)
             except OSError:

@@ -337,13 +337,13 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
         model = build_model()
         key = None
         batches = list(calibration) if calibration is not None else None
-        if directory is not None:  # hash the weights before the graph takes them over
-            weights = cache_key("", "", model)
         # The model was built here for this graph alone: no copy needed.
         gm = qcompile(model, spec, inputs, example_kwargs=example_kwargs, inplace=True)
         state, why = None, "no cache_dir"
         if directory is not None:
-            key = cache_key(gm.code + weights, spec.model_dump_json(), nn.Module(), batches)
+            # The compiled graph's own tensors (tensor constants included), before
+            # calibration; where the cache lives is not part of what is cached.
+            key = cache_key(gm.code, spec.model_dump_json(exclude={"cache_dir"}), gm, batches)
             state, why = CompileCache(directory).load(key)
         if state is not None:
             gm.load_state_dict(state)

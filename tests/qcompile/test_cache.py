@@ -323,11 +323,6 @@ def test_different_calibration_gives_different_qparams() -> None:
                for n in qa if qa[n].observer is not None)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: cache_key hashes model.named_parameters()/named_buffers() of the user's model, "
-    "but torch.fx turns plain tensor attributes used in forward into buffers of the "
-    "compiled graph; changing such a tensor keeps the key, compile_once reports a hit and "
-    "load_state_dict overwrites the new tensor with the cached stale one"))
 def test_plain_tensor_attribute_change_misses(tmp_path: Path) -> None:
     compile_cached(tmp_path, make=lambda: _offset_net(0.0))
     assert "offset" in qc.qcompile(_offset_net(0.0), SPEC, X).state_dict()
@@ -392,24 +387,9 @@ CORRUPTIONS: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
     "manifest files is null": (lambda e: _edit_manifest(e, files=None), ()),
     "entry is a file": (_make_entry_a_file, ("unreadable entry",)),
 }
-BUGS = {
-    "manifest is JSON null": "bug: a manifest that is valid JSON but not an object raises "
-    "AttributeError ('NoneType' object has no attribute 'get') out of CompileCache.load and "
-    "compile_once instead of being reported and recompiled",
-    "manifest files is null": "bug: a manifest whose 'files' is not an object raises "
-    "TypeError out of CompileCache.load and compile_once instead of being reported and "
-    "recompiled",
-    "entry is a file": "bug: when the key's path is a regular file, store's "
-    "rmtree(ignore_errors=True) leaves it, os.replace fails with ENOTDIR and the OSError is "
-    "swallowed because the path exists: the broken entry is never rewritten and every "
-    "later call recompiles",
-}
 
 
-@pytest.mark.parametrize("corruption", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=BUGS[name]))
-    if name in BUGS else name
-    for name in CORRUPTIONS])
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
 def test_corrupted_entry_is_reported_recompiled_and_rewritten(
         tmp_path: Path, corruption: str, calibrations: list[int]) -> None:
     corrupt, expected = CORRUPTIONS[corruption]
@@ -500,11 +480,6 @@ def test_pickled_objects_are_refused_and_run_no_code(
     assert not marker.exists(), "unpickling ran code from the cache"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: with a manifest whose hash matches, a state.pt holding pickled objects makes "
-    "torch.load(weights_only=True) raise pickle.UnpicklingError, which CompileCache.load "
-    "does not catch: compile_once crashes instead of reporting the entry and recompiling "
-    "(no code runs, though)"))
 def test_pickled_object_with_forged_manifest_is_recompiled(tmp_path: Path) -> None:
     marker = tmp_path / "marker"
     cache_dir = tmp_path / "cache"
