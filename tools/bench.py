@@ -7,6 +7,8 @@ Subcommands:
   gloo, CPU) next to the same model trained in one process.
 - ``compile-once``: peak RSS of each rank when two ranks share one compile of a ~400 MB
   model (``qc.distributed.compile_once``: rank 1 builds on the meta device).
+- ``observer-sync``: collectives and bytes per step that keep observers identical on 2
+  DDP ranks (one flattened collective per reduction kind, whatever the quantizer count).
 
 Example:
     >>> from qcompile.tools.bench import deep_mlp
@@ -27,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import qcompile as qc
 
@@ -174,12 +177,65 @@ def bench_compile_once(layers: int) -> dict[str, Any]:
             "rank0_net_mb": net[0], "rank1_net_mb": net[1], "net_ratio": net[1] / net[0]}
 
 
+def _sync_rank(rank: int, store: str, quantized_layers: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = deep_mlp(quantized_layers, 64)
+    spec = qc.load_spec("int8-qat").model_dump()
+    spec["data_parallel"] = {"kind": "ddp"}
+    gm = qc.qcompile(model, spec, example_inputs=(torch.randn(2, 64),))
+    ddp = DistributedDataParallel(gm)  # the observer sync itself is measured directly
+    counts = []
+    original = dist.all_reduce
+
+    def counting(*args: Any, **kwargs: Any) -> Any:  # count every all_reduce of a step
+        counts[-1] += 1
+        return original(*args, **kwargs)
+
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    for _ in range(3):
+        counts.append(0)
+        dist.all_reduce = counting
+        try:
+            ddp(torch.randn(16, 64)).square().mean().backward()
+            stats = qc.distributed.sync_observers(gm)
+        finally:
+            dist.all_reduce = original
+        opt.step()
+    if rank == 0:
+        with open(os.path.join(out_dir, "sync.json"), "w") as f:
+            json.dump({"quantizers": len(qc.quantizers(gm)), "collectives": stats["collectives"],
+                       "bytes": stats["bytes"], "all_reduce_calls": counts[-1]}, f)
+    dist.destroy_process_group()
+
+
+def bench_observer_sync(layers: int = 16) -> dict[str, Any]:
+    """Collectives and bytes per step of observer synchronisation on 2 DDP ranks."""
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.spawn(_sync_rank, args=(os.path.join(tmp, "store"), layers, tmp),
+                                    nprocs=2, join=True)
+        with open(os.path.join(tmp, "sync.json")) as f:
+            return json.load(f)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qcompile-bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("suite", choices=["pipeline", "compile-once"])
+    parser.add_argument("suite", choices=["pipeline", "compile-once", "observer-sync"])
     parser.add_argument("--quick", action="store_true", help="smaller workloads")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
+    if args.suite == "observer-sync":
+        r = bench_observer_sync()
+        if args.json:
+            print(json.dumps(r, indent=2))
+        else:
+            print(f"observer sync on 2 DDP ranks: {r['quantizers']} quantizers, "
+                  f"{r['collectives']} collective(s) and {r['bytes']} bytes per step "
+                  f"({r['all_reduce_calls']} all_reduce call(s) from qcompile in the step)")
+        return 0
     if args.suite == "compile-once":
         r = bench_compile_once(6 if args.quick else 24)
         if args.json:
