@@ -51,9 +51,11 @@ def _finite_stats(min_val: torch.Tensor, max_val: torch.Tensor) -> bool:
     return not bool(bad.any())
 
 
-def calibrate(gm: nn.Module, batches: Iterable[Any]) -> nn.Module:
+def calibrate(gm: nn.Module, batches: Iterable[Any], *, sync: bool | None = None) -> nn.Module:
     """Static PTQ: run ``batches`` (tuples of inputs, or single tensors) through ``gm``
-    with observers on, then freeze qparams and turn fake-quant on."""
+    with observers on, then freeze qparams and turn fake-quant on. With a process group
+    and ``quant.sync_observers`` (or ``sync=True``) the statistics are reduced across
+    ranks at the end, so every rank must call it; ``sync=False`` keeps them local."""
     qs = quantizers(gm)
     if not qs:
         raise QCompileError("calibrate: the graph has no quantizers",
@@ -79,7 +81,8 @@ def calibrate(gm: nn.Module, batches: Iterable[Any]) -> nn.Module:
         gm.train(was_training)
     if seen == 0:
         raise QCompileError("calibrate: no batches were given", fix="pass a non-empty iterable")
-    if getattr(gm, "meta", {}).get("qcompile.sync_observers", False):
+    if sync if sync is not None else getattr(gm, "meta", {}).get("qcompile.sync_observers",
+                                                                 False):
         from qcompile.distributed import sync_observers
 
         sync_observers(gm, everything=True)  # every rank ends with the same qparams

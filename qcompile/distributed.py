@@ -304,9 +304,12 @@ def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Modul
         if not any(True for _ in module.parameters()) or name in read:
             continue
         if isinstance(module, FakeQuantize):
+            # fp32 scales whatever the model's policy; inputs keep their dtype (the
+            # quantizer computes in fp32 and returns the input's dtype itself)
             fully_shard(module, mesh=kwargs.get("mesh"),
                         mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
-                                                       reduce_dtype=torch.float32))
+                                                       reduce_dtype=torch.float32,
+                                                       cast_forward_inputs=False))
         elif not any(isinstance(m, FakeQuantize) and m.learnable for m in module.modules()):
             fully_shard(module, **kwargs)
     return fully_shard(gm, **kwargs)
@@ -348,8 +351,8 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
         if state is not None:
             gm.load_state_dict(state)
         else:
-            if batches is not None:
-                calibrate(gm, batches)
+            if batches is not None:  # rank 0 alone: no cross-rank sync to wait for
+                calibrate(gm, batches, sync=False)
             if directory is not None:
                 CompileCache(directory).store(key, gm, report(gm).model_dump_json())
         report(gm).passes[-1].notes.append(f"compile cache: {why}")

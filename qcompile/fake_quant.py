@@ -34,6 +34,19 @@ from qcompile.specs.quant import FP8_MAX, Scheme
 _FLAG_INDEX = {"enabled": 0, "observe": 1}
 
 
+def _assign(target: torch.Tensor, value: torch.Tensor) -> None:
+    """``target[...] = value`` for plain, parameter and FSDP2-sharded (DTensor) tensors."""
+    local = target.data
+    if hasattr(local, "to_local") and hasattr(local, "device_mesh"):  # a DTensor shard
+        from torch.distributed.tensor import distribute_tensor
+
+        shard = distribute_tensor(value.to(local.to_local().device), local.device_mesh,
+                                  local.placements)
+        local.to_local().copy_(shard.to_local())
+        return
+    local.copy_(value)
+
+
 def scale_count(scheme: Scheme, shape: tuple[int, ...] | None, *, role: str) -> int:
     """How many scales a tensor of ``shape`` needs under ``scheme`` (raises ``ValueError``
     with the reason when the shape does not allow the scheme)."""
@@ -93,8 +106,12 @@ class FakeQuantize(nn.Module):
         observer: object = "minmax",
         learnable: bool = False,
         dynamic: bool = False,
+        per_example: bool = False,
     ) -> None:
         super().__init__()
+        # LSQ's gradient scale counts elements per scale *per example* (dim 0 is the batch)
+        # for activations, so data-parallel ranks with smaller batches get the same factor.
+        self.per_example = per_example
         scheme = Scheme(dtype=dtype, symmetric=symmetric, granularity=granularity,
                         axis=axis if granularity == "per_channel" else None,
                         group_size=group_size, observer=observer, learnable=learnable)
@@ -142,6 +159,7 @@ class FakeQuantize(nn.Module):
             observer=scheme.observer,
             learnable=scheme.learnable,
             dynamic=dynamic,
+            per_example=role == "activation",
         )
 
     # -- statistics -------------------------------------------------------------------
@@ -178,12 +196,16 @@ class FakeQuantize(nn.Module):
 
     @torch.no_grad()
     def refresh_qparams(self) -> None:
-        """Recompute ``scale`` / ``zero_point`` from the observer's statistics."""
+        """Recompute ``scale`` / ``zero_point`` from the observer's statistics.
+
+        A learnable scale is written through ``.data`` (after a forward that saved it for
+        backward, autograd must not see a change), and into its local shard when FSDP2
+        has sharded it."""
         if self.observer is None:
             return
         scale, zero_point = self._qparams(self.observer.min_val, self.observer.max_val)
-        self.scale.copy_(scale)
-        self.zero_point.copy_(zero_point)
+        _assign(self.scale, scale)
+        _assign(self.zero_point, zero_point)
 
     # -- forward ----------------------------------------------------------------------
     def _shaped(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -205,8 +227,9 @@ class FakeQuantize(nn.Module):
         if self.dtype in FP8_DTYPES:
             out = fake_quantize_fp8(x, scale, self.dtype, FP8_MAX[self.dtype])
         else:
+            batch = src.shape[0] if self.per_example and src.dim() > 1 else 1
             out = fake_quantize(x, scale, zero_point, self.quant_min, self.quant_max,
-                                learnable=self.learnable)
+                                learnable=self.learnable, batch=batch)
         # per_group only changed the shape; returning a reshape view otherwise would make
         # FSDP2 warn about views at the module boundary
         return out.reshape(src.shape) if self.granularity == "per_group" else out

@@ -142,13 +142,15 @@ def fake_quantize(
     quant_max: int,
     *,
     learnable: bool = False,
+    batch: int = 1,
 ) -> torch.Tensor:
     """Fake-quantize ``x`` with ``scale``/``zero_point`` already shaped to broadcast
-    against it. Math runs in float32; the result has ``x``'s dtype."""
+    against it. Math runs in float32; the result has ``x``'s dtype. With ``learnable``,
+    LSQ's gradient factor counts ``x.numel() / scale.numel() / batch`` elements."""
     xf = x.float()
     zp = zero_point.to(torch.float32)
     if learnable:
-        n = max(xf.numel() // max(scale.numel(), 1), 1)
+        n = max(xf.numel() // max(scale.numel(), 1) // max(batch, 1), 1)
         factor = 1.0 / math.sqrt(n * max(quant_max, 1))
         out = _FakeQuantLSQ.apply(xf, scale, zp, quant_min, quant_max, factor)
     else:

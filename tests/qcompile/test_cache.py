@@ -199,10 +199,10 @@ def calibrations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = qcompile.api.calibrate
 
-    def spy(gm: nn.Module, batches: Any) -> nn.Module:
+    def spy(gm: nn.Module, batches: Any, **kwargs: Any) -> nn.Module:
         batches = list(batches)
         calls.append(len(batches))
-        return real(gm, batches)
+        return real(gm, batches, **kwargs)
 
     monkeypatch.setattr(qcompile.api, "calibrate", spy)
     return calls
