@@ -19,6 +19,8 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch.fx import GraphModule
 
 from qcompile.context import Context
@@ -34,10 +36,19 @@ def _describe(rule: Rule) -> str:
     return ", ".join(f"{k}: {v[0] if len(v) == 1 else v}" for k, v in fields)
 
 
-@graph_pass(requires=("graph", "fusion_groups"), provides=("annotations",))
-def annotate(gm: GraphModule, ctx: Context) -> GraphModule:
-    """Attach the winning rule (if any) to every call node."""
-    rules = ctx.spec.quant.rules
+@dataclass(frozen=True)
+class Assignment:
+    """What ``assign_rules`` decided: nodes each rule won, how many it matched at all, and
+    the module classes / ops the graph contains (for error messages)."""
+
+    won: dict[int, list[str]]
+    matched: dict[int, int]
+    modules_seen: frozenset[str]
+    ops_seen: frozenset[str]
+
+
+def assign_rules(gm: GraphModule, rules: list[Rule]) -> Assignment:
+    """Annotate every call node with its winning rule; never raises (see ``annotate``)."""
     won: dict[int, list[str]] = {i: [] for i in range(len(rules))}
     matched: dict[int, int] = {i: 0 for i in range(len(rules))}
     modules_seen: set[str] = set()
@@ -69,6 +80,17 @@ def annotate(gm: GraphModule, ctx: Context) -> GraphModule:
             rule=i, skip=rule.skip, weight=rule.weight, activation=activation, matched=hit
         )
         won[i].append(node.name)
+    return Assignment(won, matched, frozenset(modules_seen), frozenset(ops_seen))
+
+
+@graph_pass(requires=("graph", "fusion_groups"), provides=("annotations",))
+def annotate(gm: GraphModule, ctx: Context) -> GraphModule:
+    """Attach the winning rule (if any) to every call node; a rule that selects nothing
+    is an error."""
+    rules = ctx.spec.quant.rules
+    result = assign_rules(gm, rules)
+    won, matched = result.won, result.matched
+    modules_seen, ops_seen = result.modules_seen, result.ops_seen
     for i, rule in enumerate(rules):
         if won[i] or rule.optional:
             continue

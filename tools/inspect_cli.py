@@ -123,6 +123,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, tuple[Any, ...] | None]:
                 dims = [int(d) for d in shape.lower().split("x")]
             except ValueError:
                 raise UsageError(f"--input-shape {shape!r} is not like 1x3x32x32") from None
+            if any(d < 0 for d in dims):
+                raise UsageError(f"--input-shape {shape!r} has a negative dimension")
             gen = torch.Generator().manual_seed(0)
             inputs.append(torch.randn(dims, generator=gen).to(dtype) if dtype.is_floating_point
                           else torch.randint(0, 2, dims, generator=gen).to(dtype))
@@ -202,6 +204,8 @@ def qc_report(gm: Any) -> Any:
 
 
 def summary(gm: Any) -> dict[str, Any]:
+    import torch
+
     import qcompile as qc
 
     report = qc.report(gm)
@@ -212,7 +216,11 @@ def summary(gm: Any) -> dict[str, Any]:
     fp32 = quantized = 0
     bits = {q.node: int("".join(c for c in q.dtype if c.isdigit()) or 8)
             for q in report.quantizers if q.role == "weight"}
-    for name, p in gm.named_parameters():
+    seen: set[int] = set()
+    for name, p in gm.state_dict(keep_vars=True).items():  # original names, also pipelined
+        if not isinstance(p, torch.nn.Parameter) or id(p) in seen:
+            continue
+        seen.add(id(p))
         fp32 += p.numel() * 4
         quantized += p.numel() * bits.get(name, 32) / 8
     return {"quantizers": counts, "fp32_bytes": fp32, "quantized_bytes": int(quantized),
@@ -224,7 +232,7 @@ def summary(gm: Any) -> dict[str, Any]:
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     cells = [[("" if r[c] is None else str(r[c])) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
     return "\n".join(lines)
 
@@ -245,7 +253,7 @@ def to_dot(rows: list[dict[str, Any]], gm: Any) -> str:
             colour = _COLOURS[s % len(_COLOURS)] if len(graphs) > 1 else "#f3f4f6"
             if row["quantizer"]:
                 colour = "#fca5a5"
-            label = f"{row['node']}\\n{row['target']}"[:80].replace('"', "'")
+            label = f"{row['node'][:60]}\\n{row['target'][:60]}".replace('"', "'")
             if row["shape"]:
                 label += f"\\n{row['shape']}"
             lines.append(f'  "s{s}_{n.name}" [label="{label}", fillcolor="{colour}"];')
@@ -309,6 +317,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     try:
         spec = load_spec(args.spec)
+    except QCompileError as e:  # missing or unparsable file
+        emit(args, {"valid": False, "errors": [{"field": "", "message": e.message,
+                                                "fix": e.fix}]},
+             f"invalid: {e.message}" + (f"\n  fix: {e.fix}" if e.fix else ""))
+        return 1
     except ValidationError as e:
         errors = [{"field": ".".join(str(p) for p in err["loc"]), "message": err["msg"]}
                   for err in e.errors()]
@@ -375,18 +388,21 @@ def _why(rule: Any, node: Any, gm: Any) -> tuple[bool, str]:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    import qcompile as qc
     from qcompile.context import Context
     from qcompile.passes import annotate, fold_bn, trace
+    from qcompile.passes.annotate import assign_rules
 
     model, spec, inputs = build(args)
     # The annotated graph before insertion shows matching as the rules saw it.
     ctx = Context(spec=spec, model=model, example_inputs=inputs)
-    gm = fold_bn(trace(None, ctx), ctx)
-    try:
-        annotated = annotate(gm, ctx)
-        matches = ctx.rule_matches
+    annotated = fold_bn(trace(None, ctx), ctx)
+    matches = assign_rules(annotated, list(spec.quant.rules)).won
+    graphs = [annotated]
+    try:  # the compiled graph too: `show` prints its node names
+        annotate(fold_bn(trace(None, ctx), ctx), ctx)
+        graphs.insert(0, qc.qcompile(model, spec, inputs))
     except QCompileError as e:  # an unmatched rule: explain the rest anyway
-        annotated, matches = gm, {}
         note(f"note: {e.message}")
     rules = [{"rule": i, "match": _rule_text(spec, i), "skip": r.skip,
               "nodes": matches.get(i, [])} for i, r in enumerate(spec.quant.rules)]
@@ -396,14 +412,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
                          for r in rules)
         emit(args, {"rules": rules}, text or "the spec has no rules")
         return 0
-    node = next((n for n in annotated.graph.nodes if n.name == args.node), None)
-    if node is None:
-        names = ", ".join(n.name for n in list(annotated.graph.nodes)[:20])
+    found = [(g, n) for g in graphs for n in g.graph.nodes if n.name == args.node]
+    if not found:
+        names = ", ".join(n.name for n in list(graphs[0].graph.nodes)[:20])
         raise QCompileError(f"--node {args.node!r} is not a node of the graph",
                             fix=f"use a node name from `show`, e.g. {names}")
+    graph, node = found[0]
     tried = []
     for i, rule in enumerate(spec.quant.rules):
-        ok, why = _why(rule, node, annotated)
+        ok, why = _why(rule, node, graph)
         tried.append({"rule": i, "match": _rule_text(spec, i), "matched": ok, "why": why})
     qs = node.meta.get("qcompile.qscheme")
     chosen = qs.rule if qs is not None else None
@@ -467,9 +484,11 @@ def cmd_sqnr(args: argparse.Namespace) -> int:
         gen = torch.Generator().manual_seed(1)
         batches = [tuple(torch.randn(x.shape, generator=gen).to(x.dtype) for x in inputs)
                    for _ in range(args.random)]
+    # Per-layer error does not depend on how stages split the graph: measure unsplit.
+    spec = spec.model_copy(update={"pipeline": None})
     gm = qc.qcompile(model, spec, inputs or batches[0])
-    if qc.report(gm).mode == "static":
-        qc.calibrate(gm, batches)
+    if qc.quantizers(gm):  # qparams from these batches, whatever the mode (QAT too)
+        qc.calibrate(gm, batches, sync=False)
     qc.freeze(gm)
     gm.eval()
 
@@ -485,6 +504,17 @@ def cmd_sqnr(args: argparse.Namespace) -> int:
 
     float_gm = qc.qcompile(model, {"quant": {"mode": "none"}, "trace": spec.trace.model_dump()},
                            inputs or batches[0]).eval()
+    float_names = {n.name for n in float_gm.graph.nodes}
+    by_module = {str(n.target): n.name for n in float_gm.graph.nodes if n.op == "call_module"}
+
+    def float_name(src: Any) -> str | None:
+        """The float graph's node for a quantized graph's node (re-expressed Linear/Conv
+        calls are renamed: match them by the module they came from)."""
+        module = src.meta.get("qcompile.module")
+        if module is not None and module in by_module:
+            return by_module[module]
+        return src.name if src.name in float_names else None
+
     results: dict[str, list[float]] = {}
     with torch.no_grad():
         for batch in batches:
@@ -496,16 +526,18 @@ def cmd_sqnr(args: argparse.Namespace) -> int:
                                                            FakeQuantize):
                     continue
                 src = n.args[0]
-                if src.op == "get_attr" or src.name not in f.values:
+                name = float_name(src) if src.op != "get_attr" else None
+                if name is None or name not in f.values:
                     continue
-                a, b = f.values[src.name], q.values[n.name]
+                a, b = f.values[name], q.values[n.name]
                 if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (
                         a.shape == b.shape):
-                    results.setdefault(src.name, []).append(_sqnr(a, b))
+                    results.setdefault(name, []).append(_sqnr(a, b))
     rows = sorted(({"node": k, "sqnr_db": sum(v) / len(v)} for k, v in results.items()),
                   key=lambda r: r["sqnr_db"])
     text = table([{**r, "sqnr_db": f"{r['sqnr_db']:.2f}"} for r in rows], ["node", "sqnr_db"])
-    emit(args, {"layers": rows, "batches": len(batches)}, text or "no quantized activations")
+    emit(args, {"layers": rows, "batches": len(batches)},
+         text if rows else "no quantized activations")
     return 0
 
 
