@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -127,15 +128,23 @@ class CompileCache:
                         "report": json.loads(report_json) if report_json else None}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
             final = self.directory / key
-            if final.is_dir() and not final.is_symlink():  # a stale or broken entry
-                shutil.rmtree(final, ignore_errors=True)
-            elif final.exists() or final.is_symlink():
-                final.unlink()
             try:
                 os.replace(tmp, final)
             except OSError:
-                if not final.exists():
-                    raise
-                # another writer renamed the same key first: theirs is as good as ours
+                # An entry is there (stale, broken, or another writer's): move it aside with
+                # one atomic rename, never delete it in place, so a reader sees the old
+                # entry, no entry, or the new one, each complete.
+                trash = Path(tempfile.mkdtemp(prefix=".old-", dir=self.directory))
+                try:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.replace(final, trash / "entry")
+                    try:
+                        os.replace(tmp, final)
+                    except OSError:
+                        if not final.exists():
+                            raise
+                        # another writer put the key in place first: theirs is as good
+                finally:
+                    shutil.rmtree(trash, ignore_errors=True)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
