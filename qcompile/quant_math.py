@@ -79,9 +79,11 @@ class _FakeQuantSTE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, scale, zero_point, quant_min, quant_max):  # type: ignore[override]
-        q = torch.round(x / scale) + zero_point
-        mask = (q >= quant_min) & (q <= quant_max)
-        out = (torch.clamp(q, quant_min, quant_max) - zero_point) * scale
+        # One buffer, updated in place: the same arithmetic as the formula, fewer passes.
+        q = torch.div(x, scale).round_().add_(zero_point)
+        mask = q >= quant_min
+        mask &= q <= quant_max
+        out = q.clamp_(quant_min, quant_max).sub_(zero_point).mul_(scale)
         ctx.save_for_backward(mask)
         return out
 
@@ -100,8 +102,8 @@ class _FakeQuantLSQ(torch.autograd.Function):
     def forward(ctx, x, scale, zero_point, quant_min, quant_max, grad_factor):  # type: ignore[override]
         ctx.save_for_backward(x, scale, zero_point)
         ctx.qrange = (quant_min, quant_max, grad_factor)
-        q = torch.round(x / scale) + zero_point
-        return (torch.clamp(q, quant_min, quant_max) - zero_point) * scale
+        q = torch.div(x, scale).round_().add_(zero_point)
+        return q.clamp_(quant_min, quant_max).sub_(zero_point).mul_(scale)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
