@@ -109,6 +109,31 @@ class CompileCache:
             return None, f"{STATE} does not hold a state dict of tensors"
         return state, "hit"
 
+    def _place(self, tmp: Path, final: Path) -> None:
+        """Rename ``tmp`` to ``final``. An entry already there (stale, broken, or another
+        writer's) is moved aside by one atomic rename, never deleted in place, so a reader
+        sees the old entry, no entry, or the new one, each complete. Racing writers retry
+        until some complete entry is in place."""
+        for _ in range(100):
+            try:
+                os.replace(tmp, final)
+                return
+            except OSError:
+                pass
+            trash = Path(tempfile.mkdtemp(prefix=".old-", dir=self.directory))
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.replace(final, trash / "entry")
+                try:
+                    os.replace(tmp, final)
+                    return
+                except OSError:
+                    if final.exists():
+                        return  # another writer put the key in place first: as good as ours
+            finally:
+                shutil.rmtree(trash, ignore_errors=True)
+        raise OSError(f"could not place cache entry {final.name} (concurrent writers)")
+
     def store(self, key: str, gm: nn.Module, report_json: str | None = None) -> None:
         """Write an entry atomically (temporary folder + rename)."""
         try:
@@ -127,24 +152,6 @@ class CompileCache:
                         "torch": torch.__version__, "files": {STATE: _file_hash(tmp / STATE)},
                         "report": json.loads(report_json) if report_json else None}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-            final = self.directory / key
-            try:
-                os.replace(tmp, final)
-            except OSError:
-                # An entry is there (stale, broken, or another writer's): move it aside with
-                # one atomic rename, never delete it in place, so a reader sees the old
-                # entry, no entry, or the new one, each complete.
-                trash = Path(tempfile.mkdtemp(prefix=".old-", dir=self.directory))
-                try:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.replace(final, trash / "entry")
-                    try:
-                        os.replace(tmp, final)
-                    except OSError:
-                        if not final.exists():
-                            raise
-                        # another writer put the key in place first: theirs is as good
-                finally:
-                    shutil.rmtree(trash, ignore_errors=True)
+            self._place(tmp, self.directory / key)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
