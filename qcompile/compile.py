@@ -112,6 +112,7 @@ def qcompile(
         total_seconds=time.perf_counter() - t0,
     )
     gm.meta["qcompile.sync_observers"] = spec.quant.sync_observers
+    gm.meta["qcompile.spec"] = spec
     for inst in instruments:
         inst.finish(report, gm)
     return gm

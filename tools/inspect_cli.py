@@ -33,7 +33,6 @@ import contextlib
 import importlib
 import importlib.util
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -456,22 +455,10 @@ def cmd_passes(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sqnr(ref: Any, out: Any) -> float:
-    """10 log10(|ref|^2 / |ref - out|^2) in dB (inf when identical)."""
-    ref, out = ref.detach().double(), out.detach().double()
-    noise = (ref - out).pow(2).sum().item()
-    signal = ref.pow(2).sum().item()
-    if noise == 0:
-        return math.inf
-    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
-
-
 def cmd_sqnr(args: argparse.Namespace) -> int:
     import torch
-    from torch.fx import Interpreter
 
     import qcompile as qc
-    from qcompile.fake_quant import FakeQuantize
 
     model, spec, inputs = build(args)
     if args.calib:
@@ -491,50 +478,7 @@ def cmd_sqnr(args: argparse.Namespace) -> int:
         qc.calibrate(gm, batches, sync=False)
     qc.freeze(gm)
     gm.eval()
-
-    class Record(Interpreter):
-        def __init__(self, g: Any) -> None:
-            super().__init__(g)
-            self.values: dict[str, Any] = {}
-
-        def run_node(self, n: Any) -> Any:
-            out = super().run_node(n)
-            self.values[n.name] = out
-            return out
-
-    float_gm = qc.qcompile(model, {"quant": {"mode": "none"}, "trace": spec.trace.model_dump()},
-                           inputs or batches[0]).eval()
-    float_names = {n.name for n in float_gm.graph.nodes}
-    by_module = {str(n.target): n.name for n in float_gm.graph.nodes if n.op == "call_module"}
-
-    def float_name(src: Any) -> str | None:
-        """The float graph's node for a quantized graph's node (re-expressed Linear/Conv
-        calls are renamed: match them by the module they came from)."""
-        module = src.meta.get("qcompile.module")
-        if module is not None and module in by_module:
-            return by_module[module]
-        return src.name if src.name in float_names else None
-
-    results: dict[str, list[float]] = {}
-    with torch.no_grad():
-        for batch in batches:
-            q, f = Record(gm), Record(float_gm)
-            q.run(*batch)
-            f.run(*batch)
-            for n in gm.graph.nodes:  # each quantized output vs the float node it follows
-                if n.op != "call_module" or not isinstance(gm.get_submodule(str(n.target)),
-                                                           FakeQuantize):
-                    continue
-                src = n.args[0]
-                name = float_name(src) if src.op != "get_attr" else None
-                if name is None or name not in f.values:
-                    continue
-                a, b = f.values[name], q.values[n.name]
-                if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (
-                        a.shape == b.shape):
-                    results.setdefault(name, []).append(_sqnr(a, b))
-    rows = sorted(({"node": k, "sqnr_db": sum(v) / len(v)} for k, v in results.items()),
-                  key=lambda r: r["sqnr_db"])
+    rows = qc.sqnr(gm, model.eval(), batches)
     text = table([{**r, "sqnr_db": f"{r['sqnr_db']:.2f}"} for r in rows], ["node", "sqnr_db"])
     emit(args, {"layers": rows, "batches": len(batches)},
          text if rows else "no quantized activations")
