@@ -137,7 +137,8 @@ class FakeQuantize(nn.Module):
         # Per-token and dynamic quantizers derive qparams from each input: no statistics.
         stateless = dynamic or granularity == "per_token"
         self.observer: MinMaxObserver | None = (
-            None if stateless else make_observer(scheme.observer, n))
+            None if stateless else make_observer(scheme.observer, n,
+                                                 levels=self.quant_max - self.quant_min + 1))
 
     @classmethod
     def from_scheme(
@@ -186,8 +187,11 @@ class FakeQuantize(nn.Module):
         """Fold ``x`` into the observer and recompute ``scale`` / ``zero_point``."""
         if x.numel() == 0 or self.observer is None:
             return
-        mn, mx = self._minmax(x.detach().float())
-        self.observer.update(mn, mx)
+        if getattr(self.observer, "needs_data", False):
+            self.observer.observe(x)  # histogram-based: the whole tensor
+        else:
+            mn, mx = self._minmax(x.detach().float())
+            self.observer.update(mn, mx)
         self.refresh_qparams()
         self.observed = True  # for synchronisation across data-parallel ranks
         if self.learnable:

@@ -217,19 +217,17 @@ def test_pipeline_device_that_does_not_exist() -> None:
     assert "pipeline.devices[1]" in e.message and "cuda:7" in e.message
 
 
-@pytest.mark.parametrize("role", ["weight", "activation"])
-def test_histogram_observer_is_refused_clearly(role: str) -> None:
+@pytest.mark.parametrize("kind", ["histogram", "percentile", "mse"])
+def test_histogram_family_observers_are_per_tensor_only(kind: str) -> None:
     rule = {"match": {"module": "Linear"},
-            role: {"dtype": "int8", "observer": {"kind": "histogram", "bins": 256}}}
+            "weight": {"dtype": "int8", "granularity": "per_channel", "observer": kind}}
     e = user_error(lambda: qc.qcompile(mlp(), qat(rule), (X,)))
-    assert "histogram" in e.message and "not available" in e.message
+    assert "quant.rules[0].weight.observer" in e.message and "per_tensor only" in e.message
     assert "minmax" in e.fix
-
-
-def test_histogram_observer_error_names_the_rule() -> None:
-    rule = {"match": {"module": "Linear"}, "weight": {"dtype": "int8", "observer": "histogram"}}
-    e = user_error(lambda: qc.qcompile(mlp(), qat(rule), (X,)))
-    assert "quant.rules[0].weight" in e.message
+    ok = {"match": {"module": "Linear"}, "activation": {"dtype": "uint8", "symmetric": False,
+                                                        "observer": kind}}
+    gm = qc.qcompile(mlp(), qat(ok), (X,))  # per-tensor: available
+    gm(X)
 
 
 # -- calibration ----------------------------------------------------------------------------

@@ -130,22 +130,58 @@ def test_make_observer_known_kinds() -> None:
     assert obs.min_val.shape == (4,)
 
 
-@pytest.mark.parametrize(("spec", "kind"), [
-    ("histogram", "histogram"),
-    (HistogramObserver(), "histogram"),
-    (PercentileObserver(), "percentile"),
-    (MseObserver(), "mse"),
-    ("no_such_observer", "no_such_observer"),
-])
-def test_make_observer_unknown_kind_raises(spec: object, kind: str) -> None:
-    with pytest.raises(QCompileError, match=kind) as info:
-        make_observer(spec, 1)
+def test_make_observer_builds_the_histogram_family() -> None:
+    from qcompile.observers import HistogramObserver as H
+    from qcompile.observers import MseObserver as M
+    from qcompile.observers import PercentileObserver as P
+
+    assert type(make_observer(HistogramObserver(bins=256), 1)) is H
+    assert make_observer(HistogramObserver(bins=256), 1).bins == 256
+    assert make_observer(PercentileObserver(percentile=99.0), 1).percentile == 99.0
+    assert make_observer(MseObserver(steps=10), 1).steps == 10
+    assert type(make_observer("percentile", 1)) is P and type(make_observer("mse", 1)) is M
+    with pytest.raises(QCompileError, match="per_tensor only"):
+        make_observer("histogram", 4)
+
+
+def test_make_observer_unknown_kind_raises() -> None:
+    with pytest.raises(QCompileError, match="no_such_observer") as info:
+        make_observer("no_such_observer", 1)
     assert info.value.fix and "minmax" in info.value.fix
 
 
-def test_fake_quantize_with_unavailable_observer_raises() -> None:
-    with pytest.raises(QCompileError, match="histogram"):
-        FakeQuantize("int8", observer="histogram")
+def _output_mse(observer: object, x: torch.Tensor) -> tuple[float, FakeQuantize]:
+    fq = FakeQuantize("int8", symmetric=False, observer=observer)
+    y = fq(x)
+    return float(((y - x) ** 2).mean()), fq
+
+
+def test_histogram_and_mse_never_do_worse_than_minmax_on_heavy_tails() -> None:
+    gen = torch.Generator().manual_seed(0)
+    # Laplace-distributed: an exponential magnitude with a random sign
+    magnitude = torch.empty(20000).exponential_(generator=gen)
+    x = magnitude * torch.sign(torch.randn(20000, generator=gen))
+    base, _ = _output_mse("minmax", x)
+    for kind in ("histogram", "mse"):
+        err, fq = _output_mse(kind, x)
+        assert err <= base * 1.02, (kind, err, base)  # the full range is one candidate
+        assert fq.observer.min_val >= x.min() - 1e-6 and fq.observer.max_val <= x.max() + 1e-6
+
+
+def test_percentile_clips_outliers() -> None:
+    x = torch.randn(10000, generator=torch.Generator().manual_seed(1))
+    x[0] = 50.0
+    _, fq = _output_mse({"kind": "percentile", "percentile": 99.9}, x)
+    assert 2.0 < float(fq.observer.max_val) < 5.0  # the outlier at 50 is clipped
+    assert -5.0 < float(fq.observer.min_val) < -2.0
+
+
+def test_histogram_accumulates_over_batches_as_the_range_grows() -> None:
+    fq = FakeQuantize("int8", symmetric=False, observer="histogram")
+    fq(torch.linspace(-1, 1, 1000))
+    fq(torch.linspace(-4, 4, 1000))  # wider: old counts are re-binned, none lost
+    assert float(fq.observer.histogram.sum()) == 2000
+    assert float(fq.observer.data_min) == -4 and float(fq.observer.data_max) == 4
 
 
 # -- observers inside FakeQuantize ----------------------------------------------------------
