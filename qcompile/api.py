@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -51,11 +52,13 @@ def _finite_stats(min_val: torch.Tensor, max_val: torch.Tensor) -> bool:
     return not bool(bad.any())
 
 
-def calibrate(gm: nn.Module, batches: Iterable[Any], *, sync: bool | None = None) -> nn.Module:
+def calibrate(gm: nn.Module, batches: Iterable[Any], *, sync: bool | None = None,
+              progress: bool = True) -> nn.Module:
     """Static PTQ: run ``batches`` (tuples of inputs, or single tensors) through ``gm``
     with observers on, then freeze qparams and turn fake-quant on. With a process group
     and ``quant.sync_observers`` (or ``sync=True``) the statistics are reduced across
-    ranks at the end, so every rank must call it; ``sync=False`` keeps them local."""
+    ranks at the end, so every rank must call it; ``sync=False`` keeps them local.
+    ``progress`` shows a tqdm bar when stderr is a terminal."""
     qs = quantizers(gm)
     if not qs:
         raise QCompileError("calibrate: the graph has no quantizers",
@@ -66,6 +69,10 @@ def calibrate(gm: nn.Module, batches: Iterable[Any], *, sync: bool | None = None
         if q.observer is not None and not q.learnable:
             q.observe = True
     seen = 0
+    if progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        batches = tqdm(batches, desc="calibrate", unit="batch", leave=False)
     try:
         with torch.no_grad():
             for batch in batches:
