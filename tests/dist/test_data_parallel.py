@@ -16,15 +16,7 @@ both ranks, then ``qc.freeze``.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,78 +42,6 @@ ORDER = ["ddp_qat_observers", "ddp_fixed_scales", "static_calibration", "fused_s
          "fsdp2_bf16_learnable", "compile_once_static_synced"]
 
 
-# -- launching ------------------------------------------------------------------------------
-@dataclass
-class Launch:
-    outdir: Path
-    cases: list[str]
-    codes: list[int | None]
-    timed_out: bool
-    results: list[dict[str, Any]] = field(default_factory=list)
-
-    def logs(self) -> str:
-        text = []
-        for rank in range(WORLD):
-            log = self.outdir / f"rank{rank}.log"
-            body = log.read_text(errors="replace") if log.exists() else "(no log)"
-            text.append(f"--- rank {rank} (exit {self.codes[rank]}) ---\n{body[-6000:]}")
-        return "\n".join(text)
-
-    def case(self, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Both ranks' results for ``name``; fails with the workers' output otherwise."""
-        got = [r.get(name) for r in self.results]
-        where = (f"launch of {self.cases} timed out after {LAUNCH_DEADLINE:.0f} s"
-                 if self.timed_out else f"exit codes {self.codes}")
-        if any(g is None for g in got):
-            pytest.fail(f"case {name!r}: no result from rank(s) "
-                        f"{[i for i, g in enumerate(got) if g is None]} ({where})\n{self.logs()}")
-        crashed = [i for i, g in enumerate(got) if "crash" in g]
-        if crashed:
-            pytest.fail(f"case {name!r} crashed on rank(s) {crashed} ({where})\n"
-                        + "\n".join(got[i]["crash"] for i in crashed))
-        return got[0], got[1]
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the rank and anything it started
-    proc.wait()
-
-
-def launch(cases: list[str], outdir: Path) -> Launch:
-    """Run ``cases`` in two worker processes; never blocks past the deadline."""
-    env = {**os.environ, "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1", "QC_DIST_INIT": (outdir / "store").as_uri()}
-    procs = []
-    try:
-        for rank in range(WORLD):
-            with open(outdir / f"rank{rank}.log", "w") as log:
-                procs.append(subprocess.Popen(
-                    [sys.executable, str(WORKER), str(outdir), *cases],
-                    env={**env, "RANK": str(rank)}, cwd=ROOT, stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + LAUNCH_DEADLINE
-        failed_at = None
-        timed_out = False
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-                failed_at = now  # fail fast: the peer gets a short grace, then is killed
-            if now > deadline:
-                timed_out = True
-                break
-            if failed_at is not None and now - failed_at > GRACE:
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            _kill(p)
-    result = Launch(outdir, cases, [p.returncode for p in procs], timed_out)
-    for rank in range(WORLD):
-        path = outdir / f"rank{rank}.json"
-        result.results.append(json.loads(path.read_text()) if path.exists() else {})
-    return result
 
 
 def _cases_of(item: pytest.Item) -> set[str]:
@@ -140,12 +60,13 @@ def uses(*cases: str):
 
 
 @pytest.fixture(scope="module")
-def dist_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-             ) -> Launch:
+def dist_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+             dist_launcher: Any
+             ) -> Any:
     wanted = set().union(*(_cases_of(item) for item in request.session.items
                            if item.path == request.path))
     cases = [c for c in ORDER if c in wanted] or ORDER
-    return launch(cases, tmp_path_factory.mktemp("data_parallel"))
+    return dist_launcher(WORKER, cases, tmp_path_factory.mktemp("data_parallel"), LAUNCH_DEADLINE)
 
 
 def worst(diffs: dict[str, float]) -> tuple[str, float]:
@@ -155,7 +76,7 @@ def worst(diffs: dict[str, float]) -> tuple[str, float]:
 
 # -- 1. DDP QAT with observers on -----------------------------------------------------------
 @uses("ddp_qat_observers")
-def test_ddp_qat_with_observers_stays_identical_across_ranks(dist_run: Launch) -> None:
+def test_ddp_qat_with_observers_stays_identical_across_ranks(dist_run: Any) -> None:
     """20 SGD steps, a different batch on each rank, observers on: after every step every
     parameter, buffer, observer statistic and qparam is bit-identical to rank 0's."""
     r0, r1 = dist_run.case("ddp_qat_observers")
@@ -173,7 +94,7 @@ def test_ddp_qat_with_observers_stays_identical_across_ranks(dist_run: Launch) -
 
 
 @uses("ddp_qat_observers")
-def test_ddp_observer_sync_reduces_like_one_observer(dist_run: Launch) -> None:
+def test_ddp_observer_sync_reduces_like_one_observer(dist_run: Any) -> None:
     """After a step each observer holds exactly what the issue specifies from the ranks'
     own updates: the mean for moving averages, min of mins / max of maxes for min-max;
     the ranks' own activation statistics did differ (different data)."""
@@ -189,7 +110,7 @@ def test_ddp_observer_sync_reduces_like_one_observer(dist_run: Launch) -> None:
 
 # -- 2. DDP with fixed scales vs one process --------------------------------------------------
 @uses("ddp_fixed_scales")
-def test_ddp_fixed_scales_match_single_process(dist_run: Launch) -> None:
+def test_ddp_fixed_scales_match_single_process(dist_run: Any) -> None:
     r0, r1 = dist_run.case("ddp_fixed_scales")
     for rank, r in enumerate((r0, r1)):
         assert r["qparams_fixed"]
@@ -201,7 +122,7 @@ def test_ddp_fixed_scales_match_single_process(dist_run: Launch) -> None:
 
 # -- 3. static calibration, different data per rank -------------------------------------------
 @uses("static_calibration")
-def test_static_calibration_syncs_to_all_data(dist_run: Launch) -> None:
+def test_static_calibration_syncs_to_all_data(dist_run: Any) -> None:
     """Each rank calibrates on its own batches; ``qc.calibrate`` syncs at its end, so every
     rank's observer statistics and qparams equal one process calibrating on both ranks'
     batches — bit for bit — although each rank's own data alone gives different qparams."""
@@ -219,7 +140,7 @@ def test_static_calibration_syncs_to_all_data(dist_run: Launch) -> None:
 
 # -- 4. the sync is fused -----------------------------------------------------------------------
 @uses("fused_sync")
-def test_observer_sync_is_fused(dist_run: Launch) -> None:
+def test_observer_sync_is_fused(dist_run: Any) -> None:
     """At most 3 collectives per training step (one per reduction kind), the same for 6 and
     12 quantizers, sending exactly the observers' float32 statistics."""
     for rank, r in enumerate(dist_run.case("fused_sync")):
@@ -239,7 +160,7 @@ def test_observer_sync_is_fused(dist_run: Launch) -> None:
 
 # -- 5. FSDP2 -------------------------------------------------------------------------------------
 @uses("fsdp2_fixed_scales")
-def test_fsdp2_fixed_scales_match_single_process(dist_run: Launch) -> None:
+def test_fsdp2_fixed_scales_match_single_process(dist_run: Any) -> None:
     r0, r1 = dist_run.case("fsdp2_fixed_scales")
     for rank, r in enumerate((r0, r1)):
         assert r["qparams_fixed"]
@@ -250,7 +171,7 @@ def test_fsdp2_fixed_scales_match_single_process(dist_run: Launch) -> None:
 
 
 @uses("fsdp2_learnable_grads")
-def test_fsdp2_learnable_weight_gradients_match_single_process(dist_run: Launch) -> None:
+def test_fsdp2_learnable_weight_gradients_match_single_process(dist_run: Any) -> None:
     """Learnable (LSQ) scales: one step's gradients of the weights, biases and weight
     scales equal the single-process gradients on the concatenated batch."""
     for rank, r in enumerate(dist_run.case("fsdp2_learnable_grads")):
@@ -263,7 +184,7 @@ def test_fsdp2_learnable_weight_gradients_match_single_process(dist_run: Launch)
 
 @uses("fsdp2_learnable_grads")
 def test_fsdp2_learnable_activation_scale_gradients_match_single_process(
-        dist_run: Launch) -> None:
+        dist_run: Any) -> None:
     for rank, r in enumerate(dist_run.case("fsdp2_learnable_grads")):
         for name in r["act_scales"]:
             assert r["grad_diff"][name] <= GRAD_TOL, (
@@ -272,7 +193,7 @@ def test_fsdp2_learnable_activation_scale_gradients_match_single_process(
 
 
 @uses("fsdp2_bf16")
-def test_fsdp2_bf16_mixed_precision_keeps_fp32_scales(dist_run: Launch) -> None:
+def test_fsdp2_bf16_mixed_precision_keeps_fp32_scales(dist_run: Any) -> None:
     """``mp_policy=MixedPrecisionPolicy(param_dtype=bfloat16)`` through ``wrap``, fixed
     scales: 3 steps run, activations really are bf16, every quantizer's scale is float32
     in its forward and in storage."""
@@ -286,7 +207,7 @@ def test_fsdp2_bf16_mixed_precision_keeps_fp32_scales(dist_run: Launch) -> None:
 
 
 @uses("fsdp2_bf16_learnable")
-def test_fsdp2_bf16_mixed_precision_with_learnable_scales(dist_run: Launch) -> None:
+def test_fsdp2_bf16_mixed_precision_with_learnable_scales(dist_run: Any) -> None:
     for rank, r in enumerate(dist_run.case("fsdp2_bf16_learnable")):
         assert r["error"] is None, f"rank {rank}: {r['error']}"
         assert len(r["losses"]) == 3 and all(math.isfinite(v) for v in r["losses"])
@@ -298,7 +219,7 @@ def test_fsdp2_bf16_mixed_precision_with_learnable_scales(dist_run: Launch) -> N
 
 
 @uses("fsdp2_state_dict")
-def test_fsdp2_full_state_dict_round_trips(dist_run: Launch) -> None:
+def test_fsdp2_full_state_dict_round_trips(dist_run: Any) -> None:
     """``get_model_state_dict(full_state_dict=True)`` gives plain full tensors that load
     (strictly) into a freshly compiled single-process graph with the same outputs."""
     for rank, r in enumerate(dist_run.case("fsdp2_state_dict")):
@@ -313,7 +234,7 @@ def test_fsdp2_full_state_dict_round_trips(dist_run: Launch) -> None:
 
 # -- 6. compile_once ------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["compile_once_qat", "compile_once_static"])
-def test_compile_once_ranks_agree_bit_for_bit(dist_run: Launch, case: str) -> None:
+def test_compile_once_ranks_agree_bit_for_bit(dist_run: Any, case: str) -> None:
     """Every parameter, buffer and the output on one input are bit-identical across ranks
     and equal to compiling (and calibrating) the real model in one process; quantizer
     flags agree (static: calibrated, so observe off)."""
@@ -328,7 +249,7 @@ def test_compile_once_ranks_agree_bit_for_bit(dist_run: Launch, case: str) -> No
 
 
 @uses("compile_once_qat", "compile_once_static")
-def test_compile_once_only_rank0_materialises_the_model(dist_run: Launch) -> None:
+def test_compile_once_only_rank0_materialises_the_model(dist_run: Any) -> None:
     for case in ("compile_once_qat", "compile_once_static"):
         r0, r1 = dist_run.case(case)
         assert r0["built_on"] == ["cpu"], f"{case}: rank 0 built on {r0['built_on']}"
@@ -336,7 +257,7 @@ def test_compile_once_only_rank0_materialises_the_model(dist_run: Launch) -> Non
 
 
 @uses("compile_once_static_synced")
-def test_compile_once_calibrates_with_default_sync_observers(dist_run: Launch) -> None:
+def test_compile_once_calibrates_with_default_sync_observers(dist_run: Any) -> None:
     r0, r1 = dist_run.case("compile_once_static_synced")
     for rank, r in enumerate((r0, r1)):
         assert r["error"] is None, f"rank {rank}: {r['error']}"
@@ -347,7 +268,7 @@ def test_compile_once_calibrates_with_default_sync_observers(dist_run: Launch) -
 
 # -- 7. the compile cache shared by the ranks ---------------------------------------------------
 @uses("cache_shared")
-def test_compile_once_cache_miss_then_hit(dist_run: Launch) -> None:
+def test_compile_once_cache_miss_then_hit(dist_run: Any) -> None:
     r0, r1 = dist_run.case("cache_shared")
     assert "compile cache: miss" in r0["first"]["notes"], r0["first"]["notes"]
     assert "compile cache: hit" in r0["second"]["notes"], r0["second"]["notes"]
@@ -361,7 +282,7 @@ def test_compile_once_cache_miss_then_hit(dist_run: Launch) -> None:
 
 
 @uses("cache_concurrent")
-def test_concurrent_writers_leave_one_valid_entry(dist_run: Launch) -> None:
+def test_concurrent_writers_leave_one_valid_entry(dist_run: Any) -> None:
     """Both ranks ``CompileCache(dir).store(key, gm)`` at the same moment, for a fresh key
     and again over the existing entry: one entry per key, no temporary leftovers, and it
     loads (hash-checked) with the stored state."""
@@ -379,7 +300,7 @@ def test_concurrent_writers_leave_one_valid_entry(dist_run: Launch) -> None:
 
 # -- 8. wrong order -----------------------------------------------------------------------------
 @uses("wrong_order")
-def test_compiling_a_wrapped_model_is_refused(dist_run: Launch) -> None:
+def test_compiling_a_wrapped_model_is_refused(dist_run: Any) -> None:
     for rank, r in enumerate(dist_run.case("wrong_order")):
         ddp, sharded = r["ddp"], r["fully_shard"]
         assert ddp["raised"] == "QCompileError", f"rank {rank}: {ddp}"
@@ -391,7 +312,7 @@ def test_compiling_a_wrapped_model_is_refused(dist_run: Launch) -> None:
 
 # -- learnable scales from the first step --------------------------------------------------------
 @uses("ddp_learnable_from_scratch")
-def test_ddp_learnable_scales_train_from_the_first_step(dist_run: Launch) -> None:
+def test_ddp_learnable_scales_train_from_the_first_step(dist_run: Any) -> None:
     """Compile with learnable scales, wrap in DDP, train 2 steps on different data per
     rank: it runs and the scales are initialised and identical across ranks."""
     for rank, r in enumerate(dist_run.case("ddp_learnable_from_scratch")):
@@ -400,7 +321,7 @@ def test_ddp_learnable_scales_train_from_the_first_step(dist_run: Launch) -> Non
 
 
 @uses("fsdp2_learnable_from_scratch")
-def test_fsdp2_learnable_scales_train_from_the_first_step(dist_run: Launch) -> None:
+def test_fsdp2_learnable_scales_train_from_the_first_step(dist_run: Any) -> None:
     for rank, r in enumerate(dist_run.case("fsdp2_learnable_from_scratch")):
         assert r["error"] is None, f"rank {rank}: {r['error']}"
         assert r["differing"] == [] and r["uninitialised"] == [], r["uninitialised"]

@@ -14,14 +14,6 @@ a mean-reduced loss, gradients of the mean of those losses.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,78 +40,6 @@ ORDER = ["gpipe", "1f1b", "global_skip_gpipe", "global_skip_1f1b", "inputs_by_na
          "tied_interleaved_same_rank"]
 
 
-# -- launching ------------------------------------------------------------------------------
-@dataclass
-class Launch:
-    outdir: Path
-    cases: list[str]
-    codes: list[int | None]
-    timed_out: bool
-    results: list[dict[str, Any]] = field(default_factory=list)
-
-    def logs(self) -> str:
-        text = []
-        for rank in range(WORLD):
-            log = self.outdir / f"rank{rank}.log"
-            body = log.read_text(errors="replace") if log.exists() else "(no log)"
-            text.append(f"--- rank {rank} (exit {self.codes[rank]}) ---\n{body[-6000:]}")
-        return "\n".join(text)
-
-    def case(self, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Both ranks' results for ``name``; fails with the workers' output otherwise."""
-        got = [r.get(name) for r in self.results]
-        where = (f"launch of {self.cases} timed out after {LAUNCH_DEADLINE:.0f} s"
-                 if self.timed_out else f"exit codes {self.codes}")
-        if any(g is None for g in got):
-            pytest.fail(f"case {name!r}: no result from rank(s) "
-                        f"{[i for i, g in enumerate(got) if g is None]} ({where})\n{self.logs()}")
-        crashed = [i for i, g in enumerate(got) if "crash" in g]
-        if crashed:
-            pytest.fail(f"case {name!r} crashed on rank(s) {crashed} ({where})\n"
-                        + "\n".join(got[i]["crash"] for i in crashed))
-        return got[0], got[1]
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the rank and anything it started
-    proc.wait()
-
-
-def launch(cases: list[str], outdir: Path) -> Launch:
-    """Run ``cases`` in two worker processes; never blocks past the deadline."""
-    env = {**os.environ, "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1", "QC_DIST_INIT": (outdir / "store").as_uri()}
-    procs = []
-    try:
-        for rank in range(WORLD):
-            with open(outdir / f"rank{rank}.log", "w") as log:
-                procs.append(subprocess.Popen(
-                    [sys.executable, str(WORKER), str(outdir), *cases],
-                    env={**env, "RANK": str(rank)}, cwd=ROOT, stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + LAUNCH_DEADLINE
-        failed_at = None
-        timed_out = False
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-                failed_at = now  # fail fast: the peer gets a short grace, then is killed
-            if now > deadline:
-                timed_out = True
-                break
-            if failed_at is not None and now - failed_at > GRACE:
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            _kill(p)
-    result = Launch(outdir, cases, [p.returncode for p in procs], timed_out)
-    for rank in range(WORLD):
-        path = outdir / f"rank{rank}.json"
-        result.results.append(json.loads(path.read_text()) if path.exists() else {})
-    return result
 
 
 def _case_of(item: pytest.Item) -> str | None:
@@ -138,12 +58,13 @@ def uses(case: str):
 
 
 @pytest.fixture(scope="module")
-def dist_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-             ) -> Launch:
+def dist_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+             dist_launcher: Any
+             ) -> Any:
     wanted = {_case_of(item) for item in request.session.items
               if item.path == request.path}
     cases = [c for c in ORDER if c in wanted] or ORDER
-    return launch(cases, tmp_path_factory.mktemp("pipeline"))
+    return dist_launcher(WORKER, cases, tmp_path_factory.mktemp("pipeline"), LAUNCH_DEADLINE)
 
 
 # -- checks ---------------------------------------------------------------------------------
@@ -172,19 +93,19 @@ def check_step(r0: dict[str, Any], r1: dict[str, Any]) -> None:
     "inputs_by_name",       # step(x=...) instead of step(x)
     "interleaved",          # 5. interleaved_1f1b: 4 stages, 2 per rank
 ])
-def test_step_matches_single_process(dist_run: Launch, case: str) -> None:
+def test_step_matches_single_process(dist_run: Any, case: str) -> None:
     r0, r1 = dist_run.case(case)
     check_step(r0, r1)
 
 
 @uses("interleaved")
-def test_interleaved_puts_two_stages_on_each_rank(dist_run: Launch) -> None:
+def test_interleaved_puts_two_stages_on_each_rank(dist_run: Any) -> None:
     r0, r1 = dist_run.case("interleaved")
     assert sorted(r0["stages"]) == ["0", "2"] and sorted(r1["stages"]) == ["1", "3"]
 
 
 @uses("tied")
-def test_tied_embedding_and_head_on_two_ranks(dist_run: Launch) -> None:
+def test_tied_embedding_and_head_on_two_ranks(dist_run: Any) -> None:
     """4. emb on stage 0, the head (F.linear with emb.weight) on stage 1: each rank holds
     the tied weight, its gradient is the full one on both, and an SGD step keeps the copies
     identical."""
@@ -199,14 +120,14 @@ def test_tied_embedding_and_head_on_two_ranks(dist_run: Launch) -> None:
 
 
 @uses("tied_interleaved_cross_rank")
-def test_tied_weight_interleaved_on_different_ranks(dist_run: Launch) -> None:
+def test_tied_weight_interleaved_on_different_ranks(dist_run: Any) -> None:
     r0, r1 = dist_run.case("tied_interleaved_cross_rank")
     assert "emb.weight" in r0["stages"]["0"] and "emb.weight" in r1["stages"]["3"]
     check_step(r0, r1)
 
 
 @uses("tied_interleaved_same_rank")
-def test_tied_weight_interleaved_on_one_rank(dist_run: Launch) -> None:
+def test_tied_weight_interleaved_on_one_rank(dist_run: Any) -> None:
     r0, r1 = dist_run.case("tied_interleaved_same_rank")
     assert "emb.weight" in r0["stages"]["0"] and "emb.weight" in r0["stages"]["2"]
     check_step(r0, r1)
@@ -214,7 +135,7 @@ def test_tied_weight_interleaved_on_one_rank(dist_run: Launch) -> None:
 
 # -- bad input: a clear QCompileError on every rank, nothing left hanging -------------------
 @uses("bad_batch")
-def test_batch_not_divisible_by_microbatches(dist_run: Launch) -> None:
+def test_batch_not_divisible_by_microbatches(dist_run: Any) -> None:
     r0, r1 = dist_run.case("bad_batch")
     for rank, r in enumerate((r0, r1)):
         assert r["raised"] == "QCompileError", f"rank {rank}: {r['raised']}: {r['message']}"
@@ -225,7 +146,7 @@ def test_batch_not_divisible_by_microbatches(dist_run: Launch) -> None:
 
 
 @uses("gpipe_3_stages")
-def test_gpipe_with_more_stages_than_ranks(dist_run: Launch) -> None:
+def test_gpipe_with_more_stages_than_ranks(dist_run: Any) -> None:
     r0, r1 = dist_run.case("gpipe_3_stages")
     for rank, r in enumerate((r0, r1)):
         assert r["raised"] == "QCompileError", f"rank {rank}: {r['raised']}: {r['message']}"
