@@ -19,10 +19,7 @@ the process-group timeout) instead of waiting forever.
 from __future__ import annotations
 
 import datetime
-import json
-import os
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _worker_main import run_cases
 from torch import nn
 
 import qcompile as qc
@@ -334,39 +332,8 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
 
 
 # -- main -----------------------------------------------------------------------------------
-def write(path: Path, results: dict[str, Any]) -> None:
-    """Replace ``path`` atomically: a reader never sees half a file."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=1))
-    tmp.replace(path)
-
-
 def main(argv: list[str]) -> int:
-    outdir, cases = Path(argv[0]), argv[1:]
-    unknown = [c for c in cases if c not in CASES]
-    if unknown:
-        print(f"unknown cases {unknown}; known: {sorted(CASES)}", file=sys.stderr)
-        return 2
-    torch.set_num_threads(1)
-    init = os.environ.get("QC_DIST_INIT", "env://")
-    dist.init_process_group("gloo", init_method=init, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=PG_TIMEOUT)
-    rank = dist.get_rank()
-    path = outdir / f"rank{rank}.json"
-    results: dict[str, Any] = {}
-    for case in cases:
-        try:
-            results[case] = CASES[case]()
-        except BaseException:
-            results[case] = {"crash": traceback.format_exc()}
-            write(path, results)
-            print(f"rank {rank}: case {case} crashed\n{results[case]['crash']}",
-                  file=sys.stderr, flush=True)
-            os._exit(1)  # fail fast: no destroy_process_group, the peer must not wait
-        write(path, results)
-        dist.barrier()  # the next case starts together on every rank
-    dist.destroy_process_group()
-    return 0
+    return run_cases(Path(argv[0]), argv[1:], CASES, PG_TIMEOUT)
 
 
 if __name__ == "__main__":
