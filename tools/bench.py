@@ -9,6 +9,13 @@ Subcommands:
   model (``qc.distributed.compile_once``: rank 1 builds on the meta device).
 - ``observer-sync``: collectives and bytes per step that keep observers identical on 2
   DDP ranks (one flattened collective per reduction kind, whatever the quantizer count).
+- ``compile``: compile time of qcompile int8-qat and torch.ao ``prepare_qat_fx`` relative
+  to ``torch.fx.symbolic_trace`` (MLP, ResNet-18-style CNN, 12-layer transformer), and
+  compile time of 50..400-block MLPs (scaling).
+- ``step``: QAT training-step time relative to the fp32 eager step, qcompile vs
+  ``prepare_qat_fx``, same models.
+- ``fakequant``: fake-quant throughput (GB/s, forward and forward+backward) per-tensor /
+  per-channel / per-group / LSQ next to ``y.copy_(x)`` and torch's built-in ops.
 
 Example:
     >>> from qcompile.tools.bench import deep_mlp
@@ -221,12 +228,194 @@ def bench_observer_sync(layers: int = 16) -> dict[str, Any]:
             return json.load(f)
 
 
+# -- issue 7's side-by-side suites: compile, training step, fake-quant throughput --------------
+class _Block(nn.Module):
+    def __init__(self, d: int = 256, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.fc1, self.fc2, self.act = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, -1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = torch.softmax(q @ k.transpose(-2, -1) / (d // self.heads) ** 0.5, -1) @ v
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(self.act(self.fc1(self.ln2(x))))
+
+
+def transformer(layers: int = 12) -> nn.Module:
+    return nn.Sequential(*[_Block() for _ in range(layers)])
+
+
+def _basic(cin: int, cout: int, stride: int) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout),
+                         nn.ReLU(), nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
+                         nn.BatchNorm2d(cout), nn.ReLU())
+
+
+def resnet_like() -> nn.Module:
+    """A ResNet-18-shaped CNN for 32x32 inputs (plain blocks; torch.fx traces it as is)."""
+    layers: list[nn.Module] = [nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64),
+                               nn.ReLU()]
+    cin = 64
+    for cout, stride in ((64, 1), (64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (512, 2),
+                         (512, 1)):
+        layers.append(_basic(cin, cout, stride))
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 10)]
+    return nn.Sequential(*layers)
+
+
+def _workloads(quick: bool) -> dict[str, tuple[Any, torch.Tensor]]:
+    return {
+        "mlp": (lambda: deep_mlp(4, 1024), torch.randn(64, 1024)),
+        "cnn": (resnet_like, torch.randn(8 if quick else 32, 3, 32, 32)),
+        "transformer": (lambda: transformer(4 if quick else 12),
+                        torch.randn(2 if quick else 8, 32 if quick else 128, 256)),
+    }
+
+
+def _prepare_qat_fx(model: nn.Module, x: torch.Tensor) -> nn.Module:
+    import warnings
+
+    from torch.ao.quantization import get_default_qat_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import prepare_qat_fx
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return prepare_qat_fx(model.train(), get_default_qat_qconfig_mapping("x86"), (x,))
+
+
+def bench_compile(quick: bool) -> dict[str, Any]:
+    """Compile time: symbolic_trace vs qcompile int8-qat vs prepare_qat_fx, and scaling."""
+    import copy
+
+    out: dict[str, Any] = {}
+    for name, (make, x) in _workloads(quick).items():
+        torch.manual_seed(0)
+        model = make()
+        trace = _median(lambda m=model: torch.fx.symbolic_trace(m), 3)
+        ours = _median(lambda m=model, x=x: qc.qcompile(m, "int8-qat", (x,)), 3)
+        ao = _median(lambda m=model, x=x: _prepare_qat_fx(copy.deepcopy(m), x), 3)
+        out[name] = {"symbolic_trace_s": trace, "qcompile_s": ours, "prepare_qat_fx_s": ao,
+                     "qcompile_vs_trace": ours / trace, "prepare_qat_fx_vs_trace": ao / trace}
+    sizes = (50, 100) if quick else (50, 100, 200, 400)
+    qc.qcompile(deep_mlp(10), "int8-qat", (torch.randn(4, 64),))  # warm up imports and caches
+    scaling = {n: _median(lambda n=n: qc.qcompile(deep_mlp(n), "int8-qat",
+                                                    (torch.randn(4, 64),)), 1) for n in sizes}
+    out["scaling_s"] = scaling
+    out["scaling_ratio"] = scaling[sizes[-1]] / scaling[sizes[0]]
+    return out
+
+
+def bench_step(quick: bool) -> dict[str, Any]:
+    """Training step (fwd + bwd + SGD) relative to fp32 eager."""
+    import copy
+
+    out: dict[str, Any] = {}
+    for name, (make, x) in _workloads(quick).items():
+        torch.manual_seed(0)
+        model = make()
+        results = {}
+        for label, build in (("fp32", lambda m: m),
+                             ("qcompile", lambda m, x=x: qc.qcompile(m, "int8-qat", (x,))),
+                             ("prepare_qat_fx", lambda m, x=x: _prepare_qat_fx(m, x))):
+            m = build(copy.deepcopy(model).train())
+            opt = torch.optim.SGD(m.parameters(), lr=1e-4)
+
+            def step(m: nn.Module = m, opt: Any = opt, x: torch.Tensor = x) -> None:
+                opt.zero_grad()
+                m(x).float().square().mean().backward()
+                opt.step()
+
+            step()
+            results[label] = _median(step, 3 if quick else 10)
+        out[name] = {**{f"{k}_s": v for k, v in results.items()},
+                     "qcompile_vs_fp32": results["qcompile"] / results["fp32"],
+                     "prepare_qat_fx_vs_fp32": results["prepare_qat_fx"] / results["fp32"]}
+    return out
+
+
+def bench_fakequant(quick: bool) -> dict[str, Any]:
+    """GB/s (read + write of the tensor) of fake-quant forward and forward+backward."""
+    from qcompile.fake_quant import FakeQuantize
+
+    n = (1 if quick else 16) * 1024 * 1024
+    x = torch.randn(n // 1024, 1024)
+    gb = 2 * x.numel() * 4 / 1e9
+    y = torch.empty_like(x)
+    out: dict[str, Any] = {"copy_GBps": gb / _median(lambda: y.copy_(x), 5)}
+
+    def rate(fn: Any, backward: bool) -> float:
+        def run() -> None:
+            xi = x.detach().requires_grad_(backward)
+            r = fn(xi)
+            if backward:
+                r.sum().backward()
+        return gb / _median(run, 5)
+
+    cases: dict[str, tuple[FakeQuantize, Any]] = {}
+    for name, kw in (("per_tensor", {}),
+                     ("per_channel", {"granularity": "per_channel", "axis": 0,
+                                      "channels": x.shape[0]}),
+                     ("per_group", {"granularity": "per_group", "group_size": 128,
+                                    "channels": x.shape[0] * 8}),
+                     ("lsq", {"learnable": True})):
+        fq = FakeQuantize("int8", **kw)
+        fq(x)
+        fq.observe = False
+        s, z = fq.scale.detach().clone(), fq.zero_point.clone()
+        if name == "per_tensor":
+            builtin = lambda t, s=s, z=z: torch.fake_quantize_per_tensor_affine(  # noqa: E731
+                t, float(s), int(z), -128, 127)
+        elif name == "per_channel":
+            builtin = lambda t, s=s, z=z: torch.fake_quantize_per_channel_affine(  # noqa: E731
+                t, s, z, 0, -128, 127)
+        elif name == "lsq":
+            sp = s.clone().requires_grad_(True)
+            builtin = lambda t, sp=sp, z=z: torch._fake_quantize_learnable_per_tensor_affine(  # noqa: E731
+                t, sp, z.float(), -128, 127, 1.0)
+        else:
+            builtin = None
+        cases[name] = (fq, builtin)
+    for name, (fq, builtin) in cases.items():
+        row: dict[str, Any] = {}
+        for backward in (False, True):
+            key = "fwd_bwd" if backward else "fwd"
+            row[f"qcompile_{key}_GBps"] = rate(fq, backward)
+            if builtin is not None:
+                row[f"torch_{key}_GBps"] = rate(builtin, backward)
+                row[f"speedup_{key}"] = row[f"qcompile_{key}_GBps"] / row[f"torch_{key}_GBps"]
+        row["fwd_vs_copy"] = row["qcompile_fwd_GBps"] / out["copy_GBps"]
+        out[name] = row
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qcompile-bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("suite", choices=["pipeline", "compile-once", "observer-sync"])
+    parser.add_argument("suite", choices=["pipeline", "compile-once", "observer-sync",
+                                          "compile", "step", "fakequant"])
     parser.add_argument("--quick", action="store_true", help="smaller workloads")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
+    if args.suite in ("compile", "step", "fakequant"):
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+        fn = {"compile": bench_compile, "step": bench_step, "fakequant": bench_fakequant}
+        r = fn[args.suite](args.quick)
+        if args.json:
+            print(json.dumps(r, indent=2))
+        else:
+            for name, row in r.items():
+                if isinstance(row, dict):
+                    cells = ", ".join(f"{k} {v:.3g}" for k, v in row.items()
+                                      if isinstance(v, (int, float)))
+                    print(f"{name}: {cells}")
+                else:
+                    print(f"{name}: {row:.3g}")
+        return 0
     if args.suite == "observer-sync":
         r = bench_observer_sync()
         if args.json:

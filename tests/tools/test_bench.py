@@ -1,0 +1,32 @@
+"""qcompile-bench --quick runs (smoke tests: the numbers are reported, never asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qcompile.tools.bench import main
+
+
+@pytest.mark.parametrize("suite", ["fakequant", "compile"])
+def test_quick_suite_prints_json(capsys: pytest.CaptureFixture[str], suite: str) -> None:
+    assert main([suite, "--quick", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    if suite == "fakequant":
+        assert data["copy_GBps"] > 0
+        for case in ("per_tensor", "per_channel", "per_group", "lsq"):
+            assert data[case]["qcompile_fwd_GBps"] > 0 and data[case]["qcompile_fwd_bwd_GBps"] > 0
+        assert "speedup_fwd" in data["per_tensor"] and "speedup_fwd" in data["per_channel"]
+    else:
+        for model in ("mlp", "cnn", "transformer"):
+            row = data[model]
+            assert row["qcompile_s"] > 0 and row["symbolic_trace_s"] > 0
+            assert row["prepare_qat_fx_s"] > 0
+        assert set(data["scaling_s"]) == {"50", "100"}
+
+
+def test_unknown_suite_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["nope"])
+    assert info.value.code == 2
