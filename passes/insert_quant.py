@@ -53,10 +53,12 @@ _CONV = {"conv1d": F.conv1d, "conv2d": F.conv2d, "conv3d": F.conv3d}
 
 
 def _device(gm: GraphModule) -> torch.device:
-    """Where the model's tensors live (activation quantizers go there too)."""
-    for t in (*gm.parameters(), *gm.buffers()):
-        return t.device
-    return torch.device("cpu")
+    """Where the model's tensors live (activation quantizers go there too). Looks at the
+    first tensor only: called once per pass, never per node."""
+    first = next(iter(gm.parameters()), None)
+    if first is None:
+        first = next(iter(gm.buffers()), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def _free_name(gm: GraphModule, base: str) -> str:
@@ -172,6 +174,7 @@ def _activation_name(gm: GraphModule, head: Node) -> str:
 
 def _activations(gm: GraphModule, ctx: Context) -> None:
     mode = ctx.spec.quant.mode
+    device = _device(gm)
     by_name = {n.name: n for n in gm.graph.nodes}
     done: set[tuple[str, ...]] = set()
     for node in list(gm.graph.nodes):
@@ -195,7 +198,7 @@ def _activations(gm: GraphModule, ctx: Context) -> None:
         fq = _build(qs.activation, role="activation", shape=shape, dynamic=mode == "dynamic",
                     where=f"node {last.name!r}", field=field)
         _set_activation_mode(fq, mode)
-        fq.to(_device(gm))
+        fq.to(device)
         name = _add(gm, _activation_name(gm, head), fq)
         _insert_after(gm, last, name)
         ctx.quantizers.append(_record(name, fq, "activation", last.name, qs.rule))
@@ -258,6 +261,7 @@ def _inputs(gm: GraphModule, ctx: Context) -> None:
     scheme = ctx.spec.quant.inputs
     if scheme is None:
         return
+    device = _device(gm)
     for node in [n for n in gm.graph.nodes if n.op == "placeholder"]:
         is_float, shape = _tensor_shape(node, ctx)
         if not is_float:
@@ -266,7 +270,7 @@ def _inputs(gm: GraphModule, ctx: Context) -> None:
                     dynamic=ctx.spec.quant.mode == "dynamic",
                     where=f"input {node.target!r}", field="quant.inputs")
         _set_activation_mode(fq, ctx.spec.quant.mode)
-        fq.to(_device(gm))
+        fq.to(device)
         name = _add(gm, f"{node.target}_input_fake_quant", fq)
         _insert_after(gm, node, name)
         ctx.quantizers.append(_record(name, fq, "input", node.name, None))
