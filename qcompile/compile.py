@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -94,7 +95,16 @@ def qcompile(
     ctx = Context(spec=spec, model=model, example_inputs=_as_inputs(example_inputs),
                   example_kwargs=example_kwargs, inplace=inplace)
     t0 = time.perf_counter()
-    gm, records = Pipeline(default_passes(spec)).run(ctx, instruments=instruments)
+    # Compiling allocates many small objects (fx nodes, modules); Python's cyclic GC would
+    # rescan the whole growing heap again and again and make compile time superlinear in
+    # graph size. Pause it for the pipeline (reference counting still frees memory).
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        gm, records = Pipeline(default_passes(spec)).run(ctx, instruments=instruments)
+    finally:
+        if gc_was_on:
+            gc.enable()
     if spec.cache_dir is not None:
         records[-1].notes.append("cache_dir is used by qc.distributed.compile_once: "
                                  "qcompile itself compiles afresh")
