@@ -7,9 +7,14 @@ Profiles: ``ci`` (derandomized, the default under CI=true or tools/test) and ``d
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import torch
 from hypothesis import HealthCheck, settings
+
+# Shared test helpers (tests/helpers/*.py) import as top-level modules.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 settings.register_profile(
     "ci",
@@ -27,8 +32,6 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 # -- golden files ---------------------------------------------------------------------
-from pathlib import Path  # noqa: E402
-
 import pytest  # noqa: E402
 
 

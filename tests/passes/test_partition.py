@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
+from pipeline_models import ResidualMLP, Stack, none, qat
 from torch import nn
 from torch.fx import GraphModule, Node
 
@@ -18,44 +19,6 @@ from qcompile.graph_dump import format_graph
 from qcompile.passes.partition import STAGE_KEY
 
 # -- models ---------------------------------------------------------------------------
-
-
-class Residual(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d, d)
-        self.act = nn.ReLU()
-
-    def forward(self, x):
-        return x + self.act(self.fc(x))
-
-
-def layer(kind: str, d: int) -> nn.Module:
-    return {"linear": lambda: nn.Linear(d, d), "relu": nn.ReLU,
-            "layernorm": lambda: nn.LayerNorm(d), "residual": lambda: Residual(d),
-            "dropout": lambda: nn.Dropout(0.5)}[kind]()
-
-
-class Stack(nn.Module):
-    """Layers from a drawn spec, e.g. ``["linear", "relu", "residual"]``, and a head."""
-
-    def __init__(self, kinds: list[str], d: int) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(*[layer(k, d) for k in kinds])
-        self.head = nn.Linear(d, 2)
-
-    def forward(self, x):
-        return self.head(self.layers(x))
-
-
-class ResidualMLP(nn.Module):
-    def __init__(self, d: int = 4, depth: int = 3) -> None:
-        super().__init__()
-        self.blocks = nn.Sequential(*[Residual(d) for _ in range(depth)])
-        self.head = nn.Linear(d, 2)
-
-    def forward(self, x):
-        return self.head(self.blocks(x))
 
 
 class Block(nn.Module):
@@ -126,16 +89,6 @@ class ConvBNReLU(nn.Module):
 
 
 # -- helpers --------------------------------------------------------------------------
-
-
-def qat(**extra) -> dict:
-    spec = qc.load_spec("int8-qat").model_dump()
-    spec.update(extra)
-    return spec
-
-
-def none(**extra) -> dict:
-    return {"quant": {"mode": "none"}, **extra}
 
 
 class Capture:
