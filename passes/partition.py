@@ -380,16 +380,16 @@ def partition(gm: GraphModule, ctx: Context) -> GraphModule:
     if n == 0:
         raise QCompileError("pipeline: the graph has no operations to place in stages",
                             fix="remove the pipeline section")
-    cut_bytes, blocked = layout.cut_profile()
-    balance = p.balance if not isinstance(p.stages, list) else "params"
-    costs = anchor_costs(gm, layout, balance, ctx)
-    if isinstance(p.stages, list):
+    explicit = isinstance(p.stages, list)
+    balance = p.balance if not explicit else "params"
+    if explicit:
         stage_of = _explicit(gm, layout, ctx)
         before = {a: s for a, s in zip(layout.anchors, stage_of)}
         layout = _make_contiguous(gm, layout, stage_of)
         stage_of = [before[a] for a in layout.anchors]
-        cut_bytes, blocked = layout.cut_profile()
-        costs = anchor_costs(gm, layout, balance, ctx)
+    cut_bytes, blocked = layout.cut_profile()
+    costs = anchor_costs(gm, layout, balance, ctx)
+    if explicit:
         for i in range(n - 1):
             if stage_of[i] != stage_of[i + 1] and blocked[i]:
                 bad = [v.name for v in layout.crossing(i) if not layout.is_tensor[v]]

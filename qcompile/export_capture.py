@@ -93,6 +93,7 @@ def _replace(graph: Graph, node: Node, target: str, args: tuple, kwargs: dict | 
 
 def _restore_modes(graph: Graph, root: nn.Module, notes: list[str]) -> None:
     """Re-express ops whose behaviour export fixed to training mode as module calls."""
+    attrs = {str(n.target): n for n in graph.nodes if n.op == "get_attr"}
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -101,11 +102,10 @@ def _restore_modes(graph: Graph, root: nn.Module, notes: list[str]) -> None:
         if node.target is aten.batch_norm.default:
             x, w, b, rm, rv, _training, momentum, eps = node.args[:8]
             if isinstance(mod, nn.modules.batchnorm._BatchNorm) and rm is not None:
-                for other in list(graph.nodes):  # the module counts batches itself
-                    if (other.target is aten.add_.Tensor and isinstance(other.args[0], Node)
-                            and other.args[0].target == f"{owner}.num_batches_tracked"
-                            and not other.users):
-                        graph.erase_node(other)
+                counter = attrs.get(f"{owner}.num_batches_tracked")
+                for other in list(counter.users) if counter is not None else []:
+                    if other.target is aten.add_.Tensor and not other.users:
+                        graph.erase_node(other)  # the module counts batches itself
                 _replace(graph, node, owner, (x,))
             else:
                 bn_mode = ModeAwareBatchNorm(momentum, eps)
