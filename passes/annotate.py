@@ -25,7 +25,14 @@ from torch.fx import GraphModule
 
 from qcompile.context import Context
 from qcompile.errors import QCompileError
-from qcompile.matching import NodeQScheme, candidate, match_node, module_output, op_name, owners
+from qcompile.matching import (
+    NodeQScheme,
+    candidate_kinds,
+    match_node,
+    module_output,
+    op_name,
+    owners,
+)
 from qcompile.pipeline import graph_pass
 from qcompile.specs import Rule
 
@@ -62,7 +69,10 @@ def assign_rules(gm: GraphModule, rules: list[Rule]) -> Assignment:
         op = op_name(node)
         if op is not None:
             ops_seen.add(op)
-        hits = [(i, hit) for i, rule in enumerate(rules) if candidate(gm, node, rule)
+        # What makes a node a candidate does not depend on the rule: decide it once.
+        by_module, by_op = candidate_kinds(node)
+        hits = [(i, hit) for i, rule in enumerate(rules)
+                if (by_op if rule.match.op is not None else by_module)
                 and (hit := match_node(rule.match, node, own)) is not None]
         if not hits:
             continue

@@ -223,13 +223,19 @@ def match_node(match: Match, node: Node, node_owners: tuple[Owner, ...]) -> str 
     return None
 
 
+def candidate_kinds(node: Node) -> tuple[bool, bool]:
+    """(selectable by a rule without ``op``, selectable by a rule with ``op``): without
+    ``op``, the values modules return and ops consuming a parameter as weight (a Linear's
+    computation under either front end), never shape bookkeeping inside a matched module;
+    with ``op``, function and method calls."""
+    return (module_output(node) or is_weighted_call(node),
+            node.op in ("call_function", "call_method"))
+
+
 def candidate(gm: GraphModule, node: Node, rule: Rule) -> bool:
-    """Nodes a rule may select: with ``op``, function/method calls; without, the values
-    modules return and ops consuming a parameter as weight (a Linear's computation under
-    either front end), never shape bookkeeping inside a matched module."""
-    if rule.match.op is not None:
-        return node.op in ("call_function", "call_method")
-    return module_output(node) or is_weighted_call(node)
+    """Whether ``rule`` may select ``node`` (see ``candidate_kinds``)."""
+    by_module, by_op = candidate_kinds(node)
+    return by_op if rule.match.op is not None else by_module
 
 
 _SIZE_METHODS = {"size", "dim", "numel", "ndimension", "item", "tolist"}
