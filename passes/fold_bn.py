@@ -31,24 +31,38 @@ from torch.fx import GraphModule, Node
 from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
 
 from qcompile.context import Context
-from qcompile.matching import is_weighted_call, op_name, weight_use, weighted_module_op
+from qcompile.matching import is_weighted_call, module_op, op_name, weight_use
 from qcompile.pipeline import graph_pass
 
 _BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _RELU_MODULES = (nn.ReLU, nn.ReLU6)
 
 
-def _module(gm: GraphModule, node: Node) -> nn.Module | None:
-    return gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+class _Modules:
+    """The module each ``call_module`` node calls, resolved once per target rather than
+    once per question asked about the node (``get_submodule`` walks the dotted path)."""
+
+    def __init__(self, gm: GraphModule) -> None:
+        self.gm = gm
+        self.by_target: dict[str, nn.Module] = {}
+
+    def __call__(self, node: Node) -> nn.Module | None:
+        if node.op != "call_module":
+            return None
+        t = str(node.target)
+        m = self.by_target.get(t)
+        if m is None:
+            m = self.by_target[t] = self.gm.get_submodule(t)
+        return m
 
 
-def _is_bn(gm: GraphModule, node: Node) -> bool:
-    return isinstance(_module(gm, node), _BN)
+def _is_bn(mods: _Modules, node: Node) -> bool:
+    return isinstance(mods(node), _BN)
 
 
-def _is_relu(gm: GraphModule, node: Node) -> bool:
+def _is_relu(mods: _Modules, node: Node) -> bool:
     if node.op == "call_module":
-        return isinstance(_module(gm, node), _RELU_MODULES)
+        return isinstance(mods(node), _RELU_MODULES)
     # F.relu, torch.relu, x.relu(), aten.relu.default, F.relu6 alike
     return node.op in ("call_function", "call_method") and op_name(node) in ("relu", "relu6")
 
@@ -57,25 +71,26 @@ def _only_user(node: Node) -> Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
 
 
-def _head_op(gm: GraphModule, node: Node) -> str | None:
-    op = weighted_module_op(gm, node)
+def _head_op(mods: _Modules, node: Node) -> str | None:
+    m = mods(node)
+    op = module_op(m) if m is not None else None
     if op is None and is_weighted_call(node):
         op = op_name(node)
     return op if op in ("linear", "conv1d", "conv2d", "conv3d") else None
 
 
-def _fusion_groups(gm: GraphModule) -> list[list[Node]]:
+def _fusion_groups(mods: _Modules) -> list[list[Node]]:
     groups = []
-    for node in gm.graph.nodes:
-        op = _head_op(gm, node)
+    for node in mods.gm.graph.nodes:
+        op = _head_op(mods, node)
         if op is None:
             continue
         chain = [node]
         nxt = _only_user(node)
-        if nxt is not None and _is_bn(gm, nxt):
+        if nxt is not None and _is_bn(mods, nxt):
             chain.append(nxt)
             nxt = _only_user(nxt)
-        if nxt is not None and _is_relu(gm, nxt):
+        if nxt is not None and _is_relu(mods, nxt):
             chain.append(nxt)
         if len(chain) > 1:
             groups.append(chain)
@@ -94,8 +109,10 @@ def _functional_params(gm: GraphModule, head: Node) -> tuple[str, str | None] | 
     return str(use.param.target), (str(bias.target) if bias is not None else None)
 
 
-def _fold(gm: GraphModule, head: Node, bn_node: Node, calls: Counter, ctx: Context) -> bool:
-    """Fold ``bn_node`` into ``head`` in the traced copy; False (with a note) when unsafe."""
+def _fold(gm: GraphModule, head: Node, bn_node: Node, calls: Counter, uses: Counter,
+          ctx: Context) -> bool:
+    """Fold ``bn_node`` into ``head`` in the traced copy; False (with a note) when unsafe.
+    ``uses``: how many names each parameter (by id) has in ``gm``."""
     bn = gm.get_submodule(str(bn_node.target))
     if head.op == "call_module":
         layer = gm.get_submodule(str(head.target))
@@ -117,8 +134,7 @@ def _fold(gm: GraphModule, head: Node, bn_node: Node, calls: Counter, ctx: Conte
     if bn.running_mean is None or bn.running_var is None:
         ctx.note(f"kept {bn_node.target}: it has no running statistics to fold")
         return False
-    shared = sum(p is weight for _, p in gm.named_parameters(remove_duplicate=False))
-    if shared > 1:
+    if uses[id(weight)] > 1:
         ctx.note(f"kept {bn_node.target}: {where}.weight is shared with another layer")
         return False
     if is_linear:
@@ -164,10 +180,14 @@ def fold_bn(gm: GraphModule, ctx: Context) -> GraphModule:
     quant = ctx.spec.quant
     folding = quant.fold_bn and quant.mode in ("static", "dynamic")
     calls = Counter(n.target for n in gm.graph.nodes if n.op == "call_module")
+    mods = _Modules(gm)
+    # names per parameter, counted once (folding only adds new, unshared parameters)
+    uses = Counter(id(p) for _, p in gm.named_parameters(remove_duplicate=False)) if (
+        folding) else Counter()
     folded = False
-    for chain in _fusion_groups(gm):
-        if folding and len(chain) > 1 and _is_bn(gm, chain[1]) and _fold(gm, chain[0], chain[1],
-                                                                         calls, ctx):
+    for chain in _fusion_groups(mods):
+        if folding and len(chain) > 1 and _is_bn(mods, chain[1]) and _fold(
+                gm, chain[0], chain[1], calls, uses, ctx):
             chain.pop(1)
             folded = True
         if len(chain) > 1:
@@ -176,7 +196,8 @@ def fold_bn(gm: GraphModule, ctx: Context) -> GraphModule:
                 n.meta["qcompile.fusion"] = names
     if folded:
         gm.delete_all_unused_submodules()
-    if quant.mode == "qat" and quant.fold_bn and any(_is_bn(gm, n) for n in gm.graph.nodes):
+        mods = _Modules(gm)  # folding removed BatchNorms
+    if quant.mode == "qat" and quant.fold_bn and any(_is_bn(mods, n) for n in gm.graph.nodes):
         ctx.note("qat: BatchNorm kept unfolded (trains exactly); conv weights are "
                  "fake-quantized and activations quantized after each conv-bn(-relu) group")
     return gm

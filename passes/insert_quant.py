@@ -11,8 +11,9 @@
 
 Mode decides how quantizers start: ``qat`` observes and fake-quantizes; ``static``
 observes activations with fake-quant off until ``qc.calibrate``; ``dynamic`` computes
-activation qparams from each batch. Weight qparams are computed here from the weights
-(and keep tracking them during QAT).
+activation qparams from each batch, at the *input* of weighted ops (Linear, Conv...,
+``<module>.input_fake_quant``), which is what dynamic integer kernels quantize. Weight
+qparams are computed here from the weights (and keep tracking them during QAT).
 
 Example:
     >>> import torch, qcompile as qc
@@ -172,6 +173,41 @@ def _activation_name(gm: GraphModule, head: Node) -> str:
     return f"{owner}.{head.name}_fake_quant" if owner else f"{head.name}_fake_quant"
 
 
+def _weighted(gm: GraphModule, node: Node) -> bool:
+    return weighted_module_op(gm, node) is not None or weight_use(node) is not None
+
+
+def _dynamic_input(gm: GraphModule, ctx: Context, op: Node, qs: Any) -> None:
+    """Dynamic mode quantizes what a weighted op reads, per batch, as dynamic integer
+    kernels do (torch.ao's quantize_dynamic): a quantizer on the op's input, for this op
+    only."""
+    x = op.args[0] if op.args else None
+    if not isinstance(x, Node):
+        return
+    is_float, shape = _tensor_shape(x, ctx)
+    if not is_float:
+        ctx.note(f"rule {qs.rule}: the input of {op.name} is not a floating-point tensor; "
+                 "it is not quantized")
+        return
+    fq = _build(qs.activation, role="activation", shape=shape, dynamic=True,
+                where=f"node {op.name!r}", field=f"quant.rules[{qs.rule}].activation")
+    fq.to(_device(gm))
+    module = op.meta.get("qcompile.module") or (
+        str(op.target) if op.op == "call_module" else None)
+    if module is None:  # export graphs: the op's owning module
+        stack = op.meta.get("nn_module_stack") or {}
+        module = next(reversed(stack.values()))[0] if stack else None
+    base = f"{module}.input_fake_quant" if module else f"{op.name}_input_fake_quant"
+    name = _add(gm, base, fq)
+    with gm.graph.inserting_before(op):
+        q = gm.graph.call_module(name, (x,))
+    q.meta["tensor_meta"] = x.meta.get("tensor_meta")
+    if "nn_module_stack" in op.meta:
+        q.meta["nn_module_stack"] = op.meta["nn_module_stack"]
+    op.replace_input_with(x, q)
+    ctx.quantizers.append(_record(name, fq, "activation", op.name, qs.rule))
+
+
 def _activations(gm: GraphModule, ctx: Context) -> None:
     mode = ctx.spec.quant.mode
     device = _device(gm)
@@ -189,6 +225,9 @@ def _activations(gm: GraphModule, ctx: Context) -> None:
             head, last = by_name[group[0]], by_name[group[-1]]
         else:
             head = last = node
+        if mode == "dynamic" and _weighted(gm, head):
+            _dynamic_input(gm, ctx, head, qs)
+            continue
         is_float, shape = _tensor_shape(last, ctx)
         if not is_float:
             ctx.note(f"rule {qs.rule}: {last.name} does not output a floating-point tensor; "

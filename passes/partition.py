@@ -206,22 +206,25 @@ def _timed(gm: GraphModule, ctx: Context) -> dict[Node, float]:
         raise QCompileError("pipeline.balance: time measures the nodes on the example inputs",
                             fix="pass example_inputs, or use balance: params")
     modes = {name: m.training for name, m in gm.named_modules()}
-    # Timing must not calibrate: observers off, state restored after.
+    # Timing must not calibrate: observers off, state restored after. Weight fake-quant
+    # is timed as a training step pays it (the reuse cache would make repeats free).
     quantizers = [m for m in gm.modules() if isinstance(m, FakeQuantize)]
-    observing = [q.observe for q in quantizers]
+    saved = [(q.observe, q.reuse_weight) for q in quantizers]
     gm.eval()
     timer = _Timer(gm)
     try:
         for q in quantizers:
             q.observe = False
+            q.reuse_weight = False
         with torch.no_grad():
             for _ in range(3):
                 timer.run(*args, enable_io_processing=False)
     finally:
         for name, m in gm.named_modules():
             m.training = modes.get(name, m.training)
-        for q, flag in zip(quantizers, observing):
-            q.observe = flag
+        for q, (observe, reuse) in zip(quantizers, saved):
+            q.observe = observe
+            q.reuse_weight = reuse
     return {n: statistics.median(ts) for n, ts in timer.seconds.items()}
 
 

@@ -179,8 +179,13 @@ def _register_original_names(gm: GraphModule, names: dict[str, list[str]]) -> No
     """state_dict under the original qualified names; load_state_dict accepts them."""
     def save_hook(module: nn.Module, state: dict[str, Any], prefix: str, meta: Any) -> None:
         stage_values = {k: state.pop(k) for k in [k for k in state if k.startswith(prefix)]}
+        mapped: set[str] = set()
         for orig, keys in names.items():  # the first holder's tensor for tied ones
-            state[prefix + orig] = stage_values[prefix + keys[0]]
+            if prefix + keys[0] in stage_values:  # (qc.convert replaces some tensors)
+                state[prefix + orig] = stage_values[prefix + keys[0]]
+                mapped.update(prefix + key for key in keys)
+        # tensors added after placement (converted weights) keep their stage names
+        state.update({k: v for k, v in stage_values.items() if k not in mapped})
 
     def load_hook(module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
         for orig, keys in names.items():

@@ -27,6 +27,7 @@ _LAZY = {
     "quantizers": "qcompile.api",
     "freeze": "qcompile.api",
     "calibrate": "qcompile.api",
+    "convert": "qcompile.api",
     "export_encodings": "qcompile.encodings",
     "load_encodings": "qcompile.encodings",
     "sqnr": "qcompile.encodings",

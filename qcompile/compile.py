@@ -113,6 +113,7 @@ def qcompile(
         torch_version=torch.__version__,
         mode=spec.quant.mode,
         trace_method=ctx.trace_method,
+        shapes=ctx.shapes,
         passes=records,
         quantizers=ctx.quantizers,
         rule_matches=ctx.rule_matches,

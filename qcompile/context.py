@@ -35,6 +35,8 @@ class Context:
     rule_matches: dict[int, list[str]] = field(default_factory=dict)
     trace_method: str | None = None
     has_shapes: bool = False
+    shapes: str | None = None  # how node shapes were recorded (Report.shapes)
+    code_state: Any = None  # what the graph's code was last generated from (pipeline.py)
     stages: list[StageRecord] = field(default_factory=list)
     balance: str | None = None
 

@@ -4,6 +4,9 @@
 gradient for learnable scales), following the numerics in ``qcompile.quant_math``.
 Two plain Python bools steer it: ``enabled`` (fake-quant on/off) and ``observe``
 (observer updates qparams on forward). Scales are 1-D float32 whatever the model dtype.
+A third, ``reuse_weight`` (default True), lets a weight quantizer reuse its last result
+while the weight and qparams are unchanged (several forwards per optimizer step, see
+``qcompile.weight_cache``).
 
 Example:
     >>> import torch
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qcompile import weight_cache
 from qcompile.observers import MinMaxObserver, make_observer
 from qcompile.quant_math import (
     FP8_DTYPES,
@@ -92,7 +96,17 @@ class FakeQuantize(nn.Module):
 
     Per-token and dynamic quantizers compute their qparams from each input and keep no
     state; ``observe`` does not apply to them.
+
+    ``reuse_weight`` (plain bool, default True): when the input is a weight (exactly an
+    ``nn.Parameter``), the fake-quantized result is kept and returned again, with an
+    autograd node of its own and exact gradients, until the weight's version (an
+    optimizer step, any in-place write), the qparams or the switches change; so gradient
+    accumulation fake-quantizes each weight once per step. Costs one weight-sized tensor
+    plus a 1-byte mask per weight quantizer. The rule for what is cached and when it is
+    invalidated is in ``qcompile.weight_cache``; ``clear_weight_cache()`` drops it.
     """
+
+    reuse_weight: bool = True
 
     def __init__(
         self,
@@ -208,8 +222,15 @@ class FakeQuantize(nn.Module):
         if self.observer is None:
             return
         scale, zero_point = self._qparams(self.observer.min_val, self.observer.max_val)
+        # written through .data (no version bump): the cached weight must go explicitly
+        weight_cache.clear(self)
         _assign(self.scale, scale)
         _assign(self.zero_point, zero_point)
+
+    def clear_weight_cache(self) -> None:
+        """Drop the cached fake-quantized weight (see ``reuse_weight``): needed only after
+        writes autograd does not see, such as ``weight.data.copy_(...)``."""
+        weight_cache.clear(self)
 
     # -- forward ----------------------------------------------------------------------
     def _shaped(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -248,11 +269,26 @@ class FakeQuantize(nn.Module):
             with torch.no_grad():
                 scale, zero_point = self._qparams(*self._minmax(x.detach().float()))
             return self._fake_quant(x, scale, zero_point, shaped=self.granularity == "per_token")
+        if self.enabled and self.reuse_weight and self._may_reuse(x):
+            return weight_cache.forward(self, x)
         if self.observe:
             self.observe_tensor(x)
         if not self.enabled:
             return x
         return self._fake_quant(x, self.scale, self.zero_point, shaped=False)
+
+    def _may_reuse(self, x: torch.Tensor) -> bool:
+        """``x`` is a weight the cache may hold, and observing it again (when ``observe``
+        is on) would change nothing: a fixed-scale min-max observer."""
+        if torch.compiler.is_compiling():  # first: nothing below is traced
+            return False
+        if self.observe and not (type(self.observer) is MinMaxObserver and not self.learnable):
+            return False
+        # LSQ under saved-tensor hooks (non-reentrant checkpointing compares the tensors
+        # saved by a forward with those of its recomputation): the uncached nodes, always
+        if self.learnable and torch.is_grad_enabled() and weight_cache.saved_tensor_hooks_active():
+            return False
+        return weight_cache.cacheable_weight(x)
 
     # The two switches are plain Python bools, read in forward without .item() (export- and
     # meta-friendly). A calibrated graph must still reload as calibrated, so they are
@@ -260,6 +296,8 @@ class FakeQuantize(nn.Module):
     # stay all-tensor for safetensors and distributed checkpoints) and read back on load.
     def __setattr__(self, name: str, value: object) -> None:
         super().__setattr__(name, value)
+        if name in _FLAG_INDEX:
+            weight_cache.clear(self)
         if name in _FLAG_INDEX and "mode_flags" in self._buffers:
             flags = self._buffers["mode_flags"]
             if flags is not None and flags.device.type != "meta":
@@ -267,11 +305,23 @@ class FakeQuantize(nn.Module):
                     flags[_FLAG_INDEX[name]] = int(bool(value))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
+        weight_cache.clear(self)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         flags = state_dict.get(prefix + "mode_flags")
         if isinstance(flags, torch.Tensor) and flags.device.type != "meta":
             self.enabled = bool(flags[0])
             self.observe = bool(flags[1])
+
+    # The weight cache is runtime state of this instance only: moved or converted tensors
+    # start without it, and copies and pickles never carry it.
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        weight_cache.clear(self)
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()  # a copy of __dict__
+        state.pop(weight_cache.ATTR, None)
+        return state
 
     def extra_repr(self) -> str:
         parts = [self.dtype, self.granularity, "symmetric" if self.symmetric else "affine",

@@ -16,7 +16,9 @@ Example:
 from __future__ import annotations
 
 import fnmatch
+import functools
 import operator
+import re
 from dataclasses import dataclass
 
 import torch
@@ -136,7 +138,12 @@ def weighted_module_op(gm: GraphModule, node: Node) -> str | None:
     functional op it computes, else None."""
     if node.op != "call_module":
         return None
-    m = gm.get_submodule(str(node.target))
+    return module_op(gm.get_submodule(str(node.target)))
+
+
+def module_op(m: nn.Module) -> str | None:
+    """The functional op a Linear/Conv/Embedding with the stock forward computes, else
+    None (see ``weighted_module_op``)."""
     for cls, op in WEIGHTED_MODULES.items():
         if type(m).forward is cls.forward and isinstance(m, cls):
             return op
@@ -198,8 +205,15 @@ def module_output(node: Node) -> bool:
                for u in node.users)
 
 
+@functools.lru_cache(maxsize=256)
+def _globs(patterns: tuple[str, ...]) -> re.Pattern[str]:
+    """One regex for "any of these fnmatch patterns" (``fnmatch.fnmatchcase`` semantics)."""
+    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns))
+
+
 def _glob_any(patterns: list[str], *values: str) -> bool:
-    return any(fnmatch.fnmatchcase(v, p) for p in patterns for v in values)
+    rx = _globs(tuple(patterns))
+    return any(rx.match(v) is not None for v in values)
 
 
 def match_node(match: Match, node: Node, node_owners: tuple[Owner, ...]) -> str | None:

@@ -2,9 +2,10 @@
 
 A pass is a plain function ``(GraphModule | None, Context) -> GraphModule`` wrapped by
 ``graph_pass`` with the facts it requires and provides. ``Pipeline`` checks that chain
-once when built, runs the passes in order, lints and recompiles the graph after each,
-records a ``PassRecord`` per pass and calls the instruments (graph dumps, timing), which
-live outside the passes.
+once when built, runs the passes in order, lints the graph after each and recompiles it
+when the pass changed it (so every pass, and every instrument, gets a valid graph whose
+``forward`` is its code), records a ``PassRecord`` per pass and calls the instruments
+(graph dumps, timing), which live outside the passes.
 
 Example:
     >>> from qcompile.pipeline import graph_pass, Pipeline
@@ -32,6 +33,28 @@ from qcompile.errors import QCompileError
 from qcompile.records import PassRecord, Report
 
 PassFn = Callable[[torch.fx.GraphModule | None, Context], torch.fx.GraphModule]
+
+
+def code_state(gm: torch.fx.GraphModule) -> tuple:
+    """What ``gm.code`` is generated from: the graph, its codegen, and each node's name, op,
+    target, arguments and type, in order. Nodes' arguments are immutable (fx replaces the
+    tuples on every change), so comparing by identity (``same_code_state``) detects any
+    change; a false "changed" only costs a recompile."""
+    g = gm.graph
+    return (gm, g, g._codegen,
+            [(n, n.name, n.op, n.target, n.args, n.kwargs, n.type) for n in g.nodes])
+
+
+def same_code_state(a: tuple | None, b: tuple) -> bool:
+    if a is None or len(a[3]) != len(b[3]) or any(x is not y for x, y in zip(a[:3], b[:3])):
+        return False
+    return all(x is y for na, nb in zip(a[3], b[3]) for x, y in zip(na, nb))
+
+
+def mark_compiled(gm: torch.fx.GraphModule, ctx: Context) -> None:
+    """Tell the pipeline that ``gm.code`` is current (a pass that just built the
+    GraphModule, which compiles it), so it is not recompiled unless changed."""
+    ctx.code_state = code_state(gm)
 
 
 @dataclass(frozen=True)
@@ -100,7 +123,12 @@ class Pipeline:
             t0 = time.perf_counter()
             gm = p(gm, ctx)
             gm.graph.lint()
-            gm.recompile()
+            # Code generation costs more than most passes: only for a changed graph (a pass
+            # that only annotates nodes leaves the code as it was).
+            state = code_state(gm)
+            if not same_code_state(ctx.code_state, state):
+                gm.recompile()
+            ctx.code_state = state
             seconds = time.perf_counter() - t0
             after = [n.name for n in gm.graph.nodes]
             after_set = set(after)

@@ -11,6 +11,10 @@ computed in float32 whatever the input dtype, with a straight-through gradient t
 outside. fp8 formats fake-quantize by casting ``x / scale`` to the format (round to
 nearest even, saturating at the largest finite value).
 
+On CPU, ``fake_quantize`` runs the fused C++ kernels of ``qcompile.kernels`` (the same
+bits, one pass forward and one backward); other devices, and machines without a C++
+compiler, run the eager autograd Functions below (``fake_quantize_eager``).
+
 Example:
     >>> import torch
     >>> from qcompile.quant_math import qparams_from_minmax, fake_quantize
@@ -24,6 +28,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from qcompile import kernels
 
 _EPS = torch.finfo(torch.float32).eps
 
@@ -148,16 +154,67 @@ def fake_quantize(
 ) -> torch.Tensor:
     """Fake-quantize ``x`` with ``scale``/``zero_point`` already shaped to broadcast
     against it. Math runs in float32; the result has ``x``'s dtype. With ``learnable``,
-    LSQ's gradient factor counts ``x.numel() / scale.numel() / batch`` elements."""
+    LSQ's gradient factor counts ``x.numel() / scale.numel() / batch`` elements.
+
+    CPU tensors run the fused kernels of ``qcompile.kernels`` (bit-identical results,
+    one pass each way); other devices, or no C++ compiler, run ``fake_quantize_eager``."""
+    factor = lsq_grad_factor(x, scale, quant_max, batch) if learnable else 0.0
+    if _fused(x, scale, zero_point):
+        ops = torch.ops.qcompile  # loaded by kernels.available()
+        if learnable:
+            return ops.fake_quant_lsq(x, scale, zero_point, quant_min, quant_max, factor)
+        return ops.fake_quant(x, scale, zero_point, quant_min, quant_max)
+    return fake_quantize_eager(x, scale, zero_point, quant_min, quant_max,
+                               learnable=learnable, grad_factor=factor)
+
+
+def lsq_grad_factor(x: torch.Tensor, scale: torch.Tensor, quant_max: int, batch: int) -> float:
+    """LSQ's gradient scale ``1 / sqrt(n * quant_max)``, ``n`` the elements per scale (per
+    example when ``batch`` > 1)."""
+    n = max(x.numel() // max(scale.numel(), 1) // max(batch, 1), 1)
+    return 1.0 / math.sqrt(n * max(quant_max, 1))
+
+
+def fake_quantize_eager(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    quant_min: int,
+    quant_max: int,
+    *,
+    learnable: bool = False,
+    grad_factor: float = 1.0,
+) -> torch.Tensor:
+    """The tensor-op formulation (any device): the reference the fused kernels match."""
     xf = x.float()
     zp = zero_point.to(torch.float32)
     if learnable:
-        n = max(xf.numel() // max(scale.numel(), 1) // max(batch, 1), 1)
-        factor = 1.0 / math.sqrt(n * max(quant_max, 1))
-        out = _FakeQuantLSQ.apply(xf, scale, zp, quant_min, quant_max, factor)
+        out = _FakeQuantLSQ.apply(xf, scale, zp, quant_min, quant_max, grad_factor)
     else:
         out = _FakeQuantSTE.apply(xf, scale, zp, quant_min, quant_max)
     return out.to(x.dtype)
+
+
+def _fused(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> bool:
+    """Whether the fused CPU kernels take this call: CPU, floating point, and qparams that
+    broadcast to ``x``'s own shape (the eager formula would grow the output otherwise)."""
+    if not (x.is_cpu and x.is_floating_point() and kernels.available()):
+        return False
+    shape = x.shape
+    return _fits(scale, shape) and _fits(zero_point, shape)
+
+
+def _fits(t: torch.Tensor, shape: torch.Size) -> bool:
+    """``t`` broadcasts to ``shape`` without growing it."""
+    k, nd = t.dim(), len(shape)
+    if k > nd:
+        return False
+    if t.numel() == 1:
+        return True
+    for a, b in zip(t.shape, shape[nd - k:]):  # noqa: SIM110  (no generator: per-call cost)
+        if a != 1 and a != b:
+            return False
+    return True
 
 
 def fake_quantize_fp8(

@@ -62,6 +62,19 @@ class StageRecord(BaseModel):
     modules: list[str] = Field(default_factory=list, description="top-level modules it holds")
 
 
+class ConversionRecord(BaseModel):
+    """What ``qc.convert`` made of one node or weight."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    node: str = Field(description="graph node in the converted graph")
+    module: str = Field(description="the layer (module qualified name) it belongs to")
+    path: str = Field(description="kernel | dynamic_kernel | quantize | int_storage | "
+                      "fake_quant | fold")
+    op: str = Field(description="the kernel or storage used, e.g. quantized::linear_relu")
+    note: str = ""
+
+
 class Report(BaseModel):
     """What ``qcompile`` did; ``qc.report(gm)`` returns it, ``.model_dump_json()`` saves it."""
 
@@ -71,6 +84,10 @@ class Report(BaseModel):
     torch_version: str = ""
     mode: str
     trace_method: str | None = None
+    shapes: str | None = Field(
+        None, description="how node shapes were recorded: 'meta tensors' (no kernel runs), "
+        "'torch.export' (its fake values), or 'example inputs (...)' (the model ran on them, "
+        "and why meta tensors could not); None without example inputs")
     passes: list[PassRecord] = Field(default_factory=list)
     quantizers: list[QuantizerRecord] = Field(default_factory=list)
     rule_matches: dict[int, list[str]] = Field(
@@ -80,12 +97,19 @@ class Report(BaseModel):
     balance: str | None = Field(None, description="cost model used for the stages")
     balance_ratio: float | None = Field(None, description="max stage cost / mean stage cost")
     total_seconds: float = 0.0
+    conversions: list[ConversionRecord] = Field(
+        default_factory=list, description="qc.convert: what each quantized node became")
+    max_deviation: dict[str, float] = Field(
+        default_factory=dict, description="qc.convert with example_inputs: per output, max "
+        "|converted - fake-quant|, and in steps of the output quantizer when it has one")
 
     def text(self) -> str:
         """A human-readable summary."""
         lines = [f"qcompile {self.qcompile_version} (torch {self.torch_version}), "
                  f"mode {self.mode}, traced by {self.trace_method}, "
                  f"{self.total_seconds * 1e3:.1f} ms"]
+        if self.shapes is not None and self.shapes.startswith("example inputs"):
+            lines.append(f"shapes from {self.shapes}")
         lines.append(f"{'pass':<14}{'ms':>9}{'nodes':>8}{'+':>6}{'-':>6}")
         for p in self.passes:
             lines.append(f"{p.name:<14}{p.seconds * 1e3:>9.2f}{p.nodes_after:>8}"
@@ -109,4 +133,15 @@ class Report(BaseModel):
                 lines.append(f"{s.stage:<7}{s.device:<9}{s.nodes:>6}{s.parameters:>11}"
                              f"{s.cost:>12.4g}{s.bytes_in:>11}{s.bytes_out:>11}"
                              f"{s.memory_bytes:>12}")
+        if self.conversions:
+            by_path: dict[str, int] = {}
+            for c in self.conversions:
+                key = f"{c.path} {c.op}"
+                by_path[key] = by_path.get(key, 0) + 1
+            lines.append(f"converted: {len(self.conversions)}")
+            lines += [f"    {n:>4} x {k}" for k, n in sorted(by_path.items())]
+            lines += [f"    note: {c.module}: {c.note}" for c in self.conversions
+                      if c.path == "fake_quant"]
+        for k, v in self.max_deviation.items():
+            lines.append(f"max deviation {k}: {v:.4g}")
         return "\n".join(lines)

@@ -12,8 +12,13 @@ Subcommands:
 - ``compile``: compile time of qcompile int8-qat and torch.ao ``prepare_qat_fx`` relative
   to ``torch.fx.symbolic_trace`` (MLP, ResNet-18-style CNN, 12-layer transformer), and
   compile time of 50..400-block MLPs (scaling).
+- ``memory``: peak RSS of compile + 2 QAT steps of the 12-layer transformer, qcompile
+  (with and without its copy of the model) vs torch.ao ``prepare_qat_fx``, each in a
+  fresh process.
 - ``step``: QAT training-step time relative to the fp32 eager step, qcompile vs
   ``prepare_qat_fx``, same models.
+- ``convert``: int8 inference latency after ``qc.convert`` vs fp32, next to torch.ao
+  ``convert_fx`` (MLP at batch 64 and 1, ResNet-style CNN at batch 32).
 - ``fakequant``: fake-quant throughput (GB/s, forward and forward+backward) per-tensor /
   per-channel / per-group / LSQ next to ``y.copy_(x)`` and torch's built-in ops.
 
@@ -290,24 +295,118 @@ def _prepare_qat_fx(model: nn.Module, x: torch.Tensor) -> nn.Module:
 
 
 def bench_compile(quick: bool) -> dict[str, Any]:
-    """Compile time: symbolic_trace vs qcompile int8-qat vs prepare_qat_fx, and scaling."""
+    """Compile time: symbolic_trace vs qcompile int8-qat (also ``inplace=True``, which skips
+    qcompile's copy of the model) vs prepare_qat_fx (on a copy, as qcompile makes one), and
+    scaling with depth. Each model's contenders run once untimed (warm-up), then in
+    interleaved rounds; medians of the rounds. Models are built outside the timings."""
     import copy
 
+    rounds = 3 if quick else 5
     out: dict[str, Any] = {}
     for name, (make, x) in _workloads(quick).items():
         torch.manual_seed(0)
         model = make()
-        trace = _median(lambda m=model: torch.fx.symbolic_trace(m), 3)
-        ours = _median(lambda m=model, x=x: qc.qcompile(m, "int8-qat", (x,)), 3)
-        ao = _median(lambda m=model, x=x: _prepare_qat_fx(copy.deepcopy(m), x), 3)
-        out[name] = {"symbolic_trace_s": trace, "qcompile_s": ours, "prepare_qat_fx_s": ao,
-                     "qcompile_vs_trace": ours / trace, "prepare_qat_fx_vs_trace": ao / trace}
+        runs = {
+            "symbolic_trace": lambda m, x=x: torch.fx.symbolic_trace(m),
+            "qcompile": lambda m, x=x: qc.qcompile(m, "int8-qat", (x,)),
+            "qcompile_inplace": lambda m, x=x: qc.qcompile(m, "int8-qat", (x,), inplace=True),
+            "prepare_qat_fx": lambda m, x=x: _prepare_qat_fx(copy.deepcopy(m), x),
+        }
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        for r in range(rounds + 1):
+            for key, fn in runs.items():
+                m = copy.deepcopy(model) if key == "qcompile_inplace" else model
+                t0 = time.perf_counter()
+                fn(m)
+                if r:  # round 0 warms up
+                    times[key].append(time.perf_counter() - t0)
+        t = {k: statistics.median(v) for k, v in times.items()}
+        out[name] = {f"{k}_s": v for k, v in t.items()}
+        for k in ("qcompile", "qcompile_inplace", "prepare_qat_fx"):
+            out[name][f"{k}_vs_trace"] = t[k] / t["symbolic_trace"]
     sizes = (50, 100) if quick else (50, 100, 200, 400)
     qc.qcompile(deep_mlp(10), "int8-qat", (torch.randn(4, 64),))  # warm up imports and caches
-    scaling = {n: _median(lambda n=n: qc.qcompile(deep_mlp(n), "int8-qat",
-                                                    (torch.randn(4, 64),)), 1) for n in sizes}
+    scaling: dict[int, float] = {}
+    for n in sizes:
+        times_n = []
+        for _ in range(rounds):
+            m, x = deep_mlp(n), torch.randn(4, 64)
+            t0 = time.perf_counter()
+            qc.qcompile(m, "int8-qat", (x,))
+            times_n.append(time.perf_counter() - t0)
+        scaling[n] = statistics.median(times_n)
     out["scaling_s"] = scaling
     out["scaling_ratio"] = scaling[sizes[-1]] / scaling[sizes[0]]
+    return out
+
+
+def _memory_worker(how: str, quick: bool, out: str) -> None:
+    """One fresh process: import, build the transformer, compile it ``how`` (qcompile
+    int8-qat with its copy of the model, qcompile ``inplace=True``, or torch.ao
+    ``prepare_qat_fx``, which rewrites the model in place), train 2 QAT steps; peak RSS
+    (ru_maxrss) after each stage."""
+    import resource  # noqa: F401  (the peak comes from _peak_rss_mb)
+    import warnings
+
+    from torch.ao.quantization import get_default_qat_qconfig_mapping  # both sides import it
+    from torch.ao.quantization.quantize_fx import prepare_qat_fx
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    assert qc.qcompile is not None  # qcompile's modules load lazily: in the baseline too
+    stages = {"import_mb": _peak_rss_mb()}
+    torch.manual_seed(0)
+    model = transformer(4 if quick else 12).train()
+    x = torch.randn(2 if quick else 8, 32 if quick else 128, 256)
+    stages["model_mb"] = _peak_rss_mb()
+    if how == "prepare_qat_fx":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gm = prepare_qat_fx(model, get_default_qat_qconfig_mapping("x86"), (x,))
+    else:
+        gm = qc.qcompile(model, "int8-qat", (x,), inplace=how == "qcompile_inplace")
+    stages["compile_mb"] = _peak_rss_mb()
+    opt = torch.optim.SGD(gm.parameters(), lr=1e-4)
+    for _ in range(2):
+        opt.zero_grad()
+        gm(x).square().mean().backward()
+        opt.step()
+    stages["peak_mb"] = _peak_rss_mb()
+    stages["weights_mb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    with open(out, "w") as f:
+        json.dump(stages, f)
+
+
+def bench_memory(quick: bool) -> dict[str, Any]:
+    """Peak RSS (MB) of compile + 2 QAT steps of the transformer (12 layers; 4 with
+    ``quick``), each way in a fresh process: qcompile (which compiles a copy and leaves the
+    model alone), qcompile ``inplace=True``, and torch.ao ``prepare_qat_fx`` (in place).
+    ``*_net_mb`` is above the process's RSS after imports (torch, qcompile, torch.ao)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out: dict[str, Any] = {}
+    hows = ("qcompile", "qcompile_inplace", "prepare_qat_fx")
+    with tempfile.TemporaryDirectory() as tmp:
+        # concurrently: each process's peak RSS is its own, and the imports dominate the time
+        procs = {how: ctx.Process(target=_memory_worker,
+                                  args=(how, quick, os.path.join(tmp, f"{how}.json")))
+                 for how in hows}
+        for p in procs.values():
+            p.start()
+        for p in procs.values():
+            p.join()
+        for how, p in procs.items():
+            if p.exitcode != 0:
+                raise RuntimeError(f"memory worker {how!r} exited with {p.exitcode}")
+            with open(os.path.join(tmp, f"{how}.json")) as f:
+                r = json.load(f)
+            out[how] = {"peak_mb": r["peak_mb"], "net_mb": r["peak_mb"] - r["import_mb"],
+                        "after_compile_mb": r["compile_mb"], "import_mb": r["import_mb"],
+                        "weights_mb": r["weights_mb"]}
+    ao = out["prepare_qat_fx"]
+    for how in ("qcompile", "qcompile_inplace"):
+        out[f"{how}_vs_prepare_qat_fx"] = out[how]["peak_mb"] / ao["peak_mb"]
+        out[f"{how}_vs_prepare_qat_fx_net"] = out[how]["net_mb"] / ao["net_mb"]
     return out
 
 
@@ -339,71 +438,190 @@ def bench_step(quick: bool) -> dict[str, Any]:
     return out
 
 
-def bench_fakequant(quick: bool) -> dict[str, Any]:
-    """GB/s (read + write of the tensor) of fake-quant forward and forward+backward."""
+def _fakequant_cases(x: torch.Tensor, only: tuple[str, ...] = ()) -> dict[str, tuple[Any, Any]]:
+    """name -> (qcompile FakeQuantize, torch's built-in op of the same kind) on ``x``
+    ([rows, 1024]); per-group has no built-in op of its own: torch's per-channel op on
+    the [rows * groups, group_size] view computes the same thing."""
     from qcompile.fake_quant import FakeQuantize
 
-    n = (1 if quick else 16) * 1024 * 1024
-    x = torch.randn(n // 1024, 1024)
-    gb = 2 * x.numel() * 4 / 1e9
-    y = torch.empty_like(x)
-    out: dict[str, Any] = {"copy_GBps": gb / _median(lambda: y.copy_(x), 5)}
-
-    def rate(fn: Any, backward: bool) -> float:
-        def run() -> None:
-            xi = x.detach().requires_grad_(backward)
-            r = fn(xi)
-            if backward:
-                r.sum().backward()
-        return gb / _median(run, 5)
-
-    cases: dict[str, tuple[FakeQuantize, Any]] = {}
-    for name, kw in (("per_tensor", {}),
-                     ("per_channel", {"granularity": "per_channel", "axis": 0,
-                                      "channels": x.shape[0]}),
-                     ("per_group", {"granularity": "per_group", "group_size": 128,
-                                    "channels": x.shape[0] * 8}),
-                     ("lsq", {"learnable": True})):
+    rows, cols = x.shape
+    kinds = {"per_tensor": {},
+             "per_channel": {"granularity": "per_channel", "axis": 0, "channels": rows},
+             "per_channel_last": {"granularity": "per_channel", "axis": -1, "channels": cols},
+             "per_group": {"granularity": "per_group", "group_size": 128,
+                           "channels": rows * cols // 128},
+             "lsq": {"learnable": True},
+             "lsq_per_channel": {"learnable": True, "granularity": "per_channel", "axis": 0,
+                                 "channels": rows}}
+    cases: dict[str, tuple[Any, Any]] = {}
+    for name, kw in kinds.items():
+        if only and name not in only:
+            continue
         fq = FakeQuantize("int8", **kw)
         fq(x)
         fq.observe = False
         s, z = fq.scale.detach().clone(), fq.zero_point.clone()
-        if name == "per_tensor":
-            builtin = lambda t, s=s, z=z: torch.fake_quantize_per_tensor_affine(  # noqa: E731
-                t, float(s), int(z), -128, 127)
-        elif name == "per_channel":
-            builtin = lambda t, s=s, z=z: torch.fake_quantize_per_channel_affine(  # noqa: E731
-                t, s, z, 0, -128, 127)
-        elif name == "lsq":
-            sp = s.clone().requires_grad_(True)
-            builtin = lambda t, sp=sp, z=z: torch._fake_quantize_learnable_per_tensor_affine(  # noqa: E731
-                t, sp, z.float(), -128, 127, 1.0)
-        else:
-            builtin = None
+        sp, zf = s.clone().requires_grad_(True), z.float()
+        builtin = {
+            "per_tensor": lambda t, s=s, z=z: torch.fake_quantize_per_tensor_affine(
+                t, float(s), int(z), -128, 127),
+            "per_channel": lambda t, s=s, z=z: torch.fake_quantize_per_channel_affine(
+                t, s, z, 0, -128, 127),
+            "per_channel_last": lambda t, s=s, z=z: torch.fake_quantize_per_channel_affine(
+                t, s, z, 1, -128, 127),
+            "per_group": lambda t, s=s, z=z: torch.fake_quantize_per_channel_affine(
+                t.reshape(-1, 128), s, z, 0, -128, 127).view_as(t),
+            "lsq": lambda t, sp=sp, zf=zf: torch._fake_quantize_learnable_per_tensor_affine(
+                t, sp, zf, -128, 127, 1.0),
+            "lsq_per_channel": lambda t, sp=sp, zf=zf:
+                torch._fake_quantize_learnable_per_channel_affine(t, sp, zf, 0, -128, 127, 1.0),
+        }[name]
         cases[name] = (fq, builtin)
+    return cases
+
+
+def bench_fakequant(quick: bool) -> dict[str, Any]:
+    """Fake-quant throughput (GB/s), qcompile vs torch's built-in op of the same kind, next
+    to ``y.copy_(x)``, all interleaved in one run (medians of the rounds).
+
+    GB/s counts the bytes every implementation must move: the forward reads x and writes
+    the output (2 x 4 bytes per element, like the copy); forward+backward also reads the
+    output's gradient and writes x's (4 x 4 bytes; saved state such as a mask is not
+    counted). The backward gets a dense upstream gradient (``out.backward(g)``).
+    ``small_64x64_us``: per-call time on a 64x64 tensor (dispatch overhead)."""
+    from qcompile import kernels
+
+    n = (1 if quick else 16) * 1024 * 1024
+    rounds = 3 if quick else 7
+    x = torch.randn(n // 1024, 1024)
+    g = torch.randn_like(x)
+    y = torch.empty_like(x)
+    nbytes = x.numel() * x.element_size()
+
+    def fwd(fn: Any, t: torch.Tensor = x) -> Any:
+        return lambda: fn(t)
+
+    def fwd_bwd(fn: Any, t: torch.Tensor = x, grad: torch.Tensor = g) -> Any:
+        def run() -> None:
+            fn(t.detach().requires_grad_(True)).backward(grad)
+        return run
+
+    cases = _fakequant_cases(x)
+    runs: list[tuple[str, Any]] = []
     for name, (fq, builtin) in cases.items():
+        runs.append(("copy", lambda: y.copy_(x)))  # a copy next to every case
+        for impl, fn in (("qcompile", fq), ("torch", builtin)):
+            runs.append((f"{name}.{impl}_fwd", fwd(fn)))
+            runs.append((f"{name}.{impl}_fwd_bwd", fwd_bwd(fn)))
+    times: dict[str, list[float]] = {k: [] for k, _ in runs}
+    for _, fn in runs:  # warm up (allocator, first-call paths)
+        fn()
+    for _ in range(rounds):
+        for key, fn in runs:
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+    t = {k: statistics.median(v) for k, v in times.items()}
+    copy_gbps = 2 * nbytes / t["copy"] / 1e9
+    out: dict[str, Any] = {"elements": n, "copy_GBps": copy_gbps,
+                           "kernels": 1 if kernels.available() else 0}
+    for name in cases:
         row: dict[str, Any] = {}
-        for backward in (False, True):
-            key = "fwd_bwd" if backward else "fwd"
-            row[f"qcompile_{key}_GBps"] = rate(fq, backward)
-            if builtin is not None:
-                row[f"torch_{key}_GBps"] = rate(builtin, backward)
-                row[f"speedup_{key}"] = row[f"qcompile_{key}_GBps"] / row[f"torch_{key}_GBps"]
-        row["fwd_vs_copy"] = row["qcompile_fwd_GBps"] / out["copy_GBps"]
+        for key, tensors in (("fwd", 2), ("fwd_bwd", 4)):
+            for impl in ("qcompile", "torch"):
+                row[f"{impl}_{key}_GBps"] = tensors * nbytes / t[f"{name}.{impl}_{key}"] / 1e9
+            row[f"speedup_{key}"] = t[f"{name}.torch_{key}"] / t[f"{name}.qcompile_{key}"]
+            row[f"{key}_vs_copy"] = row[f"qcompile_{key}_GBps"] / copy_gbps
         out[name] = row
+    # per-call overhead: a 64x64 per-tensor quantizer, forward and forward+backward
+    small = torch.randn(64, 64)
+    fq, builtin = _fakequant_cases(small, ("per_tensor",))["per_tensor"]
+    gs = torch.randn_like(small)
+    calls = 50 if quick else 500
+    row = {}
+    for impl, fn in (("qcompile", fq), ("torch", builtin)):
+        for key, run in (("fwd", fwd(fn, small)), ("fwd_bwd", fwd_bwd(fn, small, gs))):
+            def many(run: Any = run) -> None:
+                for _ in range(calls):
+                    run()
+            many()
+            row[f"{impl}_{key}_us"] = _median(many, rounds) / calls * 1e6
+    out["small_64x64_us"] = row
+    return out
+
+
+def _int8_spec() -> qc.CompileSpec:
+    """int8-static, plus quantized model inputs and pooled features, so every conv and
+    linear reads integers (what torch.ao's prepare_fx does by default)."""
+    d = qc.load_spec("int8-static").model_dump()
+    d["quant"]["inputs"] = {"dtype": "uint8", "symmetric": False}
+    d["quant"]["rules"].append({"match": {"module": "AdaptiveAvgPool2d"}, "optional": True,
+                                "activation": {"dtype": "uint8", "symmetric": False}})
+    return qc.CompileSpec.model_validate(d)
+
+
+def bench_convert(quick: bool) -> dict[str, Any]:
+    """Inference latency of converted int8 graphs relative to fp32 eager: ``qc.convert``
+    next to torch.ao ``prepare_fx`` + ``convert_fx`` (x86 default qconfig) on the same
+    models, calibrated on the same batches."""
+    import copy
+    import warnings
+
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    cases = {"mlp_b64": (lambda: deep_mlp(4, 1024), (64, 1024)),
+             "mlp_b1": (lambda: deep_mlp(4, 1024), (1, 1024)),
+             "cnn_b32": (resnet_like, (8 if quick else 32, 3, 32, 32))}
+    out: dict[str, Any] = {}
+    for name, (make, shape) in cases.items():
+        torch.manual_seed(0)
+        model = make().eval()
+        calib = [(torch.randn(shape),) for _ in range(2 if quick else 8)]
+        x = torch.randn(shape)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gm = qc.qcompile(model, _int8_spec(), calib[0])
+            qc.calibrate(gm, calib, progress=False)
+            ours = qc.convert(gm)
+            ao = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), calib[0])
+            with torch.no_grad():
+                for b in calib:
+                    ao(*b)
+            ao = convert_fx(ao)
+        kernels = sum(c.path in ("kernel", "dynamic_kernel") for c in qc.report(ours).conversions)
+        repeat = 5 if quick else (200 if shape[0] == 1 else 20)
+        runs: dict[str, list[float]] = {"fp32": [], "qcompile": [], "convert_fx": []}
+        contenders = (("fp32", model), ("qcompile", ours), ("convert_fx", ao))
+        with torch.inference_mode():
+            for _, m in contenders:
+                m(x)  # warm-up
+            for i in range(repeat):  # interleaved, rotating the order: no position bias
+                for label, m in contenders[i % 3:] + contenders[:i % 3]:
+                    t0 = time.perf_counter()
+                    m(x)
+                    runs[label].append(time.perf_counter() - t0)
+            dev = float((ours(x) - gm.eval()(x)).abs().max())
+        times = {k: statistics.median(v) for k, v in runs.items()}
+        out[name] = {**{f"{k}_ms": v * 1e3 for k, v in times.items()},
+                     "qcompile_speedup": times["fp32"] / times["qcompile"],
+                     "convert_fx_speedup": times["fp32"] / times["convert_fx"],
+                     "kernels": kernels, "max_dev_vs_fake_quant": dev}
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qcompile-bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("suite", choices=["pipeline", "compile-once", "observer-sync",
-                                          "compile", "step", "fakequant"])
+                                          "compile", "memory", "step", "fakequant",
+                                          "convert"])
     parser.add_argument("--quick", action="store_true", help="smaller workloads")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
-    if args.suite in ("compile", "step", "fakequant"):
+    if args.suite in ("compile", "memory", "step", "fakequant", "convert"):
         torch.set_num_threads(min(2, torch.get_num_threads()))
-        fn = {"compile": bench_compile, "step": bench_step, "fakequant": bench_fakequant}
+        fn = {"compile": bench_compile, "memory": bench_memory, "step": bench_step,
+              "fakequant": bench_fakequant, "convert": bench_convert}
         r = fn[args.suite](args.quick)
         if args.json:
             print(json.dumps(r, indent=2))

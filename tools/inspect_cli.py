@@ -459,6 +459,7 @@ def cmd_sqnr(args: argparse.Namespace) -> int:
     import torch
 
     import qcompile as qc
+    from qcompile.api import collect_statistics
 
     model, spec, inputs = build(args)
     if args.calib:
@@ -475,7 +476,7 @@ def cmd_sqnr(args: argparse.Namespace) -> int:
     spec = spec.model_copy(update={"pipeline": None})
     gm = qc.qcompile(model, spec, inputs or batches[0])
     if qc.quantizers(gm):  # qparams from these batches, whatever the mode (QAT too)
-        qc.calibrate(gm, batches, sync=False)
+        collect_statistics(gm, batches, sync=False)
     qc.freeze(gm)
     gm.eval()
     rows = qc.sqnr(gm, model.eval(), batches)

@@ -94,7 +94,7 @@ def test_dynamic_quantizers_are_marked_dynamic(tmp_path: Path) -> None:
     path = tmp_path / "d.encodings"
     qc.export_encodings(gm, path)
     data = json.loads(path.read_text())
-    assert data["activation_encodings"]["0.output"] == [
+    assert data["activation_encodings"]["0.input"] == [  # dynamic: what the op reads
         {"dynamic": True, "bitwidth": 8, "is_symmetric": False, "granularity": "per_tensor"}]
     assert len(data["param_encodings"]["0.weight"]) == 4
     qc.load_encodings(gm, path)  # dynamic entries are left as they are

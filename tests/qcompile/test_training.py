@@ -201,7 +201,7 @@ def test_dynamic_activation_qparams_follow_each_batch() -> None:
     large = torch.randn(8, 16, generator=gen) * 1e2
     gm = qc.qcompile(model, "int8-dynamic", (small,))
     qs = qc.quantizers(gm)
-    act = qs["0.output_fake_quant"]
+    act = qs["0.input_fake_quant"]  # dynamic mode quantizes what Linear reads
     assert act.dynamic and act.enabled and (act.quant_min, act.quant_max) == (0, 255)
     assert all(r.dynamic for r in qc.report(gm).quantizers if r.role == "activation")
 

@@ -1,0 +1,963 @@
+// qcompile's fused fake-quant kernels (CPU), registered as torch.ops.qcompile.*.
+//
+// Numerics (bit-identical to qcompile.quant_math's eager formulation, float32 math):
+//   q   = clamp(nearbyint(x / scale) + zero_point, quant_min, quant_max)
+//   out = (q - zero_point) * scale
+//   STE: grad_x = grad * (nearbyint(x / scale) + zero_point in [quant_min, quant_max])
+//   LSQ: grad_scale = sum(grad * (inside ? q - zp - x/scale : q - zp)) * grad_factor
+// Built without fast-math and with -ffp-contract=off: true division, IEEE rounding.
+//
+// Layout: x (made non-overlapping and dense) is walked in memory order as a flat array
+// viewed as [outer, C, inner], the scale/zero point indexed by C, so one kernel serves
+// per-tensor (C = 1), per-channel, per-group and per-token scales. Rows of >= kRowMin
+// elements use one scale per row ("row mode"); shorter rows use per-element parameter
+// arrays of one [C * inner] period ("column mode").
+//
+// The kernel bodies (the #else branch at the end) are compiled three times, for AVX-512,
+// AVX2 and the baseline ISA, and picked at run time (the best the CPU has, or
+// QCOMPILE_FQ_ISA): every variant does the same IEEE operations in the same order, so
+// results do not depend on the machine.
+
+#ifndef QCOMPILE_FQ_KERNEL_BODY
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty_strided.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+namespace qcompile_fq {
+
+// One call's work, as plain pointers: shared by every ISA variant.
+struct Job {
+  const void* x = nullptr;   // input (float or bfloat16 bits)
+  void* y = nullptr;         // forward output
+  uint8_t* m = nullptr;      // STE mask, 1 byte per element (1 inside the range)
+  uint8_t* bits = nullptr;   // STE mask, 1 bit per element (bit i % 8 of byte i / 8)
+  const void* g = nullptr;   // upstream gradient
+  void* gx = nullptr;        // gradient w.r.t. x
+  const float* s = nullptr;  // scales: [C] (row mode) or [row] (column mode)
+  const float* z = nullptr;  // zero points, same shape, as float
+  double* part = nullptr;    // LSQ partial sums
+  int64_t n = 0;             // elements
+  int64_t row = 1;           // row length: inner (row mode) or C * inner (column mode)
+  int64_t C = 1;             // scales per period (row mode)
+  int64_t rows = 1;          // n / row
+  int64_t chunk = 1, nchunk = 1;    // LSQ row mode: chunk length, chunks per row
+  int64_t col_block = 1, ncb = 1;   // LSQ column mode: columns per task, tasks per row block
+  int64_t row_block = 1;            // LSQ column mode: rows per task
+  bool col = false;
+  bool bf16 = false;
+  float lo = 0.f, hi = 0.f;
+};
+
+constexpr int64_t kTile = 1024;     // elements per tile of the bit mask (a multiple of 64)
+constexpr int64_t kRowLong = 256;   // shorter rows of 16k elements: 16 at a time
+
+struct KernelTable {
+  const char* name;
+  void (*fwd)(const Job&, int64_t, int64_t);            // elements [b, e)
+  void (*bwd_mask)(const Job&, int64_t, int64_t);       // elements [b, e)
+  void (*bwd_bits)(const Job&, int64_t, int64_t);       // elements [b, e), b % 64 == 0
+  void (*lsq_bwd)(const Job&, int64_t, int64_t);        // tasks [b, e)
+};
+
+}  // namespace qcompile_fq
+
+#define QCOMPILE_FQ_KERNEL_BODY 1
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define QCOMPILE_FQ_X86 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
+#define QCOMPILE_FQ_ISA_NAME "avx512"
+namespace qcompile_fq::isa_avx512 {
+#include __FILE__
+}  // namespace qcompile_fq::isa_avx512
+#undef QCOMPILE_FQ_ISA_NAME
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,bmi2")
+#define QCOMPILE_FQ_ISA_NAME "avx2"
+namespace qcompile_fq::isa_avx2 {
+#include __FILE__
+}  // namespace qcompile_fq::isa_avx2
+#undef QCOMPILE_FQ_ISA_NAME
+#pragma GCC pop_options
+#endif
+#define QCOMPILE_FQ_ISA_NAME "base"
+namespace qcompile_fq::isa_base {
+#include __FILE__
+}  // namespace qcompile_fq::isa_base
+#undef QCOMPILE_FQ_ISA_NAME
+#undef QCOMPILE_FQ_KERNEL_BODY
+
+namespace qcompile_fq {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::tensor_list;
+
+constexpr int64_t kRowMin = 16;       // shorter rows run in column mode
+constexpr int64_t kGrain = 32768;     // elements per parallel task, at least
+constexpr int64_t kChunk = 8192;      // LSQ row mode: elements per partial sum
+constexpr int64_t kColBlock = 8192;   // LSQ column mode: columns per task
+constexpr int64_t kColTask = 262144;  // LSQ column mode: elements per task, about
+
+// The best variant the CPU supports, or the one QCOMPILE_FQ_ISA (avx512, avx2, base) asks
+// for, read at each call so tests can compare variants in one process.
+static const KernelTable* pick(const std::string& want) {
+#ifdef QCOMPILE_FQ_X86
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+  if (avx512 && (want.empty() || want == "avx512")) return &isa_avx512::table;
+  if (avx2 && (want.empty() || want == "avx512" || want == "avx2")) return &isa_avx2::table;
+#endif
+  return &isa_base::table;
+}
+
+static const KernelTable& kernels() {
+  static const KernelTable* best = pick("");
+  const char* want = std::getenv("QCOMPILE_FQ_ISA");
+  return want && *want ? *pick(want) : *best;
+}
+
+// Outputs of 32 MB and more (glibc maps each in pages of its own: 16K page faults, each
+// zeroing 4 KB) are advised into transparent huge pages where the kernel offers them
+// madvise-only: the first touch costs 512x fewer faults. QCOMPILE_FQ_THP=0 turns it off.
+constexpr size_t kHugeMin = size_t(32) << 20;
+
+static Tensor advise_huge(Tensor t) {
+#ifdef MADV_HUGEPAGE
+  static const bool on = [] {
+    const char* v = std::getenv("QCOMPILE_FQ_THP");
+    return !(v && std::string(v) == "0");
+  }();
+  const size_t nbytes = t.nbytes();
+  if (on && nbytes >= kHugeMin) {
+    constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+    const auto p = reinterpret_cast<uintptr_t>(t.data_ptr());
+    const uintptr_t b = (p + kHuge - 1) & ~(kHuge - 1), e = (p + nbytes) & ~(kHuge - 1);
+    if (e > b) madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE);  // a hint only
+  }
+#endif
+  return t;
+}
+
+static bool native(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16;
+}
+
+// -- layout ------------------------------------------------------------------------------
+struct Layout {
+  Tensor x;  // non-overlapping and dense
+  int64_t n = 0, outer = 1, C = 1, inner = 1;
+  bool col = false;
+  const float* s = nullptr;  // [C] (row mode) or [C * inner] (column mode)
+  const float* z = nullptr;
+  std::vector<float> s_buf, z_buf;  // when scale / zero_point are not used in place
+  // grad_scale: element c of the period adds to scale's element scale_index[c] (row-major
+  // over scale's shape); empty when that is c itself
+  std::vector<int64_t> scale_index;
+  Tensor scale, zero_point;  // float / readable versions of the parameters, kept alive
+};
+
+static Tensor dense(const Tensor& t) {
+  if (t.is_non_overlapping_and_dense()) return t;
+  Tensor d = at::empty_like(t);
+  d.copy_(t);
+  return d;
+}
+
+static bool readable(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kInt || t == at::kLong ||
+         t == at::kShort || t == at::kChar || t == at::kByte;
+}
+
+static float read_float(const void* base, at::ScalarType t, int64_t i) {
+  switch (t) {
+    case at::kFloat: return static_cast<const float*>(base)[i];
+    case at::kDouble: return static_cast<float>(static_cast<const double*>(base)[i]);
+    case at::kInt: return static_cast<float>(static_cast<const int32_t*>(base)[i]);
+    case at::kLong: return static_cast<float>(static_cast<const int64_t*>(base)[i]);
+    case at::kShort: return static_cast<float>(static_cast<const int16_t*>(base)[i]);
+    case at::kChar: return static_cast<float>(static_cast<const int8_t*>(base)[i]);
+    default: return static_cast<float>(static_cast<const uint8_t*>(base)[i]);
+  }
+}
+
+// One parameter tensor (scale or zero point) broadcast against x's nd dims: its element
+// stride along each of x's dims (0 where it broadcasts).
+static std::vector<int64_t> bstrides(const Tensor& t, const Tensor& x, const char* what) {
+  const int64_t nd = x.dim(), off = nd - t.dim();
+  TORCH_CHECK(off >= 0, "qcompile fake_quant: ", what, " ", t.sizes(),
+              " must broadcast to x's shape ", x.sizes());
+  std::vector<int64_t> st(nd, 0);
+  for (int64_t d = off; d < nd; ++d) {
+    const int64_t sz = t.size(d - off);
+    TORCH_CHECK(sz == 1 || sz == x.size(d), "qcompile fake_quant: ", what, " ", t.sizes(),
+                " must broadcast to x's shape ", x.sizes());
+    st[d] = sz == 1 ? 0 : t.stride(d - off);
+  }
+  return st;
+}
+
+// x's elements in memory order form [outer, C, inner], C spanning the (memory-order
+// adjacent) dims where scale or zero point vary; scattered dims give C = numel.
+static Layout make_layout(const Tensor& x_in, const Tensor& scale_in, const Tensor& zp_in) {
+  Layout L;
+  L.x = dense(x_in);
+  const Tensor& x = L.x;
+  const int64_t nd = x.dim();
+  L.n = x.numel();
+  L.scale = scale_in.scalar_type() == at::kFloat ? scale_in : scale_in.to(at::kFloat);
+  L.zero_point = readable(zp_in.scalar_type()) ? zp_in : zp_in.to(at::kFloat);
+  const Tensor& scale = L.scale;
+  const Tensor& zp = L.zero_point;
+  const auto ss = bstrides(scale, x, "scale"), zs = bstrides(zp, x, "zero_point");
+  // scale's row-major (contiguous) strides, for grad_scale
+  std::vector<int64_t> sl(nd, 0);
+  for (int64_t d = nd - 1, acc = 1; d >= nd - scale.dim(); --d) {
+    const int64_t sz = scale.size(d - (nd - scale.dim()));
+    sl[d] = sz == 1 ? 0 : acc;
+    acc *= sz;
+  }
+  std::vector<int64_t> perm(nd);  // x's dims in memory order, outermost first
+  std::iota(perm.begin(), perm.end(), 0);
+  if (!x.is_contiguous()) {
+    std::stable_sort(perm.begin(), perm.end(),
+                     [&](int64_t a, int64_t b) { return x.stride(a) > x.stride(b); });
+  }
+  auto varies = [&](int64_t d) { return x.size(d) > 1 && (ss[d] != 0 || zs[d] != 0); };
+  int64_t first = -1, last = -1;
+  for (int64_t k = 0; k < nd; ++k) {
+    if (varies(perm[k])) {
+      if (first < 0) first = k;
+      last = k;
+    }
+  }
+  bool run = true;
+  for (int64_t k = first; first >= 0 && k <= last; ++k) {
+    run = run && (x.size(perm[k]) == 1 || varies(perm[k]));
+  }
+  if (first < 0) {  // one scale: a single row
+    first = 0;
+    last = -1;
+  } else if (!run) {  // scattered: one parameter per element
+    first = 0;
+    last = nd - 1;
+  }
+  for (int64_t k = 0; k < first; ++k) L.outer *= x.size(perm[k]);
+  for (int64_t k = first; k <= last; ++k) L.C *= x.size(perm[k]);
+  L.inner = L.n / (L.outer * L.C);
+  if (L.C == 1) {
+    L.outer = 1;
+    L.inner = L.n;
+  }
+  // Gather the C values of the period in memory order, in place when possible.
+  const int64_t nrun = last - first + 1;
+  std::vector<int64_t> dims(perm.begin() + first, perm.begin() + first + nrun);
+  auto in_place = [&](const std::vector<int64_t>& st) {
+    int64_t expect = 1;
+    for (int64_t k = nrun - 1; k >= 0; --k) {
+      const int64_t sz = x.size(dims[k]);
+      if (sz > 1 && st[dims[k]] != expect) return false;
+      expect *= sz;
+    }
+    return true;
+  };
+  const bool s_here = in_place(ss);
+  const bool z_here = zp.scalar_type() == at::kFloat && in_place(zs);
+  const bool s_linear = in_place(sl);
+  if (!s_here) L.s_buf.resize(L.C);
+  if (!z_here) L.z_buf.resize(L.C);
+  if (!s_linear) L.scale_index.resize(L.C);
+  if (!s_here || !z_here || !s_linear) {
+    const float* sp = scale.const_data_ptr<float>();
+    const void* zpp = zp.const_data_ptr();
+    const auto zt = zp.scalar_type();
+    std::vector<int64_t> idx(nrun, 0);
+    int64_t so = 0, zo = 0, lo = 0;
+    for (int64_t c = 0; c < L.C; ++c) {
+      if (!s_here) L.s_buf[c] = sp[so];
+      if (!z_here) L.z_buf[c] = read_float(zpp, zt, zo);
+      if (!s_linear) L.scale_index[c] = lo;
+      for (int64_t k = nrun - 1; k >= 0; --k) {  // odometer, innermost dim fastest
+        const int64_t d = dims[k];
+        if (++idx[k] < x.size(d)) {
+          so += ss[d];
+          zo += zs[d];
+          lo += sl[d];
+          break;
+        }
+        so -= ss[d] * (x.size(d) - 1);
+        zo -= zs[d] * (x.size(d) - 1);
+        lo -= sl[d] * (x.size(d) - 1);
+        idx[k] = 0;
+      }
+    }
+  }
+  L.s = s_here ? scale.const_data_ptr<float>() : L.s_buf.data();
+  L.z = z_here ? zp.const_data_ptr<float>() : L.z_buf.data();
+  L.col = L.C > 1 && L.inner < kRowMin;
+  if (L.col && L.inner > 1) {  // per-element parameters over one period
+    std::vector<float> se(L.C * L.inner), ze(L.C * L.inner);
+    for (int64_t c = 0; c < L.C; ++c) {
+      std::fill_n(se.begin() + c * L.inner, L.inner, L.s[c]);
+      std::fill_n(ze.begin() + c * L.inner, L.inner, L.z[c]);
+    }
+    L.s_buf = std::move(se);
+    L.z_buf = std::move(ze);
+    L.s = L.s_buf.data();
+    L.z = L.z_buf.data();
+  }
+  return L;
+}
+
+static Job make_job(const Layout& L, int64_t qmin, int64_t qmax) {
+  Job j;
+  j.x = L.x.const_data_ptr();
+  j.s = L.s;
+  j.z = L.z;
+  j.n = L.n;
+  j.col = L.col;
+  j.row = L.col ? L.C * L.inner : L.inner;
+  j.C = L.C;
+  j.rows = L.n / j.row;
+  j.bf16 = L.x.scalar_type() == at::kBFloat16;
+  j.lo = static_cast<float>(qmin);
+  j.hi = static_cast<float>(qmax);
+  return j;
+}
+
+// grad aligned with x's (dense) layout and dtype
+static Tensor like_x(const Tensor& grad, const Tensor& x) {
+  if (grad.scalar_type() == x.scalar_type() && grad.strides() == x.strides()) return grad;
+  Tensor g = at::empty_like(x);
+  g.copy_(grad);
+  return g;
+}
+
+// -- CPU kernels -------------------------------------------------------------------------
+// Threads take whole 64-element blocks: each writes whole bytes of a bit mask.
+template <typename F>
+static void parallel_blocks(int64_t n, F&& f) {
+  at::parallel_for(0, (n + 63) / 64, kGrain / 64,
+                   [&](int64_t b, int64_t e) { f(b * 64, std::min(n, e * 64)); });
+}
+
+static void run_fwd(const Layout& L, const Tensor& out, const Tensor& bits, int64_t qmin,
+                    int64_t qmax) {
+  Job j = make_job(L, qmin, qmax);
+  j.y = out.mutable_data_ptr();
+  j.bits = bits.defined() ? static_cast<uint8_t*>(bits.mutable_data_ptr()) : nullptr;
+  const auto& k = kernels();
+  parallel_blocks(L.n, [&](int64_t b, int64_t e) { k.fwd(j, b, e); });
+}
+
+static int64_t packed_bytes(int64_t n) { return (n + 7) / 8; }
+
+Tensor fake_quant_cpu(const Tensor& x, const Tensor& scale, const Tensor& zero_point,
+                      int64_t quant_min, int64_t quant_max) {
+  if (!native(x.scalar_type())) {
+    return fake_quant_cpu(x.to(at::kFloat), scale, zero_point, quant_min, quant_max)
+        .to(x.scalar_type());
+  }
+  if (x.numel() == 0) return at::empty_like(x);
+  Layout L = make_layout(x, scale, zero_point);
+  Tensor out = advise_huge(at::empty_like(L.x));
+  run_fwd(L, out, Tensor(), quant_min, quant_max);
+  return out;
+}
+
+std::tuple<Tensor, Tensor> fake_quant_ste_fwd_cpu(const Tensor& x, const Tensor& scale,
+                                                  const Tensor& zero_point, int64_t quant_min,
+                                                  int64_t quant_max) {
+  if (!native(x.scalar_type())) {
+    auto [out, mask] =
+        fake_quant_ste_fwd_cpu(x.to(at::kFloat), scale, zero_point, quant_min, quant_max);
+    return {out.to(x.scalar_type()), mask};
+  }
+  Tensor bits = at::empty({packed_bytes(x.numel())}, x.options().dtype(at::kByte));
+  if (x.numel() == 0) return {at::empty_like(x), bits};
+  Layout L = make_layout(x, scale, zero_point);
+  Tensor out = advise_huge(at::empty_like(L.x));
+  run_fwd(L, out, bits, quant_min, quant_max);
+  return {out, bits};
+}
+
+// grad * mask for a bool mask of grad's shape
+Tensor fake_quant_bwd_cpu(const Tensor& grad, const Tensor& mask_in) {
+  TORCH_CHECK(mask_in.scalar_type() == at::kBool && mask_in.sizes() == grad.sizes(),
+              "qcompile fake_quant_bwd: expects a bool mask of the gradient's shape ",
+              grad.sizes(), ", got ", mask_in.scalar_type(), " ", mask_in.sizes());
+  if (!native(grad.scalar_type())) {
+    return fake_quant_bwd_cpu(grad.to(at::kFloat), mask_in).to(grad.scalar_type());
+  }
+  const Tensor mask = dense(mask_in);
+  Tensor gx = advise_huge(at::empty_like(mask, grad.options()));
+  if (mask.numel() == 0) return gx;
+  Tensor g = like_x(grad, gx);
+  Job j;
+  j.g = g.const_data_ptr();
+  j.gx = gx.mutable_data_ptr();
+  j.m = static_cast<uint8_t*>(const_cast<void*>(mask.const_data_ptr()));
+  j.n = mask.numel();
+  j.bf16 = grad.scalar_type() == at::kBFloat16;
+  const auto& k = kernels();
+  at::parallel_for(0, j.n, kGrain, [&](int64_t b, int64_t e) { k.bwd_mask(j, b, e); });
+  return gx;
+}
+
+// grad * mask for fake_quant_ste_fwd's bit mask, in the forward output's layout (stride)
+Tensor fake_quant_ste_bwd_cpu(const Tensor& grad, const Tensor& mask,
+                              c10::SymIntArrayRef stride_sym) {
+  const auto stride = C10_AS_INTARRAYREF_SLOW(stride_sym);
+  if (!native(grad.scalar_type())) {
+    return fake_quant_ste_bwd_cpu(grad.to(at::kFloat), mask, stride_sym)
+        .to(grad.scalar_type());
+  }
+  Tensor gx = advise_huge(at::empty_strided(grad.sizes(), stride, grad.options()));
+  if (gx.numel() == 0) return gx;
+  TORCH_CHECK(gx.is_non_overlapping_and_dense() && mask.scalar_type() == at::kByte &&
+                  mask.is_contiguous() && mask.numel() == packed_bytes(gx.numel()),
+              "qcompile fake_quant_ste_bwd: expects the mask and the output stride of "
+              "fake_quant_ste_fwd");
+  Tensor g = like_x(grad, gx);
+  Job j;
+  j.g = g.const_data_ptr();
+  j.gx = gx.mutable_data_ptr();
+  j.bits = static_cast<uint8_t*>(const_cast<void*>(mask.const_data_ptr()));
+  j.n = gx.numel();
+  j.bf16 = grad.scalar_type() == at::kBFloat16;
+  const auto& k = kernels();
+  parallel_blocks(j.n, [&](int64_t b, int64_t e) { k.bwd_bits(j, b, e); });
+  return gx;
+}
+
+std::tuple<Tensor, Tensor> fake_quant_lsq_bwd_cpu(const Tensor& grad, const Tensor& x,
+                                                  const Tensor& scale, const Tensor& zero_point,
+                                                  int64_t quant_min, int64_t quant_max,
+                                                  double grad_factor) {
+  if (!native(x.scalar_type())) {
+    auto [gx, gs] = fake_quant_lsq_bwd_cpu(grad.to(at::kFloat), x.to(at::kFloat), scale,
+                                           zero_point, quant_min, quant_max, grad_factor);
+    return {gx.to(grad.scalar_type()), gs};
+  }
+  Tensor grad_scale = at::empty(scale.sizes(), scale.options());
+  if (x.numel() == 0) return {at::empty_like(x, grad.options()), grad_scale.zero_()};
+  Layout L = make_layout(x, scale, zero_point);
+  Tensor g = like_x(grad, L.x);
+  Tensor gx = advise_huge(at::empty_like(L.x));
+  Job j = make_job(L, quant_min, quant_max);
+  j.g = g.const_data_ptr();
+  j.gx = gx.mutable_data_ptr();
+  int64_t tasks, grain;
+  std::vector<double> part;
+  if (!L.col && j.row < kRowLong && j.row % 16 == 0) {  // tasks: tiles of short rows
+    tasks = (j.rows + kTile / j.row - 1) / (kTile / j.row);
+    grain = std::max<int64_t>(1, kGrain / kTile);
+    part.resize(j.rows);
+  } else if (!L.col) {  // tasks: chunks of long rows
+    j.chunk = std::min(j.row, kChunk);
+    j.nchunk = (j.row + j.chunk - 1) / j.chunk;
+    tasks = j.rows * j.nchunk;
+    grain = std::max<int64_t>(1, kGrain / j.chunk);
+    part.resize(tasks);
+  } else {
+    j.col_block = std::min(j.row, kColBlock);
+    j.ncb = (j.row + j.col_block - 1) / j.col_block;
+    j.row_block = std::max<int64_t>(1, kColTask / j.col_block);
+    const int64_t nrb = (j.rows + j.row_block - 1) / j.row_block;
+    tasks = nrb * j.ncb;
+    grain = 1;
+    part.resize(nrb * j.row);
+  }
+  j.part = part.data();
+  const auto& k = kernels();
+  at::parallel_for(0, tasks, grain, [&](int64_t b, int64_t e) { k.lsq_bwd(j, b, e); });
+  // Reduce the partial sums in a fixed order: the same bits whatever the thread count.
+  std::vector<double> per_c(L.C, 0.0);
+  if (!L.col) {
+    for (int64_t r = 0; r < j.rows; ++r) {
+      double acc = 0.0;
+      for (int64_t c = 0; c < j.nchunk; ++c) acc += part[r * j.nchunk + c];
+      per_c[r % L.C] += acc;
+    }
+  } else {
+    const int64_t nrb = static_cast<int64_t>(part.size()) / j.row;
+    for (int64_t c = 0; c < L.C; ++c) {
+      double acc = 0.0;
+      for (int64_t i = 0; i < L.inner; ++i) {
+        double col = 0.0;
+        for (int64_t rb = 0; rb < nrb; ++rb) col += part[rb * j.row + c * L.inner + i];
+        acc += col;
+      }
+      per_c[c] = acc;
+    }
+  }
+  // float32 rounding once per scale, then the factor in float32 (as the eager formula)
+  const float factor = static_cast<float>(grad_factor);
+  if (L.scale_index.empty() && grad_scale.scalar_type() == at::kFloat &&
+      grad_scale.is_contiguous()) {
+    float* gp = grad_scale.mutable_data_ptr<float>();
+    for (int64_t c = 0; c < L.C; ++c) gp[c] = static_cast<float>(per_c[c]) * factor;
+  } else {
+    std::vector<double> acc(scale.numel(), 0.0);
+    for (int64_t c = 0; c < L.C; ++c) acc[L.scale_index.empty() ? c : L.scale_index[c]] += per_c[c];
+    Tensor gs = at::empty(scale.sizes(), scale.options().dtype(at::kFloat));
+    float* gp = gs.mutable_data_ptr<float>();
+    for (size_t i = 0; i < acc.size(); ++i) gp[i] = static_cast<float>(acc[i]) * factor;
+    grad_scale.copy_(gs);
+  }
+  return {gx, grad_scale};
+}
+
+// -- meta (shape) kernels: the same strides as the CPU kernels ----------------------------
+Tensor fake_quant_meta(const Tensor& x, const Tensor&, const Tensor&, int64_t, int64_t) {
+  return at::empty_like(x);
+}
+std::tuple<Tensor, Tensor> fake_quant_ste_fwd_meta(const Tensor& x, const Tensor&,
+                                                   const Tensor&, int64_t, int64_t) {
+  return {at::empty_like(x),
+          at::empty_symint({(x.sym_numel() + 7) / 8}, x.options().dtype(at::kByte))};
+}
+Tensor fake_quant_ste_bwd_meta(const Tensor& grad, const Tensor&, c10::SymIntArrayRef stride) {
+  return at::empty_strided_symint(grad.sym_sizes(), stride, grad.options());
+}
+Tensor fake_quant_bwd_meta(const Tensor& grad, const Tensor& mask) {
+  return at::empty_like(mask, grad.options());
+}
+std::tuple<Tensor, Tensor> fake_quant_lsq_bwd_meta(const Tensor& grad, const Tensor& x,
+                                                   const Tensor& scale, const Tensor&, int64_t,
+                                                   int64_t, double) {
+  return {at::empty_like(x, grad.options()), at::empty_symint(scale.sym_sizes(), scale.options())};
+}
+
+// -- autograd ----------------------------------------------------------------------------
+template <typename Sig>
+static c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+using FqSig = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t);
+using FwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, int64_t,
+                                          int64_t);
+using BwdSig = Tensor(const Tensor&, const Tensor&, c10::SymIntArrayRef);
+using LsqBwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                             const Tensor&, int64_t, int64_t, double);
+
+struct FakeQuantSTE : public torch::autograd::Function<FakeQuantSTE> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& scale,
+                        const Tensor& zero_point, int64_t quant_min, int64_t quant_max) {
+    static const auto fwd = op<FwdSig>("qcompile::fake_quant_ste_fwd");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, mask] = fwd.call(x, scale, zero_point, quant_min, quant_max);
+    ctx->save_for_backward({mask});  // 1 bit per element
+    ctx->saved_data["stride"] = out.sym_strides();
+    return out;
+  }
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    static const auto bwd = op<BwdSig>("qcompile::fake_quant_ste_bwd");
+    const auto saved = ctx->get_saved_variables();
+    const auto stride = ctx->saved_data["stride"].toSymIntVector();
+    return {bwd.call(grads[0], saved[0], stride), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct FakeQuantLSQ : public torch::autograd::Function<FakeQuantLSQ> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& scale,
+                        const Tensor& zero_point, int64_t quant_min, int64_t quant_max,
+                        double grad_factor) {
+    static const auto fq = op<FqSig>("qcompile::fake_quant");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    // the zero point as of this forward (as eager, which saves zero_point.float())
+    ctx->save_for_backward({x, scale, zero_point.to(at::kFloat)});
+    ctx->saved_data["qmin"] = quant_min;
+    ctx->saved_data["qmax"] = quant_max;
+    ctx->saved_data["factor"] = grad_factor;
+    return fq.call(x, scale, zero_point, quant_min, quant_max);
+  }
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    static const auto bwd = op<LsqBwdSig>("qcompile::fake_quant_lsq_bwd");
+    const auto saved = ctx->get_saved_variables();
+    auto [gx, gs] = bwd.call(grads[0], saved[0], saved[1], saved[2],
+                             ctx->saved_data["qmin"].toInt(), ctx->saved_data["qmax"].toInt(),
+                             ctx->saved_data["factor"].toDouble());
+    return {gx, gs, Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+Tensor fake_quant_autograd(const Tensor& x, const Tensor& scale, const Tensor& zero_point,
+                           int64_t quant_min, int64_t quant_max) {
+  if (!(at::GradMode::is_enabled() && (x.requires_grad() || scale.requires_grad()))) {
+    static const auto fq = op<FqSig>("qcompile::fake_quant");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return fq.call(x, scale, zero_point, quant_min, quant_max);
+  }
+  return FakeQuantSTE::apply(x, scale, zero_point, quant_min, quant_max);
+}
+
+Tensor fake_quant_lsq_autograd(const Tensor& x, const Tensor& scale, const Tensor& zero_point,
+                               int64_t quant_min, int64_t quant_max, double grad_factor) {
+  if (!(at::GradMode::is_enabled() && (x.requires_grad() || scale.requires_grad()))) {
+    static const auto fq = op<FqSig>("qcompile::fake_quant");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return fq.call(x, scale, zero_point, quant_min, quant_max);
+  }
+  return FakeQuantLSQ::apply(x, scale, zero_point, quant_min, quant_max, grad_factor);
+}
+
+Tensor fake_quant_lsq_cpu(const Tensor& x, const Tensor& scale, const Tensor& zero_point,
+                          int64_t quant_min, int64_t quant_max, double) {
+  return fake_quant_cpu(x, scale, zero_point, quant_min, quant_max);
+}
+Tensor fake_quant_lsq_meta(const Tensor& x, const Tensor&, const Tensor&, int64_t, int64_t,
+                           double) {
+  return at::empty_like(x);
+}
+
+std::string isa() { return kernels().name; }
+
+}  // namespace qcompile_fq
+
+// torch.compile's caches (FX graph, AOTAutograd) know these operators by name and schema
+// only: a change of what an operator computes, or of the autograd formula behind
+// fake_quant / fake_quant_lsq, leaves stale compiled graphs in them (clear
+// /tmp/torchinductor_$USER, or rename the operator).
+TORCH_LIBRARY(qcompile, m) {
+  m.def("fake_quant(Tensor x, Tensor scale, Tensor zero_point, int quant_min, int quant_max)"
+        " -> Tensor");
+  m.def("fake_quant_lsq(Tensor x, Tensor scale, Tensor zero_point, int quant_min, "
+        "int quant_max, float grad_factor) -> Tensor");
+  m.def("fake_quant_ste_fwd(Tensor x, Tensor scale, Tensor zero_point, int quant_min, "
+        "int quant_max) -> (Tensor, Tensor)");
+  m.def("fake_quant_bwd(Tensor grad, Tensor mask) -> Tensor");
+  m.def("fake_quant_ste_bwd(Tensor grad, Tensor mask, SymInt[] stride) -> Tensor");
+  m.def("fake_quant_lsq_bwd(Tensor grad, Tensor x, Tensor scale, Tensor zero_point, "
+        "int quant_min, int quant_max, float grad_factor) -> (Tensor, Tensor)");
+  m.def("fake_quant_isa() -> str", &qcompile_fq::isa);
+}
+
+TORCH_LIBRARY_IMPL(qcompile, CPU, m) {
+  m.impl("fake_quant", &qcompile_fq::fake_quant_cpu);
+  m.impl("fake_quant_lsq", &qcompile_fq::fake_quant_lsq_cpu);
+  m.impl("fake_quant_ste_fwd", &qcompile_fq::fake_quant_ste_fwd_cpu);
+  m.impl("fake_quant_bwd", &qcompile_fq::fake_quant_bwd_cpu);
+  m.impl("fake_quant_ste_bwd", &qcompile_fq::fake_quant_ste_bwd_cpu);
+  m.impl("fake_quant_lsq_bwd", &qcompile_fq::fake_quant_lsq_bwd_cpu);
+}
+
+TORCH_LIBRARY_IMPL(qcompile, Meta, m) {
+  m.impl("fake_quant", &qcompile_fq::fake_quant_meta);
+  m.impl("fake_quant_lsq", &qcompile_fq::fake_quant_lsq_meta);
+  m.impl("fake_quant_ste_fwd", &qcompile_fq::fake_quant_ste_fwd_meta);
+  m.impl("fake_quant_bwd", &qcompile_fq::fake_quant_bwd_meta);
+  m.impl("fake_quant_ste_bwd", &qcompile_fq::fake_quant_ste_bwd_meta);
+  m.impl("fake_quant_lsq_bwd", &qcompile_fq::fake_quant_lsq_bwd_meta);
+}
+
+TORCH_LIBRARY_IMPL(qcompile, Autograd, m) {
+  m.impl("fake_quant", &qcompile_fq::fake_quant_autograd);
+  m.impl("fake_quant_lsq", &qcompile_fq::fake_quant_lsq_autograd);
+}
+
+#else  // QCOMPILE_FQ_KERNEL_BODY: compiled once per instruction set, inside its namespace
+
+static inline float load_f(const float* p, int64_t i) { return p[i]; }
+static inline float load_f(const uint16_t* p, int64_t i) {  // bfloat16 bits
+  const uint32_t u = static_cast<uint32_t>(p[i]) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+static inline void store_f(float* p, int64_t i, float v) { p[i] = v; }
+static inline void store_f(uint16_t* p, int64_t i, float v) {  // round to nearest even
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  p[i] = v != v ? static_cast<uint16_t>(0x7FC0)
+                : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+struct ScalarP {  // one scale for the whole segment
+  float s, z;
+  float S(int64_t) const { return s; }
+  float Z(int64_t) const { return z; }
+};
+struct ArrayP {  // one scale per element
+  const float* __restrict s;
+  const float* __restrict z;
+  float S(int64_t i) const { return s[i]; }
+  float Z(int64_t i) const { return z[i]; }
+};
+
+static inline float clampf(float q, float lo, float hi) {  // NaN passes, like torch.clamp
+  const float c = q < lo ? lo : q;
+  return c > hi ? hi : c;
+}
+
+template <typename T, typename P, bool kMask>
+static void fwd_seg(const T* __restrict x, T* __restrict y, uint8_t* __restrict m, int64_t n,
+                    P p, float lo, float hi) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float s = p.S(i), z = p.Z(i);
+    const float q = std::nearbyint(load_f(x, i) / s) + z;
+    if (kMask) m[i] = static_cast<uint8_t>((q >= lo) & (q <= hi));
+    store_f(y, i, (clampf(q, lo, hi) - z) * s);
+  }
+}
+
+// Walk elements [b, e) segment by segment: a segment never crosses a row (divisions only
+// at the start: rows can be short).
+template <typename F>
+static void for_segments(const Job& j, int64_t b, int64_t e, F&& f) {
+  if (b >= e) return;
+  const int64_t r = b / j.row;
+  int64_t at = b, row_end = (r + 1) * j.row;
+  if (j.col) {
+    for (int64_t o = b - r * j.row; at < e; o = 0, row_end += j.row) {
+      const int64_t len = std::min(e, row_end) - at;
+      f(at, len, ArrayP{j.s + o, j.z + o});
+      at += len;
+    }
+  } else {
+    for (int64_t c = r % j.C; at < e; row_end += j.row, c = c + 1 == j.C ? 0 : c + 1) {
+      const int64_t len = std::min(e, row_end) - at;
+      f(at, len, ScalarP{j.s[c], j.z[c]});
+      at += len;
+    }
+  }
+}
+
+// Bit masks: 8 mask bytes (0 / 1) <-> one byte, bit k for element k.
+static inline void pack_bits(const uint8_t* __restrict m, uint8_t* __restrict out, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    uint64_t v;
+    std::memcpy(&v, m + 8 * k, sizeof v);
+    out[k] = static_cast<uint8_t>((v * 0x0102040810204080ULL) >> 56);
+  }
+}
+static inline void unpack_bits(const uint8_t* __restrict in, uint8_t* __restrict m, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    uint64_t t = (static_cast<uint64_t>(in[k]) * 0x0101010101010101ULL) & 0x8040201008040201ULL;
+    t = ((t + 0x7F7F7F7F7F7F7F7FULL) >> 7) & 0x0101010101010101ULL;
+    std::memcpy(m + 8 * k, &t, sizeof t);
+  }
+}
+
+// Short rows of a multiple of 16 elements: 16 elements at a time, each 16 with one scale
+// (no per-row loop set-up). Element i of [b, e) is in row i / j.row; b % 16 == 0.
+template <typename T, bool kMask>
+static void fwd_rows16(const Job& j, int64_t b, int64_t e, const T* __restrict x,
+                       T* __restrict y, uint8_t* __restrict m) {
+  int64_t r = b / j.row, c = r % j.C, left = ((r + 1) * j.row - b) / 16;
+  for (int64_t i = b; i < e; i += 16) {
+    const float s = j.s[c], z = j.z[c];
+    for (int k = 0; k < 16; ++k) {
+      const float q = std::nearbyint(load_f(x, i + k) / s) + z;
+      if (kMask) m[i - b + k] = static_cast<uint8_t>((q >= j.lo) & (q <= j.hi));
+      store_f(y, i + k, (clampf(q, j.lo, j.hi) - z) * s);
+    }
+    if (--left == 0) {
+      left = j.row / 16;
+      c = c + 1 == j.C ? 0 : c + 1;
+    }
+  }
+}
+
+template <typename T>
+static void fwd_t(const Job& j, int64_t b, int64_t e) {
+  const T* x = static_cast<const T*>(j.x);
+  T* y = static_cast<T*>(j.y);
+  const bool rows16 = !j.col && j.row < kRowLong && j.row % 16 == 0;
+  if (!j.bits) {
+    if (rows16) {
+      fwd_rows16<T, false>(j, b, e, x, y, nullptr);
+      return;
+    }
+    for_segments(j, b, e, [&](int64_t at, int64_t len, auto p) {
+      fwd_seg<T, decltype(p), false>(x + at, y + at, nullptr, len, p, j.lo, j.hi);
+    });
+    return;
+  }
+  alignas(64) uint8_t mb[kTile];
+  for (int64_t t0 = b; t0 < e; t0 += kTile) {  // b % 64 == 0: whole mask bytes
+    const int64_t t1 = std::min(e, t0 + kTile), len = t1 - t0, nbytes = (len + 7) / 8;
+    if (rows16) {
+      fwd_rows16<T, true>(j, t0, t1, x, y, mb);
+    } else {
+      for_segments(j, t0, t1, [&](int64_t at, int64_t n, auto p) {
+        fwd_seg<T, decltype(p), true>(x + at, y + at, mb + (at - t0), n, p, j.lo, j.hi);
+      });
+    }
+    std::fill(mb + len, mb + nbytes * 8, static_cast<uint8_t>(0));
+    pack_bits(mb, j.bits + t0 / 8, nbytes);
+  }
+}
+
+template <typename T>
+static void bwd_bits_t(const Job& j, int64_t b, int64_t e) {
+  const T* __restrict g = static_cast<const T*>(j.g);
+  T* __restrict gx = static_cast<T*>(j.gx);
+  alignas(64) uint8_t mb[kTile];
+  for (int64_t t0 = b; t0 < e; t0 += kTile) {
+    const int64_t t1 = std::min(e, t0 + kTile), len = t1 - t0;
+    unpack_bits(j.bits + t0 / 8, mb, (len + 7) / 8);
+    for (int64_t i = 0; i < len; ++i) {
+      store_f(gx, t0 + i, load_f(g, t0 + i) * static_cast<float>(mb[i]));
+    }
+  }
+}
+
+template <typename T>
+static void bwd_mask_t(const Job& j, int64_t b, int64_t e) {
+  const T* __restrict g = static_cast<const T*>(j.g);
+  T* __restrict gx = static_cast<T*>(j.gx);
+  const uint8_t* __restrict m = j.m;
+  for (int64_t i = b; i < e; ++i) store_f(gx, i, load_f(g, i) * static_cast<float>(m[i]));
+}
+
+// LSQ over a block of elements: writes grad_x and t = grad * d out / d scale (float32, as
+// the eager formula computes it) into a buffer for the caller to sum.
+constexpr int64_t kBlock = 256;
+
+template <typename T, typename P>
+static void lsq_block(const T* __restrict x, const T* __restrict g, T* __restrict gx,
+                      float* __restrict t, int64_t n, P p, float lo, float hi) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float s = p.S(i), z = p.Z(i);
+    const float xs = load_f(x, i) / s;
+    const float q = std::nearbyint(xs) + z;
+    const bool in = (q >= lo) & (q <= hi);
+    const float cz = clampf(q, lo, hi) - z;
+    const float gv = load_f(g, i);
+    store_f(gx, i, gv * (in ? 1.0f : 0.0f));
+    t[i] = gv * (in ? cz - xs : cz);
+  }
+}
+
+// Sums in 16 double lanes, element i (from the row's start; n % 16 == 0 but at the row's
+// end) in lane i % 16, lanes added pairwise: a fixed order, the same bits for every ISA,
+// thread count and tiling.
+static inline void add16(double* __restrict acc, const float* __restrict t, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int k = 0; k < 16; ++k) acc[k] += static_cast<double>(t[i + k]);
+  }
+  for (int k = 0; i + k < n; ++k) acc[k] += static_cast<double>(t[i + k]);
+}
+static inline double reduce16(double* acc) {
+  for (int w = 8; w >= 1; w /= 2) {
+    for (int k = 0; k < w; ++k) acc[k] += acc[k + w];
+  }
+  return acc[0];
+}
+
+// Row mode: one scale for a (long) row's segment; returns the segment's sum.
+template <typename T>
+static double lsq_row_seg(const T* __restrict x, const T* __restrict g, T* __restrict gx,
+                          int64_t n, float s, float z, float lo, float hi) {
+  alignas(64) double acc[16] = {0.0};
+  alignas(64) float t[kBlock];
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t len = std::min(kBlock, n - b);
+    lsq_block<T, ScalarP>(x + b, g + b, gx + b, t, len, ScalarP{s, z}, lo, hi);
+    add16(acc, t, len);
+  }
+  return reduce16(acc);
+}
+
+// Column mode: per-element scales, one double accumulator per column.
+template <typename T>
+static void lsq_col_seg(const T* __restrict x, const T* __restrict g, T* __restrict gx,
+                        int64_t n, const float* __restrict s, const float* __restrict z,
+                        float lo, float hi, double* __restrict acc) {
+  alignas(64) float t[kBlock];
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t len = std::min(kBlock, n - b);
+    lsq_block<T, ArrayP>(x + b, g + b, gx + b, t, len, ArrayP{s + b, z + b}, lo, hi);
+    for (int64_t i = 0; i < len; ++i) acc[b + i] += static_cast<double>(t[i]);
+  }
+}
+
+template <typename T>
+static void lsq_bwd_t(const Job& j, int64_t b, int64_t e) {
+  const T* x = static_cast<const T*>(j.x);
+  const T* g = static_cast<const T*>(j.g);
+  T* gx = static_cast<T*>(j.gx);
+  if (!j.col && j.row < kRowLong && j.row % 16 == 0) {  // task t: rows of tile t
+    const int64_t per_tile = kTile / j.row;
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t r0 = t * per_tile, r1 = std::min(j.rows, r0 + per_tile);
+      for (int64_t r = r0, c = r0 % j.C; r < r1; ++r, c = c + 1 == j.C ? 0 : c + 1) {
+        const float s = j.s[c], z = j.z[c];
+        alignas(64) double acc[16] = {0.0};
+        for (int64_t i = r * j.row; i < (r + 1) * j.row; i += 16) {
+          alignas(64) float tt[16];
+          lsq_block<T, ScalarP>(x + i, g + i, gx + i, tt, 16, ScalarP{s, z}, j.lo, j.hi);
+          add16(acc, tt, 16);
+        }
+        j.part[r] = reduce16(acc);
+      }
+    }
+    return;
+  }
+  if (!j.col) {  // task t: chunk t % nchunk of row t / nchunk
+    int64_t r = b / j.nchunk, k = b - r * j.nchunk, c = r % j.C;
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t at = r * j.row + k * j.chunk;
+      const int64_t len = std::min(j.chunk, (r + 1) * j.row - at);
+      j.part[t] = lsq_row_seg<T>(x + at, g + at, gx + at, len, j.s[c], j.z[c], j.lo, j.hi);
+      if (++k == j.nchunk) {
+        k = 0;
+        ++r;
+        c = c + 1 == j.C ? 0 : c + 1;
+      }
+    }
+    return;
+  }
+  for (int64_t t = b; t < e; ++t) {  // task t: column block t % ncb of row block t / ncb
+    const int64_t rb = t / j.ncb, cb = t % j.ncb;
+    const int64_t c0 = cb * j.col_block;
+    const int64_t len = std::min(j.col_block, j.row - c0);
+    double* acc = j.part + rb * j.row + c0;
+    std::fill(acc, acc + len, 0.0);
+    const int64_t r1 = std::min(j.rows, (rb + 1) * j.row_block);
+    for (int64_t r = rb * j.row_block; r < r1; ++r) {
+      const int64_t at = r * j.row + c0;
+      lsq_col_seg<T>(x + at, g + at, gx + at, len, j.s + c0, j.z + c0, j.lo, j.hi, acc);
+    }
+  }
+}
+
+static void fwd(const Job& j, int64_t b, int64_t e) {
+  j.bf16 ? fwd_t<uint16_t>(j, b, e) : fwd_t<float>(j, b, e);
+}
+static void bwd_mask(const Job& j, int64_t b, int64_t e) {
+  j.bf16 ? bwd_mask_t<uint16_t>(j, b, e) : bwd_mask_t<float>(j, b, e);
+}
+static void bwd_bits(const Job& j, int64_t b, int64_t e) {
+  j.bf16 ? bwd_bits_t<uint16_t>(j, b, e) : bwd_bits_t<float>(j, b, e);
+}
+static void lsq_bwd(const Job& j, int64_t b, int64_t e) {
+  j.bf16 ? lsq_bwd_t<uint16_t>(j, b, e) : lsq_bwd_t<float>(j, b, e);
+}
+
+static const KernelTable table{QCOMPILE_FQ_ISA_NAME, fwd, bwd_mask, bwd_bits, lsq_bwd};
+
+#endif  // QCOMPILE_FQ_KERNEL_BODY
