@@ -281,6 +281,21 @@ def _check_dtypes(args: tuple, kwargs: dict, module: nn.Module | None) -> None:
                            "that where meta kernels do not")
 
 
+class _UserLeaf(Exception):
+    """A user's leaf module: its forward runs for real (``_real_shapes``)."""
+
+
+def _mutates(n: Node) -> bool:
+    """An in-place call: ``x.add_(...)``, ``x += y``, ``x[i] = v``."""
+    if n.op == "call_method":
+        name = str(n.target)
+    elif n.op == "call_function":
+        name = getattr(n.target, "__name__", "")
+    else:
+        return False
+    return name in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+
+
 class _MetaShapeProp(_ShapeProp):
     """Runs the graph on meta tensors against a meta copy of the modules (``_meta_copy``).
 
@@ -294,6 +309,10 @@ class _MetaShapeProp(_ShapeProp):
         super().__init__(root, graph=gm.graph)
         self.memo: dict[Any, Any] = {}
         self.module_keys: dict[str, Any] = {}
+        # A memo hit returns a fresh tensor where the op may return its input (contiguous,
+        # .to(same dtype)): an in-place shape change through that alias would be lost, so
+        # a graph with any in-place call runs every call.
+        self.memo_on = not any(_mutates(n) for n in gm.graph.nodes)
         hooks = torch.nn.modules.module
         self.memo_modules = not (hooks._global_forward_hooks
                                  or hooks._global_forward_pre_hooks)
@@ -317,7 +336,8 @@ class _MetaShapeProp(_ShapeProp):
             return super().run_node(n)
         self.current = n
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        key = self._op_key(n) if "out" not in kwargs else None  # out=: writes a tensor
+        # out=: writes a tensor
+        key = self._op_key(n) if self.memo_on and "out" not in kwargs else None
         if key is not None:
             try:
                 key = (key, _key(args), _key(kwargs))
@@ -328,6 +348,10 @@ class _MetaShapeProp(_ShapeProp):
             _record(n, result := _rebuild(seen))
             return result
         module = self.fetch_attr(str(n.target)) if n.op == "call_module" else None
+        if module is not None and not type(module).__module__.startswith("torch."):
+            # a leaf module of the user's: its body is not in the graph, so nothing here
+            # can check what it does with dtypes that meta kernels would accept
+            raise _UserLeaf(f"is a leaf module with its own forward ({type(module).__name__})")
         _check_dtypes(args, kwargs, module)
         stock = _stock_output(module, args, kwargs) if module is not None and key else None
         if stock is not None:
@@ -430,7 +454,7 @@ def _meta_shapes(gm: GraphModule, args: list[Any]) -> str | None:
         node = prop.current if prop is not None else None
         where = (f"node {node.name!r} ({node.op} {_target_name(node)})" if node is not None
                  else "the model")
-        why = str(e) if isinstance(e, _MixedDtypes) else (
+        why = str(e) if isinstance(e, (_MixedDtypes, _UserLeaf)) else (
             f"cannot run on meta tensors: {_first_line(e)}")
         return f"{where} {why}"
     return None
@@ -502,7 +526,7 @@ def _real_shapes(gm: GraphModule, args: list[Any]) -> None:
     gm.eval()
     prop = _ShapeProp(gm)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):  # random ops draw nothing
             prop.run(*args)
     except Exception as e:
         node = prop.current
@@ -569,8 +593,10 @@ def copy_model(model: nn.Module) -> nn.Module:
                 state[k] = v
             elif k == "_modules" and t is dict:
                 state[k] = {n: None if c is None else module(c) for n, c in v.items()}
-            elif t in _CONTAINERS and not v:
-                state[k] = t()
+            elif t in _CONTAINERS and not v:  # shared empty containers stay shared
+                if id(v) not in memo:
+                    memo[id(v)] = t()
+                state[k] = memo[id(v)]
             else:
                 state[k] = copy.deepcopy(v, memo)
         new.__setstate__(state)

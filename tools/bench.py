@@ -590,17 +590,23 @@ def bench_convert(quick: bool) -> dict[str, Any]:
                     ao(*b)
             ao = convert_fx(ao)
         kernels = sum(c.path in ("kernel", "dynamic_kernel") for c in qc.report(ours).conversions)
-        repeat = 5 if quick else (200 if shape[0] == 1 else 20)
+        repeat = 3 if quick else (40 if shape[0] == 1 else 8)
         runs: dict[str, list[float]] = {"fp32": [], "qcompile": [], "convert_fx": []}
         contenders = (("fp32", model), ("qcompile", ours), ("convert_fx", ao))
         with torch.inference_mode():
             for _, m in contenders:
                 m(x)  # warm-up
-            for i in range(repeat):  # interleaved, rotating the order: no position bias
-                for label, m in contenders[i % 3:] + contenders[:i % 3]:
-                    t0 = time.perf_counter()
-                    m(x)
-                    runs[label].append(time.perf_counter() - t0)
+            # Rounds of back-to-back calls per contender (warm caches: the fp32 model's
+            # 16 MB of weights would evict the int8 ones for whoever runs right after it),
+            # contenders interleaved round by round.
+            for _ in range(5):
+                for label, m in contenders:
+                    block = []
+                    for _ in range(repeat):
+                        t0 = time.perf_counter()
+                        m(x)
+                        block.append(time.perf_counter() - t0)
+                    runs[label].append(statistics.median(block))
             dev = float((ours(x) - gm.eval()(x)).abs().max())
         times = {k: statistics.median(v) for k, v in runs.items()}
         out[name] = {**{f"{k}_ms": v * 1e3 for k, v in times.items()},
