@@ -53,7 +53,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from qcompile.fake_quant import FakeQuantize
-from qcompile.matching import op_name
+from qcompile.matching import layer_of, op_name
 from qcompile.modes import ModeAwareBatchNorm
 from qcompile.quantized import DynamicLinear, IntWeight
 from qcompile.records import ConversionRecord
@@ -174,12 +174,7 @@ def _attr_value(gm: GraphModule, node: Any) -> torch.Tensor | None:
 
 def _where(node: Node) -> str:
     """The layer a node belongs to: its module (either front end), else the node."""
-    module = node.meta.get("qcompile.module")
-    if module:
-        return str(module)
-    stack = node.meta.get("nn_module_stack") or {}
-    owner = next(reversed(stack.values()))[0] if stack else ""
-    return owner or node.name
+    return layer_of(node) or node.name
 
 
 class _Converter:
@@ -486,10 +481,12 @@ class _Converter:
     def tidy(self) -> None:
         self.g.eliminate_dead_code()
         used = {str(n.target) for n in self.g.nodes if n.op in ("get_attr", "call_module")}
-        called = [str(n.target) for n in self.g.nodes if n.op == "call_module"]
+        called = {str(n.target) for n in self.g.nodes if n.op == "call_module"}
 
-        def needed(path: str) -> bool:
-            return path in used or any(path.startswith(c + ".") for c in called)
+        def needed(path: str) -> bool:  # read by a node, or inside a called module
+            parts = path.split(".")
+            return path in used or any(".".join(parts[:i]) in called
+                                       for i in range(1, len(parts)))
 
         for mod_name, module in list(self.gm.named_modules()):
             for kind in ("_parameters", "_buffers"):

@@ -45,7 +45,14 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from qcompile.context import Context
 from qcompile.errors import QCompileError
 from qcompile.fake_quant import FakeQuantize
-from qcompile.matching import is_size_like, module_output, weight_use, weighted_module_op
+from qcompile.matching import (
+    innermost_owner,
+    is_size_like,
+    layer_of,
+    module_output,
+    weight_use,
+    weighted_module_op,
+)
 from qcompile.pipeline import graph_pass
 from qcompile.records import QuantizerRecord
 from qcompile.specs import Scheme
@@ -166,8 +173,7 @@ def _activation_name(gm: GraphModule, head: Node) -> str:
         head.target if head.op == "call_module" else None)
     if module is not None:
         return f"{module}.output_fake_quant"
-    stack = head.meta.get("nn_module_stack") or {}
-    owner = next(reversed(stack.values()))[0] if stack else ""
+    owner = innermost_owner(head)
     if owner and module_output(head):
         return f"{owner}.output_fake_quant"
     return f"{owner}.{head.name}_fake_quant" if owner else f"{head.name}_fake_quant"
@@ -192,11 +198,7 @@ def _dynamic_input(gm: GraphModule, ctx: Context, op: Node, qs: Any) -> None:
     fq = _build(qs.activation, role="activation", shape=shape, dynamic=True,
                 where=f"node {op.name!r}", field=f"quant.rules[{qs.rule}].activation")
     fq.to(_device(gm))
-    module = op.meta.get("qcompile.module") or (
-        str(op.target) if op.op == "call_module" else None)
-    if module is None:  # export graphs: the op's owning module
-        stack = op.meta.get("nn_module_stack") or {}
-        module = next(reversed(stack.values()))[0] if stack else None
+    module = layer_of(op)
     base = f"{module}.input_fake_quant" if module else f"{op.name}_input_fake_quant"
     name = _add(gm, base, fq)
     with gm.graph.inserting_before(op):

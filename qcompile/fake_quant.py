@@ -280,7 +280,9 @@ class FakeQuantize(nn.Module):
     def _may_reuse(self, x: torch.Tensor) -> bool:
         """``x`` is a weight the cache may hold, and observing it again (when ``observe``
         is on) would change nothing: a fixed-scale min-max observer."""
-        if torch.compiler.is_compiling():  # first: nothing below is traced
+        # Activations are never parameters: one type check, first, keeps their forward
+        # free of the checks below (it is also safe to trace).
+        if type(x) is not nn.Parameter or torch.compiler.is_compiling():
             return False
         if self.observe and not (type(self.observer) is MinMaxObserver and not self.learnable):
             return False

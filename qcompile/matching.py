@@ -119,6 +119,21 @@ def owners(node: Node, gm: GraphModule) -> tuple[Owner, ...]:
     return tuple(reversed(found))
 
 
+def innermost_owner(node: Node) -> str:
+    """The qualified name of the innermost module owning ``node`` ("" for the root)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return next(reversed(stack.values()))[0] if stack else ""
+
+
+def layer_of(node: Node) -> str | None:
+    """The layer a node computes, under either front end: a re-expressed module call
+    (``qcompile.module``), a ``call_module`` target, else its innermost owning module;
+    None when only the root owns it."""
+    module = node.meta.get("qcompile.module") or (
+        str(node.target) if node.op == "call_module" else None)
+    return module or innermost_owner(node) or None
+
+
 def op_name(node: Node) -> str | None:
     """The normalised op a ``call_function`` / ``call_method`` node performs."""
     if node.op == "call_method":

@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from convert_specs import spec
 from torch import nn
 
 import qcompile as qc
@@ -34,14 +35,6 @@ class ResBlock(nn.Module):
 def mlp(width: int = 8) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(width, 32), nn.ReLU(), nn.Linear(32, 4))
-
-
-def spec(preset: str, *, inputs: bool = True, **extra) -> qc.CompileSpec:
-    d = qc.load_spec(preset).model_dump()
-    if inputs:
-        d["quant"]["inputs"] = {"dtype": "uint8", "symmetric": False}
-    d.update(extra)
-    return qc.CompileSpec.model_validate(d)
 
 
 def prepared(model: nn.Module, s: qc.CompileSpec, shape: tuple[int, ...]) -> torch.fx.GraphModule:

@@ -9,6 +9,7 @@ import io
 
 import pytest
 import torch
+from convert_specs import spec
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -17,14 +18,6 @@ import qcompile as qc
 from qcompile.quantized import IntWeight, pack_int4, unpack_int4
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation.*:UserWarning")
-
-
-def spec(preset: str, *, inputs: bool = True, **extra) -> qc.CompileSpec:
-    d = qc.load_spec(preset).model_dump()
-    if inputs:
-        d["quant"]["inputs"] = {"dtype": "uint8", "symmetric": False}
-    d.update(extra)
-    return qc.CompileSpec.model_validate(d)
 
 
 class CNN(nn.Module):
