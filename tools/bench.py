@@ -294,6 +294,30 @@ def _prepare_qat_fx(model: nn.Module, x: torch.Tensor) -> nn.Module:
         return prepare_qat_fx(model.train(), get_default_qat_qconfig_mapping("x86"), (x,))
 
 
+def _torchao_qat(model: nn.Module) -> nn.Module:
+    """torchao's QAT prepare on ``model`` (in place) with the closest recipe to int8-qat:
+    int8 per-channel symmetric weights, int8 per-token asymmetric activations. It swaps
+    ``nn.Linear`` only (convolutions stay float). Needs torchao (``pip install .[bench]``)."""
+    import warnings
+
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        act = IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False)
+        weight = IntxFakeQuantizeConfig(torch.int8, granularity="per_channel")
+        quantize_(model, QATConfig(activation_config=act, weight_config=weight,
+                                   step="prepare"))
+    return model
+
+
+def _has_torchao() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is not None
+
+
 def bench_compile(quick: bool) -> dict[str, Any]:
     """Compile time: symbolic_trace vs qcompile int8-qat (also ``inplace=True``, which skips
     qcompile's copy of the model) vs prepare_qat_fx (on a copy, as qcompile makes one), and
@@ -312,6 +336,8 @@ def bench_compile(quick: bool) -> dict[str, Any]:
             "qcompile_inplace": lambda m, x=x: qc.qcompile(m, "int8-qat", (x,), inplace=True),
             "prepare_qat_fx": lambda m, x=x: _prepare_qat_fx(copy.deepcopy(m), x),
         }
+        if _has_torchao():  # optional competitor (Linear layers only)
+            runs["torchao_qat"] = lambda m: _torchao_qat(copy.deepcopy(m))
         times: dict[str, list[float]] = {k: [] for k in runs}
         for r in range(rounds + 1):
             for key, fn in runs.items():
@@ -322,8 +348,9 @@ def bench_compile(quick: bool) -> dict[str, Any]:
                     times[key].append(time.perf_counter() - t0)
         t = {k: statistics.median(v) for k, v in times.items()}
         out[name] = {f"{k}_s": v for k, v in t.items()}
-        for k in ("qcompile", "qcompile_inplace", "prepare_qat_fx"):
-            out[name][f"{k}_vs_trace"] = t[k] / t["symbolic_trace"]
+        for k in t:
+            if k != "symbolic_trace":
+                out[name][f"{k}_vs_trace"] = t[k] / t["symbolic_trace"]
     sizes = (50, 100) if quick else (50, 100, 200, 400)
     qc.qcompile(deep_mlp(10), "int8-qat", (torch.randn(4, 64),))  # warm up imports and caches
     scaling: dict[int, float] = {}
@@ -419,9 +446,13 @@ def bench_step(quick: bool) -> dict[str, Any]:
         torch.manual_seed(0)
         model = make()
         results = {}
-        for label, build in (("fp32", lambda m: m),
-                             ("qcompile", lambda m, x=x: qc.qcompile(m, "int8-qat", (x,))),
-                             ("prepare_qat_fx", lambda m, x=x: _prepare_qat_fx(m, x))):
+        builds: list[tuple[str, Any]] = [
+            ("fp32", lambda m: m),
+            ("qcompile", lambda m, x=x: qc.qcompile(m, "int8-qat", (x,))),
+            ("prepare_qat_fx", lambda m, x=x: _prepare_qat_fx(m, x))]
+        if _has_torchao():  # optional competitor (fake-quantizes Linear layers only)
+            builds.append(("torchao_qat", _torchao_qat))
+        for label, build in builds:
             m = build(copy.deepcopy(model).train())
             opt = torch.optim.SGD(m.parameters(), lr=1e-4)
 
@@ -433,8 +464,10 @@ def bench_step(quick: bool) -> dict[str, Any]:
             step()
             results[label] = _median(step, 3 if quick else 10)
         out[name] = {**{f"{k}_s": v for k, v in results.items()},
-                     "qcompile_vs_fp32": results["qcompile"] / results["fp32"],
-                     "prepare_qat_fx_vs_fp32": results["prepare_qat_fx"] / results["fp32"]}
+                     **{f"{k}_vs_fp32": v / results["fp32"] for k, v in results.items()
+                        if k != "fp32"}}
+    if not _has_torchao():
+        out["note"] = "torchao not installed (pip install .[bench]): its QAT is not compared"
     return out
 
 
@@ -638,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
                                       if isinstance(v, (int, float)))
                     print(f"{name}: {cells}")
                 else:
-                    print(f"{name}: {row:.3g}")
+                    print(f"{name}: {row if isinstance(row, str) else format(row, '.3g')}")
         return 0
     if args.suite == "observer-sync":
         r = bench_observer_sync()

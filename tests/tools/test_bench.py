@@ -9,7 +9,7 @@ import pytest
 from qcompile.tools.bench import main
 
 
-@pytest.mark.parametrize("suite", ["fakequant", "compile"])
+@pytest.mark.parametrize("suite", ["fakequant", "compile", "step", "convert"])
 def test_quick_suite_prints_json(capsys: pytest.CaptureFixture[str], suite: str) -> None:
     assert main([suite, "--quick", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -18,6 +18,13 @@ def test_quick_suite_prints_json(capsys: pytest.CaptureFixture[str], suite: str)
         for case in ("per_tensor", "per_channel", "per_group", "lsq"):
             assert data[case]["qcompile_fwd_GBps"] > 0 and data[case]["qcompile_fwd_bwd_GBps"] > 0
         assert "speedup_fwd" in data["per_tensor"] and "speedup_fwd" in data["per_channel"]
+    elif suite == "step":
+        for model in ("mlp", "cnn", "transformer"):
+            assert data[model]["qcompile_vs_fp32"] > 0 and data[model]["fp32_s"] > 0
+    elif suite == "convert":
+        for case in ("mlp_b64", "mlp_b1", "cnn_b32"):
+            assert data[case]["kernels"] >= 4, "every layer reads integers"
+            assert data[case]["qcompile_speedup"] > 0 and data[case]["convert_fx_speedup"] > 0
     else:
         for model in ("mlp", "cnn", "transformer"):
             row = data[model]
