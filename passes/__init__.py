@@ -1,16 +1,106 @@
-"""Graph passes, one per file, each a ``qcompile.pipeline.Pass``.
+"""Graph passes, one per module (a big pass is a package whose ``__init__`` is the pass),
+and the fixed order the compiler runs them in.
+
+``qcompile.passes.<name>`` is always the module; the ``Pass`` object inside it has the
+module's name (``qcompile.passes.fold_bn.fold_bn``). ``compile_model`` runs the default
+pipeline for a spec: ``qc.qcompile`` and ``qc.distributed.compile_once`` both call it.
 
 Example:
-    >>> from qcompile.passes import trace, fold_bn, annotate, insert_quant
-    >>> [p.name for p in (trace, fold_bn, annotate, insert_quant)]
+    >>> from qcompile.passes import default_passes
+    >>> from qcompile.specs import CompileSpec
+    >>> [p.name for p in default_passes(CompileSpec.model_validate({"quant": {"mode": "qat"}}))]
     ['trace', 'fold_bn', 'annotate', 'insert_quant']
 """
 
-from qcompile.passes.annotate import annotate
-from qcompile.passes.fold_bn import fold_bn
-from qcompile.passes.insert_quant import insert_quant
-from qcompile.passes.partition import partition
-from qcompile.passes.place import place
-from qcompile.passes.trace import trace
+from __future__ import annotations
 
-__all__ = ["annotate", "fold_bn", "insert_quant", "partition", "place", "trace"]
+import gc
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+from qcompile.errors import QCompileError
+from qcompile.graph.context import Context
+from qcompile.graph.meta import REPORT_KEY, SPEC_KEY, SYNC_OBSERVERS_KEY
+from qcompile.graph.pipeline import Instrument, Pass, Pipeline
+from qcompile.graph.records import Report
+from qcompile.passes import annotate, fold_bn, insert_quant, partition, place, trace
+from qcompile.specs import CompileSpec
+from qcompile.version import __version__
+
+
+def default_passes(spec: CompileSpec) -> list[Pass]:
+    """The fixed pass order for a spec; quantization passes only when quantizing."""
+    passes = [trace.trace]
+    if spec.quant.mode != "none":
+        passes += [fold_bn.fold_bn, annotate.annotate, insert_quant.insert_quant]
+    if spec.pipeline is not None:
+        passes += [partition.partition, place.place]
+    return passes
+
+
+def as_inputs(example_inputs: Any) -> tuple[Any, ...] | None:
+    """``example_inputs`` as a tuple (a single tensor becomes a 1-tuple), or None."""
+    if example_inputs is None:
+        return None
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs)
+    raise QCompileError(f"example_inputs must be a tuple of inputs, got "
+                        f"{type(example_inputs).__name__}", fix="pass example_inputs=(x,)")
+
+
+def _balance_ratio(ctx: Context) -> float | None:
+    costs = [s.cost for s in ctx.stages]
+    if not costs or sum(costs) == 0:
+        return None
+    return max(costs) / (sum(costs) / len(costs))
+
+
+def compile_model(model: nn.Module, spec: CompileSpec, example_inputs: Any = None, *,
+                  example_kwargs: dict[str, Any] | None = None,
+                  instruments: Sequence[Instrument] = (), inplace: bool = False
+                  ) -> GraphModule:
+    """Run ``default_passes(spec)`` on ``model`` and attach the ``Report`` (``gm.meta``).
+
+    The checks users see first (model type, wrapped models) are the callers' own."""
+    ctx = Context(spec=spec, model=model, example_inputs=as_inputs(example_inputs),
+                  example_kwargs=example_kwargs, inplace=inplace)
+    t0 = time.perf_counter()
+    # Compiling allocates many small objects (fx nodes, modules); Python's cyclic GC would
+    # rescan the whole growing heap again and again and make compile time superlinear in
+    # graph size. Pause it for the pipeline (reference counting still frees memory).
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        gm, records = Pipeline(default_passes(spec)).run(ctx, instruments=instruments)
+    finally:
+        if gc_was_on:
+            gc.enable()
+    if spec.cache_dir is not None:
+        records[-1].notes.append("cache_dir is used by qc.distributed.compile_once: "
+                                 "qcompile itself compiles afresh")
+    report = gm.meta[REPORT_KEY] = Report(
+        qcompile_version=__version__,
+        torch_version=torch.__version__,
+        mode=spec.quant.mode,
+        trace_method=ctx.trace_method,
+        shapes=ctx.shapes,
+        passes=records,
+        quantizers=ctx.quantizers,
+        rule_matches=ctx.rule_matches,
+        stages=ctx.stages,
+        balance=ctx.balance,
+        balance_ratio=_balance_ratio(ctx),
+        total_seconds=time.perf_counter() - t0,
+    )
+    gm.meta[SYNC_OBSERVERS_KEY] = spec.quant.sync_observers
+    gm.meta[SPEC_KEY] = spec
+    for inst in instruments:
+        inst.finish(report, gm)
+    return gm

@@ -1,7 +1,7 @@
 """``annotate``: decide, per node, which spec rule applies.
 
 The first matching rule wins, except that a matching ``skip`` rule always wins for its
-nodes. The choice is stored as ``node.meta["qcompile.qscheme"]`` (a ``NodeQScheme``
+nodes. The choice is stored as ``node.meta[QSCHEME_KEY]`` (a ``NodeQScheme``
 with the rule index). A rule that selects no node is an error (unless ``optional``),
 naming the rule and what the graph does contain.
 
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 from torch.fx import GraphModule
 
-from qcompile.context import Context
 from qcompile.errors import QCompileError
-from qcompile.matching import (
+from qcompile.graph.context import Context
+from qcompile.graph.matching import (
     NodeQScheme,
     candidate_kinds,
     match_node,
@@ -33,7 +33,8 @@ from qcompile.matching import (
     op_name,
     owners,
 )
-from qcompile.pipeline import graph_pass
+from qcompile.graph.meta import QSCHEME_KEY
+from qcompile.graph.pipeline import graph_pass
 from qcompile.specs import Rule
 
 
@@ -86,7 +87,7 @@ def assign_rules(gm: GraphModule, rules: list[Rule]) -> Assignment:
             # consumes the weight (GPT-2 Conv1D's addmm, before its view) gets the weight
             # scheme alone, or the module's output would be quantized twice.
             activation = None
-        node.meta["qcompile.qscheme"] = NodeQScheme(
+        node.meta[QSCHEME_KEY] = NodeQScheme(
             rule=i, skip=rule.skip, weight=rule.weight, activation=activation, matched=hit
         )
         won[i].append(node.name)

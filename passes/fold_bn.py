@@ -1,7 +1,7 @@
 """``fold_bn``: find fusion groups (conv-bn-relu, conv-relu, linear-relu, ...) and, for
 static and dynamic quantization, fold BatchNorm into the preceding conv / linear.
 
-Fusion groups are recorded as ``node.meta["qcompile.fusion"]`` (member names, head
+Fusion groups are recorded as ``node.meta[FUSION_KEY]`` (member names, head
 first) on every member; ``insert_quant`` then quantizes only the group's output, as the
 fused integer kernel would produce it.
 
@@ -30,9 +30,10 @@ from torch import nn
 from torch.fx import GraphModule, Node
 from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
 
-from qcompile.context import Context
-from qcompile.matching import is_weighted_call, module_op, op_name, weight_use
-from qcompile.pipeline import graph_pass
+from qcompile.graph.context import Context
+from qcompile.graph.matching import is_weighted_call, module_op, op_name, weight_use
+from qcompile.graph.meta import FUSION_KEY, TENSOR_META
+from qcompile.graph.pipeline import graph_pass
 
 _BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _RELU_MODULES = (nn.ReLU, nn.ReLU6)
@@ -138,7 +139,7 @@ def _fold(gm: GraphModule, head: Node, bn_node: Node, calls: Counter, uses: Coun
         ctx.note(f"kept {bn_node.target}: {where}.weight is shared with another layer")
         return False
     if is_linear:
-        tm = head.meta.get("tensor_meta")
+        tm = head.meta.get(TENSOR_META)
         if tm is None:
             ctx.note(f"kept {bn_node.target}: Linear+BatchNorm folds only for 2-D outputs, "
                      "and the shape is unknown (pass example_inputs)")
@@ -193,7 +194,7 @@ def fold_bn(gm: GraphModule, ctx: Context) -> GraphModule:
         if len(chain) > 1:
             names = tuple(n.name for n in chain)
             for n in chain:
-                n.meta["qcompile.fusion"] = names
+                n.meta[FUSION_KEY] = names
     if folded:
         gm.delete_all_unused_submodules()
         mods = _Modules(gm)  # folding removed BatchNorms

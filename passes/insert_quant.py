@@ -42,10 +42,9 @@ from torch import nn
 from torch.fx import GraphModule, Node
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from qcompile.context import Context
 from qcompile.errors import QCompileError
-from qcompile.fake_quant import FakeQuantize
-from qcompile.matching import (
+from qcompile.graph.context import Context
+from qcompile.graph.matching import (
     innermost_owner,
     is_size_like,
     layer_of,
@@ -53,8 +52,10 @@ from qcompile.matching import (
     weight_use,
     weighted_module_op,
 )
-from qcompile.pipeline import graph_pass
-from qcompile.records import QuantizerRecord
+from qcompile.graph.meta import FUSION_KEY, MODULE_KEY, NN_MODULE_STACK, QSCHEME_KEY, TENSOR_META
+from qcompile.graph.pipeline import graph_pass
+from qcompile.graph.records import QuantizerRecord
+from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.specs import Scheme
 
 _CONV = {"conv1d": F.conv1d, "conv2d": F.conv2d, "conv3d": F.conv3d}
@@ -117,7 +118,7 @@ def _functionalize(gm: GraphModule, node: Node, op: str) -> Node:
                 padding = 0
             new = g.call_function(_CONV[op], (x, w, b, m.stride, padding, m.dilation, m.groups))
     new.meta = dict(node.meta)
-    new.meta["qcompile.module"] = t
+    new.meta[MODULE_KEY] = t
     node.replace_all_uses_with(new)
     g.erase_node(node)
     return new
@@ -152,15 +153,15 @@ def _insert_after(gm: GraphModule, node: Node, name: str) -> Node:
     with gm.graph.inserting_after(node):
         q = gm.graph.call_module(name, (node,))
     node.replace_all_uses_with(q, delete_user_cb=lambda u: u is not q)
-    q.meta["tensor_meta"] = node.meta.get("tensor_meta")
-    if "nn_module_stack" in node.meta:
-        q.meta["nn_module_stack"] = node.meta["nn_module_stack"]
+    q.meta[TENSOR_META] = node.meta.get(TENSOR_META)
+    if NN_MODULE_STACK in node.meta:
+        q.meta[NN_MODULE_STACK] = node.meta[NN_MODULE_STACK]
     return q
 
 
 def _tensor_shape(node: Node, ctx: Context) -> tuple[bool, tuple[int, ...] | None]:
     """(is a floating-point tensor, shape) from ShapeProp; a guess without shapes."""
-    tm = node.meta.get("tensor_meta")
+    tm = node.meta.get(TENSOR_META)
     if not isinstance(tm, TensorMetadata):
         return not ctx.has_shapes and not is_size_like(node), None
     return tm.dtype.is_floating_point, tuple(tm.shape)
@@ -169,7 +170,7 @@ def _tensor_shape(node: Node, ctx: Context) -> tuple[bool, tuple[int, ...] | Non
 def _activation_name(gm: GraphModule, head: Node) -> str:
     """``<module>.output_fake_quant`` for what a module returns (either front end), else
     ``<owner>.<node>_fake_quant``."""
-    module = head.meta.get("qcompile.module") or (
+    module = head.meta.get(MODULE_KEY) or (
         head.target if head.op == "call_module" else None)
     if module is not None:
         return f"{module}.output_fake_quant"
@@ -203,9 +204,9 @@ def _dynamic_input(gm: GraphModule, ctx: Context, op: Node, qs: Any) -> None:
     name = _add(gm, base, fq)
     with gm.graph.inserting_before(op):
         q = gm.graph.call_module(name, (x,))
-    q.meta["tensor_meta"] = x.meta.get("tensor_meta")
-    if "nn_module_stack" in op.meta:
-        q.meta["nn_module_stack"] = op.meta["nn_module_stack"]
+    q.meta[TENSOR_META] = x.meta.get(TENSOR_META)
+    if NN_MODULE_STACK in op.meta:
+        q.meta[NN_MODULE_STACK] = op.meta[NN_MODULE_STACK]
     op.replace_input_with(x, q)
     ctx.quantizers.append(_record(name, fq, "activation", op.name, qs.rule))
 
@@ -216,10 +217,10 @@ def _activations(gm: GraphModule, ctx: Context) -> None:
     by_name = {n.name: n for n in gm.graph.nodes}
     done: set[tuple[str, ...]] = set()
     for node in list(gm.graph.nodes):
-        qs = node.meta.get("qcompile.qscheme")
+        qs = node.meta.get(QSCHEME_KEY)
         if qs is None or qs.skip or qs.activation is None:
             continue
-        group = node.meta.get("qcompile.fusion")
+        group = node.meta.get(FUSION_KEY)
         if group is not None:
             if group in done:
                 continue
@@ -252,7 +253,7 @@ def _weights(gm: GraphModule, ctx: Context) -> None:
     by_param: dict[int, Node] = {}
     no_weight: dict[int, list[str]] = {}
     for node in list(gm.graph.nodes):
-        qs = node.meta.get("qcompile.qscheme")
+        qs = node.meta.get(QSCHEME_KEY)
         if qs is None or qs.skip or qs.weight is None:
             continue
         op = weighted_module_op(gm, node)
@@ -289,7 +290,7 @@ def _weights(gm: GraphModule, ctx: Context) -> None:
         name = _add(gm, f"{target}_fake_quant", fq)
         with gm.graph.inserting_after(w_node):
             q = gm.graph.call_module(name, (w_node,))
-        q.meta.update({k: v for k, v in node.meta.items() if k == "nn_module_stack"})
+        q.meta.update({k: v for k, v in node.meta.items() if k == NN_MODULE_STACK})
         use.consumer.replace_input_with(w_node, q)
         by_param[id(weight)] = q
         ctx.quantizers.append(_record(name, fq, "weight", target, qs.rule))

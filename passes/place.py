@@ -36,17 +36,15 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from qcompile.context import Context
 from qcompile.errors import QCompileError
-from qcompile.fake_quant import FakeQuantize
-from qcompile.passes.partition import STAGE_KEY, Layout, stage_devices, tensor_bytes
-from qcompile.pipeline import graph_pass
+from qcompile.graph.context import Context
+from qcompile.graph.meta import STAGE_KEY, STAGE_NAMES_KEY, TENSOR_META, TIED_KEY, VAL
+from qcompile.graph.pipeline import graph_pass
+from qcompile.graph.state_layout import keep_persistence
+from qcompile.passes.partition import Layout, stage_devices, tensor_bytes
+from qcompile.runtime.fake_quant import FakeQuantize
+from qcompile.runtime.transfer import pack, unpack
 from qcompile.specs import FP8_MAX
-from qcompile.state_layout import keep_persistence
-from qcompile.transfer import pack, unpack
-
-STAGE_NAMES_KEY = "qcompile.stage_names"
-TIED_KEY = "qcompile.tied"  # stage keys of each parameter several stages hold
 
 
 def check_device(device: str, where: str) -> torch.device:
@@ -84,7 +82,7 @@ class Packed:
 
 
 def tensor_bytes_per_element(v: Node) -> int:
-    tm = v.meta.get("tensor_meta")
+    tm = v.meta.get(TENSOR_META)
     return torch.empty((), dtype=tm.dtype).element_size() if isinstance(tm, TensorMetadata) else 4
 
 
@@ -96,7 +94,7 @@ def _packable(gm: GraphModule, v: Node) -> Packed | None:
             or fq.granularity not in ("per_tensor", "per_channel")
             or fq.quant_max - fq.quant_min > 255):
         return None
-    tm = v.meta.get("tensor_meta")
+    tm = v.meta.get(TENSOR_META)
     dtype = tm.dtype if isinstance(tm, TensorMetadata) else torch.float32
     return Packed(str(v.target), fq.axis, fq.quant_min, fq.quant_max, dtype)
 
@@ -114,7 +112,7 @@ def _stage_graph(members: list[Node], live_in: list[Node], live_out: list[Node],
                            g.placeholder(f"{v.name}_zero_point"))
             continue
         ph = g.placeholder(v.name)
-        ph.meta = {k: v.meta[k] for k in ("tensor_meta", "val") if k in v.meta}
+        ph.meta = {k: v.meta[k] for k in (TENSOR_META, VAL) if k in v.meta}
         env[v] = ph
 
     def value(node: Node) -> Node:

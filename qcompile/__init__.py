@@ -17,8 +17,7 @@ import importlib
 from typing import Any
 
 from qcompile.errors import QCompileError
-
-__version__ = "0.1.0"
+from qcompile.version import __version__
 
 # public name -> module that defines it
 _LAZY = {
@@ -28,14 +27,14 @@ _LAZY = {
     "freeze": "qcompile.api",
     "calibrate": "qcompile.api",
     "convert": "qcompile.api",
-    "export_encodings": "qcompile.encodings",
-    "load_encodings": "qcompile.encodings",
-    "sqnr": "qcompile.encodings",
-    "Report": "qcompile.records",
-    "FakeQuantize": "qcompile.fake_quant",
-    "Pass": "qcompile.pipeline",
-    "Pipeline": "qcompile.pipeline",
-    "Context": "qcompile.context",
+    "export_encodings": "qcompile.deploy.encodings",
+    "load_encodings": "qcompile.deploy.encodings",
+    "sqnr": "qcompile.measure",
+    "Report": "qcompile.graph.records",
+    "FakeQuantize": "qcompile.runtime.fake_quant",
+    "Pass": "qcompile.graph.pipeline",
+    "Pipeline": "qcompile.graph.pipeline",
+    "Context": "qcompile.graph.context",
     "load_spec": "qcompile.specs",
     "CompileSpec": "qcompile.specs",
 }

@@ -10,83 +10,35 @@ Example:
 
 from __future__ import annotations
 
-import sys
+import copy
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.fx import GraphModule
 
+from qcompile.distributed.data_parallel import sync_observers
 from qcompile.errors import QCompileError
-from qcompile.fake_quant import FakeQuantize
-from qcompile.records import Report
+from qcompile.graph.meta import REPORT_KEY, STAGE_NAMES_KEY, SYNC_OBSERVERS_KEY
+from qcompile.graph.records import Report, report
+from qcompile.passes.convert import convert_graph
+from qcompile.runtime.calibration import (
+    check_calibratable,
+    collect_statistics,
+    freeze,
+    quantizers,
+    weight_quantizers,
+)
+from qcompile.runtime.fake_quant import FakeQuantize
 
-
-def report(gm: nn.Module) -> Report:
-    """The ``Report`` of a graph returned by ``qcompile``."""
-    from qcompile.compile import REPORT_KEY
-
-    meta = getattr(gm, "meta", None)
-    if not isinstance(meta, dict) or REPORT_KEY not in meta:
-        raise QCompileError(f"{type(gm).__name__} has no qcompile report",
-                            fix="pass the GraphModule returned by qc.qcompile")
-    return meta[REPORT_KEY]
-
-
-def quantizers(gm: nn.Module) -> dict[str, FakeQuantize]:
-    """Every ``FakeQuantize`` in ``gm`` by qualified name."""
-    return {name: m for name, m in gm.named_modules() if isinstance(m, FakeQuantize)}
-
-
-def freeze(gm: nn.Module) -> nn.Module:
-    """Stop observers: qparams stay as they are (``observe=False`` on every quantizer).
-
-    Weight quantizers that were still tracking their weights (QAT) first take the
-    current weights' ranges, as their next forward would: after the last optimizer step
-    the weights have moved since they were last observed (torch.ao's convert likewise
-    observes the final weights)."""
-    with torch.no_grad():
-        for fq, weight in weight_quantizers(gm):
-            if fq.observe and weight.device.type != "meta":
-                fq.observe_tensor(weight)
-    for q in quantizers(gm).values():
-        q.observe = False
-    return gm
-
-
-def weight_quantizers(gm: nn.Module) -> list[tuple[FakeQuantize, torch.Tensor]]:
-    """(quantizer, parameter) for every weight quantizer in ``gm``'s graph(s): a
-    ``FakeQuantize`` called on a ``get_attr`` of a parameter."""
-    from torch.fx import GraphModule
-
-    found = []
-    for owner in gm.modules():
-        if not isinstance(owner, GraphModule):
-            continue
-        for node in owner.graph.nodes:
-            if node.op != "call_module" or not node.args:
-                continue
-            fq = owner.get_submodule(str(node.target))
-            src = node.args[0]
-            if not isinstance(fq, FakeQuantize) or getattr(src, "op", None) != "get_attr":
-                continue
-            parent, _, leaf = str(src.target).rpartition(".")
-            value = getattr(owner.get_submodule(parent) if parent else owner, leaf)
-            if isinstance(value, nn.Parameter):
-                found.append((fq, value))
-    return found
-
-
-def _finite_stats(min_val: torch.Tensor, max_val: torch.Tensor) -> bool:
-    # Unobserved entries are min=+inf, max=-inf; anything else non-finite came from data.
-    bad = min_val.isnan() | max_val.isnan() | (min_val == float("-inf")) | (
-        max_val == float("inf"))
-    return not bool(bad.any())
+__all__ = ["Report", "calibrate", "convert", "freeze", "quantizers", "report",
+           "weight_quantizers"]
 
 
 def _mode(gm: nn.Module) -> str | None:
     meta = getattr(gm, "meta", None)
-    rep = meta.get("qcompile.report") if isinstance(meta, dict) else None
+    rep = meta.get(REPORT_KEY) if isinstance(meta, dict) else None
     return rep.mode if rep is not None else None
 
 
@@ -100,58 +52,12 @@ def calibrate(gm: nn.Module, batches: Iterable[Any], *, sync: bool | None = None
 
     Only static graphs are calibrated: QAT graphs learn their ranges while training and
     dynamic graphs compute activation qparams from every batch."""
-    mode = _mode(gm)
-    if mode in ("qat", "dynamic"):
-        fix = ("train it (observers follow the data), then qc.freeze(gm) or qc.convert(gm)"
-               if mode == "qat" else "run it as is, or qc.convert(gm): nothing to calibrate")
-        raise QCompileError(f"calibrate: this graph was compiled with quant.mode {mode!r}; "
-                            "calibration is for quant.mode 'static'",
-                            fix=fix + "; to calibrate, compile with quant.mode: static")
-    return collect_statistics(gm, batches, sync=sync, progress=progress)
-
-
-def collect_statistics(gm: nn.Module, batches: Iterable[Any], *, sync: bool | None = None,
-                       progress: bool = True) -> nn.Module:
-    """What ``calibrate`` does, for any mode: observe ``batches``, then freeze. (The
-    inspect tool's per-layer error uses it to give QAT graphs data-derived ranges.)"""
-    qs = quantizers(gm)
-    if not qs:
-        raise QCompileError("calibrate: the graph has no quantizers",
-                            fix="compile with a spec whose quant.mode is static")
-    was_training = gm.training
-    gm.eval()
-    for q in qs.values():
-        if q.observer is not None and not q.learnable:
-            q.observe = True
-    seen = 0
-    if progress and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        batches = tqdm(batches, desc="calibrate", unit="batch", leave=False)
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                gm(*batch) if isinstance(batch, (tuple, list)) else gm(batch)
-                seen += 1
-                bad = [n for n, q in qs.items() if q.observer is not None
-                       and not _finite_stats(q.observer.min_val, q.observer.max_val)]
-                if bad:
-                    raise QCompileError(f"calibration batch {seen - 1} put NaN or Inf into "
-                                        f"the observer of {bad[0]}",
-                                        fix="remove NaN/Inf values from the calibration data")
-    finally:
-        gm.train(was_training)
-    if seen == 0:
-        raise QCompileError("calibrate: no batches were given", fix="pass a non-empty iterable")
-    if sync if sync is not None else getattr(gm, "meta", {}).get("qcompile.sync_observers",
-                                                                 False):
-        from qcompile.distributed import sync_observers
-
-        sync_observers(gm, everything=True)  # every rank ends with the same qparams
-    for q in qs.values():
-        q.observe = False
-        q.enabled = True
-    return gm
+    check_calibratable(_mode(gm))
+    if sync is None:
+        sync = bool(getattr(gm, "meta", {}).get(SYNC_OBSERVERS_KEY, False))
+    # every rank ends with the same qparams
+    reduce = (lambda m: sync_observers(m, everything=True)) if sync else None
+    return collect_statistics(gm, batches, sync=reduce, progress=progress)
 
 
 def _uncalibrated(gm: nn.Module, mode: str | None) -> list[str]:
@@ -190,11 +96,6 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None) -> nn.
         >>> [c.op for c in qc.report(int8).conversions]
         ['quantized::linear_dynamic']
     """
-    import copy
-
-    from qcompile.compile import REPORT_KEY
-    from qcompile.passes.convert import convert_graph
-    from qcompile.passes.place import STAGE_NAMES_KEY
 
     rep = report(gm)
     if not quantizers(gm):
@@ -214,8 +115,6 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None) -> nn.
     if example_inputs is not None:
         with torch.no_grad():
             ref = _outputs(out(*example_inputs))
-    from torch.fx import GraphModule
-
     # a pipeline-placed graph: each stage_<i> child is a graph of its own
     targets = [out] if STAGE_NAMES_KEY not in out.meta else [
         m for n, m in out.named_children() if n.startswith("stage_")]

@@ -11,64 +11,18 @@ Example:
 
 from __future__ import annotations
 
-import gc
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from qcompile import __version__
-from qcompile.context import Context
+from qcompile.distributed.guards import refuse_wrapped
 from qcompile.errors import QCompileError
-from qcompile.passes import annotate, fold_bn, insert_quant, partition, place, trace
-from qcompile.pipeline import Instrument, Pass, Pipeline
-from qcompile.records import Report
-from qcompile.specs import CompileSpec, load_spec
-
-REPORT_KEY = "qcompile.report"
-
-
-def default_passes(spec: CompileSpec) -> list[Pass]:
-    """The fixed pass order for a spec; quantization passes only when quantizing."""
-    passes = [trace]
-    if spec.quant.mode != "none":
-        passes += [fold_bn, annotate, insert_quant]
-    if spec.pipeline is not None:
-        passes += [partition, place]
-    return passes
-
-
-def _as_spec(spec: CompileSpec | dict | str | Path) -> CompileSpec:
-    if isinstance(spec, CompileSpec):
-        return spec
-    if isinstance(spec, dict):
-        return CompileSpec.model_validate(spec)
-    if isinstance(spec, (str, Path)):
-        return load_spec(spec)
-    raise QCompileError(f"spec must be a CompileSpec, a dict or a path, got {type(spec).__name__}",
-                        fix="pass qc.load_spec('file.yaml') or a preset name like 'int8-qat'")
-
-
-def _as_inputs(example_inputs: Any) -> tuple[Any, ...] | None:
-    if example_inputs is None:
-        return None
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs)
-    raise QCompileError(f"example_inputs must be a tuple of inputs, got "
-                        f"{type(example_inputs).__name__}", fix="pass example_inputs=(x,)")
-
-
-def _balance_ratio(ctx: Context) -> float | None:
-    costs = [s.cost for s in ctx.stages]
-    if not costs or sum(costs) == 0:
-        return None
-    return max(costs) / (sum(costs) / len(costs))
+from qcompile.graph.pipeline import Instrument
+from qcompile.passes import compile_model
+from qcompile.specs import CompileSpec, as_spec
 
 
 def qcompile(
@@ -91,39 +45,7 @@ def qcompile(
     if not isinstance(model, nn.Module):
         raise QCompileError(f"qcompile takes an nn.Module, got {type(model).__name__}",
                             fix="pass the model instance (not its class or a function)")
-    spec = _as_spec(spec)
-    ctx = Context(spec=spec, model=model, example_inputs=_as_inputs(example_inputs),
-                  example_kwargs=example_kwargs, inplace=inplace)
-    t0 = time.perf_counter()
-    # Compiling allocates many small objects (fx nodes, modules); Python's cyclic GC would
-    # rescan the whole growing heap again and again and make compile time superlinear in
-    # graph size. Pause it for the pipeline (reference counting still frees memory).
-    gc_was_on = gc.isenabled()
-    gc.disable()
-    try:
-        gm, records = Pipeline(default_passes(spec)).run(ctx, instruments=instruments)
-    finally:
-        if gc_was_on:
-            gc.enable()
-    if spec.cache_dir is not None:
-        records[-1].notes.append("cache_dir is used by qc.distributed.compile_once: "
-                                 "qcompile itself compiles afresh")
-    report = gm.meta[REPORT_KEY] = Report(
-        qcompile_version=__version__,
-        torch_version=torch.__version__,
-        mode=spec.quant.mode,
-        trace_method=ctx.trace_method,
-        shapes=ctx.shapes,
-        passes=records,
-        quantizers=ctx.quantizers,
-        rule_matches=ctx.rule_matches,
-        stages=ctx.stages,
-        balance=ctx.balance,
-        balance_ratio=_balance_ratio(ctx),
-        total_seconds=time.perf_counter() - t0,
-    )
-    gm.meta["qcompile.sync_observers"] = spec.quant.sync_observers
-    gm.meta["qcompile.spec"] = spec
-    for inst in instruments:
-        inst.finish(report, gm)
-    return gm
+    spec = as_spec(spec)
+    refuse_wrapped(model)
+    return compile_model(model, spec, example_inputs, example_kwargs=example_kwargs,
+                         instruments=instruments, inplace=inplace)

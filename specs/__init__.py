@@ -15,7 +15,7 @@ from qcompile.specs.compile import (
     TraceSpec,
     TrainSpec,
 )
-from qcompile.specs.load import dump_spec, load_spec, presets
+from qcompile.specs.load import as_spec, dump_spec, load_spec, presets
 from qcompile.specs.quant import (
     DTYPES,
     FP8_MAX,
@@ -39,6 +39,7 @@ __all__ = [
     "StageSpec",
     "TraceSpec",
     "TrainSpec",
+    "as_spec",
     "dump_spec",
     "load_spec",
     "presets",

@@ -81,3 +81,20 @@ def dump_spec(spec: CompileSpec, path: str | Path) -> None:
         p.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
     else:
         p.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def as_spec(spec: Any) -> CompileSpec:
+    """``spec`` as a ``CompileSpec``: one already, a dict, a file path or a preset name.
+
+    Example:
+        >>> as_spec({"quant": {"mode": "dynamic"}}).quant.mode
+        'dynamic'
+    """
+    if isinstance(spec, CompileSpec):
+        return spec
+    if isinstance(spec, dict):
+        return CompileSpec.model_validate(spec)
+    if isinstance(spec, (str, Path)):
+        return load_spec(spec)
+    raise QCompileError(f"spec must be a CompileSpec, a dict or a path, got {type(spec).__name__}",
+                        fix="pass qc.load_spec('file.yaml') or a preset name like 'int8-qat'")

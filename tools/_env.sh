@@ -29,9 +29,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
   say "ready: $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)')"
 fi
-# Build the fused fake-quant kernels (qcompile/csrc) once, so tests and the demo only load
+# Build the fused fake-quant kernels (qcompile/runtime/csrc) once, so tests and the demo only load
 # them; never fatal: without them qcompile runs its eager fake-quant (same results).
-if kout="$("$VENV/bin/python" -m qcompile.kernels 2>&1)"; then
+if kout="$("$VENV/bin/python" -m qcompile.runtime.kernels 2>&1)"; then
   say "${kout##*$'\n'}"
 else
   say "fast fake-quant kernels unavailable, the eager fallback is used: ${kout##*$'\n'}"

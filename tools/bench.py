@@ -475,7 +475,7 @@ def _fakequant_cases(x: torch.Tensor, only: tuple[str, ...] = ()) -> dict[str, t
     """name -> (qcompile FakeQuantize, torch's built-in op of the same kind) on ``x``
     ([rows, 1024]); per-group has no built-in op of its own: torch's per-channel op on
     the [rows * groups, group_size] view computes the same thing."""
-    from qcompile.fake_quant import FakeQuantize
+    from qcompile.runtime.fake_quant import FakeQuantize
 
     rows, cols = x.shape
     kinds = {"per_tensor": {},
@@ -522,7 +522,7 @@ def bench_fakequant(quick: bool) -> dict[str, Any]:
     output's gradient and writes x's (4 x 4 bytes; saved state such as a mask is not
     counted). The backward gets a dense upstream gradient (``out.backward(g)``).
     ``small_64x64_us``: per-call time on a 64x64 tensor (dispatch overhead)."""
-    from qcompile import kernels
+    from qcompile.runtime import kernels
 
     n = (1 if quick else 16) * 1024 * 1024
     rounds = 3 if quick else 7

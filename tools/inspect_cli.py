@@ -42,8 +42,9 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from qcompile import __version__
 from qcompile.errors import QCompileError
+from qcompile.graph.meta import QSCHEME_KEY, TENSOR_META
+from qcompile.version import __version__
 
 JSON_VERSION = 1  # bumped when a JSON field changes meaning
 
@@ -159,8 +160,8 @@ def node_rows(gm: Any, spec: Any) -> list[dict[str, Any]]:
     """One row per node of the compiled graph (stage children flattened)."""
     from torch.fx.passes.shape_prop import TensorMetadata
 
-    from qcompile.fake_quant import FakeQuantize
-    from qcompile.graph_dump import _target
+    from qcompile.graph.dump import _target
+    from qcompile.runtime.fake_quant import FakeQuantize
 
     stage_of_child = {}
     graphs = [("", gm)]
@@ -173,8 +174,8 @@ def node_rows(gm: Any, spec: Any) -> list[dict[str, Any]]:
     rows = []
     for prefix, g in graphs:
         for n in g.graph.nodes:
-            tm = n.meta.get("tensor_meta")
-            qs = n.meta.get("qcompile.qscheme")
+            tm = n.meta.get(TENSOR_META)
+            qs = n.meta.get(QSCHEME_KEY)
             quantizer = None
             if n.op == "call_module" and isinstance(g.get_submodule(str(n.target)),
                                                     FakeQuantize):
@@ -369,7 +370,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def _why(rule: Any, node: Any, gm: Any) -> tuple[bool, str]:
-    from qcompile.matching import candidate, match_node, op_name, owners
+    from qcompile.graph.matching import candidate, match_node, op_name, owners
 
     m = rule.match
     if not candidate(gm, node, rule):
@@ -388,9 +389,10 @@ def _why(rule: Any, node: Any, gm: Any) -> tuple[bool, str]:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     import qcompile as qc
-    from qcompile.context import Context
-    from qcompile.passes import annotate, fold_bn, trace
-    from qcompile.passes.annotate import assign_rules
+    from qcompile.graph.context import Context
+    from qcompile.passes.annotate import annotate, assign_rules
+    from qcompile.passes.fold_bn import fold_bn
+    from qcompile.passes.trace import trace
 
     model, spec, inputs = build(args)
     # The annotated graph before insertion shows matching as the rules saw it.
@@ -421,7 +423,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     for i, rule in enumerate(spec.quant.rules):
         ok, why = _why(rule, node, graph)
         tried.append({"rule": i, "match": _rule_text(spec, i), "matched": ok, "why": why})
-    qs = node.meta.get("qcompile.qscheme")
+    qs = node.meta.get(QSCHEME_KEY)
     chosen = qs.rule if qs is not None else None
     text = "\n".join([f"node {node.name} ({node.op} {node.target}): "
                       + (f"rule {chosen} applies" if chosen is not None else "no rule applies")]
@@ -432,7 +434,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_passes(args: argparse.Namespace) -> int:
-    from qcompile.graph_dump import GraphDumps
+    from qcompile.graph.dump import GraphDumps
 
     out = Path(args.dump_dir)
     gm, _, _ = compile_graph(args, instruments=(GraphDumps(out),))
@@ -459,7 +461,7 @@ def cmd_sqnr(args: argparse.Namespace) -> int:
     import torch
 
     import qcompile as qc
-    from qcompile.api import collect_statistics
+    from qcompile.runtime.calibration import collect_statistics
 
     model, spec, inputs = build(args)
     if args.calib:
@@ -476,7 +478,7 @@ def cmd_sqnr(args: argparse.Namespace) -> int:
     spec = spec.model_copy(update={"pipeline": None})
     gm = qc.qcompile(model, spec, inputs or batches[0])
     if qc.quantizers(gm):  # qparams from these batches, whatever the mode (QAT too)
-        collect_statistics(gm, batches, sync=False)
+        collect_statistics(gm, batches)
     qc.freeze(gm)
     gm.eval()
     rows = qc.sqnr(gm, model.eval(), batches)

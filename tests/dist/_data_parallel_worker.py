@@ -39,7 +39,7 @@ from _worker_main import run_cases
 from torch import nn
 
 import qcompile as qc
-from qcompile.cache import CompileCache
+from qcompile.distributed.cache import CompileCache
 
 LOCAL, D_IN, D_OUT = 8, 8, 4
 LR = 0.05

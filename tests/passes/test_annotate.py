@@ -8,9 +8,11 @@ import torch
 from torch import nn
 
 import qcompile as qc
-from qcompile.context import Context
-from qcompile.graph_dump import format_graph
-from qcompile.passes import annotate, fold_bn, trace
+from qcompile.graph.context import Context
+from qcompile.graph.dump import format_graph
+from qcompile.passes.annotate import annotate
+from qcompile.passes.fold_bn import fold_bn
+from qcompile.passes.trace import trace
 
 # -- helpers --------------------------------------------------------------------------
 

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import qcompile as qc
-from qcompile.context import Context
-from qcompile.graph_dump import format_graph
-from qcompile.passes import fold_bn, trace
+from qcompile.graph.context import Context
+from qcompile.graph.dump import format_graph
+from qcompile.passes.fold_bn import fold_bn
+from qcompile.passes.trace import trace
 
 # -- helpers --------------------------------------------------------------------------
 

@@ -9,10 +9,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import qcompile as qc
-from qcompile.context import Context
-from qcompile.fake_quant import FakeQuantize
-from qcompile.graph_dump import format_graph
-from qcompile.passes import annotate, fold_bn, insert_quant, trace
+from qcompile.graph.context import Context
+from qcompile.graph.dump import format_graph
+from qcompile.passes.annotate import annotate
+from qcompile.passes.fold_bn import fold_bn
+from qcompile.passes.insert_quant import insert_quant
+from qcompile.passes.trace import trace
+from qcompile.runtime.fake_quant import FakeQuantize
 
 # -- helpers --------------------------------------------------------------------------
 

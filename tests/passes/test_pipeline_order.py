@@ -9,11 +9,14 @@ import torch
 from torch import nn
 
 import qcompile as qc
-from qcompile.compile import default_passes
-from qcompile.context import Context
-from qcompile.graph_dump import GraphDumps, format_graph
-from qcompile.passes import annotate, fold_bn, insert_quant, trace
-from qcompile.pipeline import Pipeline, graph_pass
+from qcompile.graph.context import Context
+from qcompile.graph.dump import GraphDumps, format_graph
+from qcompile.graph.pipeline import Pipeline, graph_pass
+from qcompile.passes import default_passes
+from qcompile.passes.annotate import annotate
+from qcompile.passes.fold_bn import fold_bn
+from qcompile.passes.insert_quant import insert_quant
+from qcompile.passes.trace import trace
 
 STATIC = {"quant": {"mode": "static", "rules": [
     {"match": {"module": "Conv2d"}, "weight": {"dtype": "int8", "granularity": "per_channel"},

@@ -17,7 +17,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 import qcompile as qc
-from qcompile.fake_quant import FakeQuantize
+from qcompile.runtime.fake_quant import FakeQuantize
 
 # -- models ---------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import qcompile as qc
-from qcompile.quantized import IntWeight, pack_int4, unpack_int4
+from qcompile.runtime.quantized import IntWeight, pack_int4, unpack_int4
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation.*:UserWarning")
 

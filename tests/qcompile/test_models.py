@@ -254,7 +254,7 @@ def test_model_not_mutated(built: Built, gm_none: torch.fx.GraphModule,
     assert all(graph.values())
 
 
-# Regressions these tests guard (qcompile.state_layout): torch.export keeps one name per
+# Regressions these tests guard (qcompile.graph.state_layout): torch.export keeps one name per
 # tied parameter (GPT-2's transformer.wte.weight), and GraphModule re-registers buffers as
 # persistent (BERT's position_ids, Llama's inv_freq).
 

@@ -1,0 +1,218 @@
+"""The torch.export front end: capture a model as an aten-level fx graph that trains.
+
+``torch.export.export(strict=False)`` captures models symbolic tracing cannot (Hugging
+Face transformers, Python control flow on shapes, ...). Its graph needs three repairs to
+be a ready-to-train qcompile graph:
+
+- The training flag is baked into ops (pytorch/pytorch#151726). The model is exported in
+  train mode and mode-dependent ops are re-expressed as module calls that read
+  ``self.training``: BatchNorm calls the model's own ``nn.BatchNorm*`` (which also keeps
+  ``num_batches_tracked``), dropout calls ``nn.Dropout``, attention dropout a
+  ``ModeAwareSDPA``. Then every module gets the train/eval flag it had in the model.
+- ``ep.module()`` is a ``_StatefulGraphModule`` whose ``train()``/``eval()`` raise; the
+  graph is re-rooted on (a copy of) the model itself, a plain ``GraphModule`` whose
+  parameters keep their qualified names and whose submodules keep their classes.
+- Shapes: ``node.meta[TENSOR_META]`` is filled from export's fake values, so passes read
+  shapes the same way on both front ends.
+
+Module ownership comes from ``node.meta[NN_MODULE_STACK]`` (recorded by export).
+
+Example:
+    >>> import torch
+    >>> from qcompile.passes.trace.capture_export import export_graph
+    >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    >>> gm, notes = export_graph(m, (torch.randn(2, 4),), {}, {})
+    >>> [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    ['_guards_fn', '1']
+    >>> torch.equal(gm.eval()(torch.ones(2, 4)), m.eval()(torch.ones(2, 4)))
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+from qcompile.errors import QCompileError
+from qcompile.graph.meta import NN_MODULE_STACK, TENSOR_META, VAL
+from qcompile.graph.state_layout import keep_state_layout
+from qcompile.runtime.modes import ModeAwareBatchNorm, ModeAwareSDPA
+
+aten = torch.ops.aten
+_DROPOUTS = {aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
+             aten.feature_alpha_dropout.default}
+
+
+def _innermost(node: Node) -> str:
+    stack = node.meta.get(NN_MODULE_STACK) or {}
+    return next(reversed(stack.values()))[0] if stack else ""
+
+
+def _lookup(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        if not hasattr(obj, part):
+            return None
+        obj = getattr(obj, part)
+    return obj
+
+
+def _assign(root: nn.Module, target: str, value: Any) -> None:
+    *path, leaf = target.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    setattr(mod, leaf, value)
+
+
+def _add_child(root: nn.Module, owner: str, base: str, module: nn.Module) -> str:
+    parent = root.get_submodule(owner) if owner else root
+    name, k = base, 0
+    while hasattr(parent, name):
+        k += 1
+        name = f"{base}_{k}"
+    parent.add_module(name, module)
+    return f"{owner}.{name}" if owner else name
+
+
+def _replace(graph: Graph, node: Node, target: str, args: tuple, kwargs: dict | None = None
+             ) -> Node:
+    with graph.inserting_before(node):
+        new = graph.call_module(target, args, kwargs or {})
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return new
+
+
+def _restore_modes(graph: Graph, root: nn.Module, notes: list[str]) -> None:
+    """Re-express ops whose behaviour export fixed to training mode as module calls."""
+    attrs = {str(n.target): n for n in graph.nodes if n.op == "get_attr"}
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        owner = _innermost(node)
+        mod = root.get_submodule(owner) if owner and _lookup(root, owner) is not None else None
+        if node.target is aten.batch_norm.default:
+            x, w, b, rm, rv, _training, momentum, eps = node.args[:8]
+            if isinstance(mod, nn.modules.batchnorm._BatchNorm) and rm is not None:
+                counter = attrs.get(f"{owner}.num_batches_tracked")
+                for other in list(counter.users) if counter is not None else []:
+                    if other.target is aten.add_.Tensor and not other.users:
+                        graph.erase_node(other)  # the module counts batches itself
+                _replace(graph, node, owner, (x,))
+            else:
+                bn_mode = ModeAwareBatchNorm(momentum, eps)
+                name = _add_child(root, owner, f"{node.name}_mode", bn_mode)
+                _replace(graph, node, name, (x, w, b, rm, rv))
+        elif node.target in _DROPOUTS:
+            if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p == node.args[1]:
+                _replace(graph, node, owner, (node.args[0],))
+            elif node.target is aten.dropout.default:
+                name = _add_child(root, owner, f"{node.name}_mode", nn.Dropout(node.args[1]))
+                _replace(graph, node, name, (node.args[0],))
+            else:
+                notes.append(f"{node.name}: {node.target} keeps the training behaviour it was "
+                             "exported with")
+        elif node.target is aten.scaled_dot_product_attention.default:
+            sig = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                   "enable_gqa")
+            bound = dict(zip(sig, node.args))
+            bound.update(node.kwargs)
+            p = bound.pop("dropout_p", 0.0)
+            if p:
+                name = _add_child(root, owner, f"{node.name}_mode", ModeAwareSDPA(p))
+                _replace(graph, node, name, (), bound)
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+
+
+def dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict,
+                   dims: dict[str, dict[int, Any]]) -> dict[str, Any] | None:
+    """``torch.export`` dynamic_shapes from the spec's ``trace.dynamic_dims``."""
+    if not dims:
+        return None
+    import inspect
+
+    params = list(inspect.signature(model.forward).parameters)
+    given = params[:len(args)] + [k for k in kwargs]
+    unknown = sorted(set(dims) - set(given))
+    if unknown:
+        raise QCompileError(f"trace.dynamic_dims names {unknown}, which are not among the "
+                            f"example inputs ({', '.join(given)})",
+                            fix="use the names of forward()'s parameters that you pass inputs for")
+    values = dict(zip(params, args)) | dict(kwargs)
+    named: dict[str, tuple[Any, tuple[int | None, int | None]]] = {}
+
+    def dim(spec: Any) -> Any:
+        name = spec if isinstance(spec, str) else spec.name
+        bounds = (None, None) if isinstance(spec, str) else (spec.min, spec.max)
+        if name in named:
+            if isinstance(spec, str) or named[name][1] == bounds:
+                return named[name][0]
+            raise QCompileError(f"trace.dynamic_dims: dim {name!r} is given two different "
+                                "bounds", fix="give its min/max once, or the same everywhere")
+        kw = {k: v for k, v in zip(("min", "max"), bounds) if v is not None}
+        named[name] = (torch.export.Dim(name, **kw), bounds)
+        return named[name][0]
+
+    shapes: dict[str, Any] = {}
+    for arg in given:
+        spec = dims.get(arg)
+        if spec is None:
+            shapes[arg] = None
+            continue
+        value = values[arg]
+        for d in spec:
+            if not isinstance(value, torch.Tensor) or not -value.dim() <= d < value.dim():
+                raise QCompileError(f"trace.dynamic_dims.{arg}: dim {d} does not exist on the "
+                                    "example input", fix="use a dimension index of that tensor")
+            if value.shape[d] < 2:
+                raise QCompileError(
+                    f"trace.dynamic_dims.{arg}: dim {d} has size {value.shape[d]} in the "
+                    "example input; torch.export specialises sizes 0 and 1",
+                    fix="use an example input with size >= 2 in every dynamic dimension")
+        shapes[arg] = {d % value.dim(): dim(n) for d, n in spec.items()}
+    return shapes
+
+
+def export_graph(model: nn.Module, args: tuple, kwargs: dict,
+                 dims: dict[str, dict[int, Any]], *, inplace: bool = False
+                 ) -> tuple[GraphModule, list[str]]:
+    """Export a copy of ``model`` (the model itself with ``inplace``) and return a
+    trainable GraphModule plus notes.
+
+    Raises whatever ``torch.export`` raises when it cannot capture the model."""
+    notes: list[str] = []
+    flags = {name: m.training for name, m in model.named_modules()}
+    root = (model if inplace else copy.deepcopy(model)).train()
+    shapes = dynamic_shapes(model, args, kwargs, dims)
+    ep = torch.export.export(root, tuple(args), dict(kwargs), dynamic_shapes=shapes,
+                             strict=False)
+    exported = ep.module()
+    # An unowned copy: nodes can then call modules that exist only on ``root``.
+    graph = copy.deepcopy(exported.graph)
+    for node in graph.nodes:  # constants and the input guard live on the exported module
+        if node.op in ("get_attr", "call_module") and _lookup(root, str(node.target)) is None:
+            _assign(root, str(node.target), _lookup(exported, str(node.target)))
+    _restore_modes(graph, root, notes)
+    gm = GraphModule(root, graph, type(model).__name__)
+    keep_state_layout(gm, root)
+    for name, m in gm.named_modules():
+        owner = name
+        while owner not in flags and owner:
+            owner = owner.rpartition(".")[0]
+        m.training = flags.get(owner, model.training)
+    for node in gm.graph.nodes:
+        val = node.meta.get(VAL)
+        if isinstance(val, torch.Tensor):
+            node.meta[TENSOR_META] = _extract_tensor_metadata(val)
+    return gm, notes

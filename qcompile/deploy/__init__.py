@@ -1,0 +1,1 @@
+"""Leaving the training world: quantization encodings (AIMET-style JSON) and, later, ONNX."""

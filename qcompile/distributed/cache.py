@@ -1,0 +1,157 @@
+"""The compile cache: compile (and calibrate) once, reuse across runs and ranks.
+
+An entry is the compiled graph's *state* (every parameter and buffer, quantizer flags
+included), keyed by SHA-256 over the traced graph's code, the spec, the model's
+parameter and buffer bytes, optional calibration data, and the torch and qcompile
+versions. The graph's structure is rebuilt by compiling again (cheap and deterministic);
+what the cache saves is the state — calibration above all.
+
+On disk: ``<cache_dir>/<key>/manifest.json`` (versions, file hashes, the Report) and
+``state.pt`` (tensors only, read with ``torch.load(weights_only=True)``: no pickled code
+runs). Entries are written to a temporary folder and renamed into place, so a crash never
+leaves a half-written entry and concurrent writers of one key cannot corrupt it. A
+missing, truncated or tampered entry fails its hash check, is reported, and is rebuilt —
+never trusted.
+
+Example:
+    >>> import tempfile, torch, qcompile as qc
+    >>> from qcompile.distributed.cache import CompileCache
+    >>> cache = CompileCache(tempfile.mkdtemp())
+    >>> gm = qc.qcompile(torch.nn.Linear(2, 2), "int8-qat")
+    >>> cache.store("k" * 64, gm)
+    >>> state, why = cache.load("k" * 64)
+    >>> sorted(state) == sorted(gm.state_dict()), why
+    (True, 'hit')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from qcompile.errors import QCompileError
+from qcompile.version import __version__
+
+MANIFEST = "manifest.json"
+STATE = "state.pt"
+FORMAT = 1
+
+
+def _hash_tensor(h: Any, t: torch.Tensor) -> None:
+    t = t.detach().cpu().contiguous()
+    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    if t.numel():
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool
+                 else t.numpy().tobytes())
+
+
+def cache_key(graph_code: str, spec_json: str, model: nn.Module,
+              calibration: Iterable[Any] | None = None) -> str:
+    """SHA-256 over what determines a compiled graph's state."""
+    h = hashlib.sha256()
+    for part in (f"qcompile {__version__}", f"torch {torch.__version__}", f"format {FORMAT}",
+                 graph_code, spec_json):
+        h.update(part.encode())
+        h.update(b"\0")
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        h.update(name.encode())
+        _hash_tensor(h, t)
+    for batch in calibration or ():
+        for t in batch if isinstance(batch, (tuple, list)) else (batch,):
+            if isinstance(t, torch.Tensor):
+                _hash_tensor(h, t)
+    return h.hexdigest()
+
+
+def _file_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class CompileCache:
+    """A folder of compiled states, one sub-folder per key."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+
+    def load(self, key: str) -> tuple[dict[str, torch.Tensor] | None, str]:
+        """(state, "hit") or (None, why not): "miss", or what was wrong with the entry."""
+        entry = self.directory / key
+        if not entry.exists():
+            return None, "miss"
+        try:
+            manifest = json.loads((entry / MANIFEST).read_text(encoding="utf-8"))
+            if (not isinstance(manifest, dict) or manifest.get("key") != key
+                    or manifest.get("format") != FORMAT
+                    or not isinstance(manifest.get("files"), dict)):
+                return None, "manifest does not match the key"
+            if _file_hash(entry / STATE) != manifest["files"].get(STATE):
+                return None, f"{STATE} fails its hash check (truncated or modified)"
+            state = torch.load(entry / STATE, weights_only=True, map_location="cpu")
+        except Exception as e:  # any unreadable entry is reported and rebuilt, never trusted
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            return None, f"unreadable entry ({type(e).__name__}: {first})"
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
+                                                  for v in state.values()):
+            return None, f"{STATE} does not hold a state dict of tensors"
+        return state, "hit"
+
+    def _place(self, tmp: Path, final: Path) -> None:
+        """Rename ``tmp`` to ``final``. An entry already there (stale, broken, or another
+        writer's) is moved aside by one atomic rename, never deleted in place, so a reader
+        sees the old entry, no entry, or the new one, each complete. Racing writers retry
+        until some complete entry is in place."""
+        for _ in range(100):
+            try:
+                os.replace(tmp, final)
+                return
+            except OSError:
+                pass
+            trash = Path(tempfile.mkdtemp(prefix=".old-", dir=self.directory))
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.replace(final, trash / "entry")
+                try:
+                    os.replace(tmp, final)
+                    return
+                except OSError:
+                    if final.exists():
+                        return  # another writer put the key in place first: as good as ours
+            finally:
+                shutil.rmtree(trash, ignore_errors=True)
+        raise OSError(f"could not place cache entry {final.name} (concurrent writers)")
+
+    def store(self, key: str, gm: nn.Module, report_json: str | None = None) -> None:
+        """Write an entry atomically (temporary folder + rename)."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{key[:12]}-", dir=self.directory))
+        except OSError as e:
+            raise QCompileError(f"cache_dir {str(self.directory)!r} is not writable: {e}",
+                                fix="point cache_dir at a writable folder") from None
+        try:
+            state = {k: v.detach().cpu() for k, v in gm.state_dict().items()}
+            with open(tmp / STATE, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            manifest = {"key": key, "format": FORMAT, "qcompile": __version__,
+                        "torch": torch.__version__, "files": {STATE: _file_hash(tmp / STATE)},
+                        "report": json.loads(report_json) if report_json else None}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+            self._place(tmp, self.directory / key)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,161 @@
+"""Data parallelism: wrap a compiled graph in DDP or FSDP2, keep observers in sync across
+ranks, and one optimizer step with gradient accumulation.
+
+Example:
+    >>> import torch, qcompile as qc
+    >>> from qcompile.distributed.data_parallel import sync_observers
+    >>> gm = qc.qcompile(torch.nn.Linear(4, 4), "int8-qat", example_inputs=(torch.randn(2, 4),))
+    >>> sync_observers(gm)  # no process group: nothing to reduce
+    {'collectives': 0, 'bytes': 0}
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from qcompile.distributed.guards import refuse_wrapped
+from qcompile.errors import QCompileError
+from qcompile.runtime.fake_quant import FakeQuantize
+from qcompile.runtime.observers import MovingAverageObserver
+from qcompile.specs import as_spec
+
+
+def initialised() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def sync_observers(gm: nn.Module, group: Any = None, *, everything: bool = False
+                   ) -> dict[str, int]:
+    """Reduce observer statistics across the data-parallel group, then recompute qparams.
+
+    Min-max observers take the min of mins and max of maxes; moving averages the mean.
+    All quantizers go in one flattened collective per reduction kind (at most three per
+    call), not one per quantizer. Only quantizers that observed since the last call take
+    part (every rank ran the same forward, so it is the same set), unless ``everything``.
+    Returns the number of collectives and bytes sent."""
+    stats = {"collectives": 0, "bytes": 0}
+    if not initialised():
+        return stats
+    qs = [m for _, m in sorted(gm.named_modules(), key=lambda kv: kv[0])
+          if isinstance(m, FakeQuantize) and m.observer is not None
+          and (everything or m.observed)]
+    if not qs:
+        return stats
+    world = torch.distributed.get_world_size(group)
+    mins = [q.observer.min_val for q in qs if not isinstance(q.observer, MovingAverageObserver)]
+    maxs = [q.observer.max_val for q in qs if not isinstance(q.observer, MovingAverageObserver)]
+    avgs = [t for q in qs if isinstance(q.observer, MovingAverageObserver)
+            for t in (q.observer.min_val, q.observer.max_val)]
+    ops = torch.distributed.ReduceOp
+    with torch.no_grad():
+        for tensors, op in ((mins, ops.MIN), (maxs, ops.MAX), (avgs, ops.SUM)):
+            if not tensors:
+                continue
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            torch.distributed.all_reduce(flat, op=op, group=group)
+            if op == ops.SUM:
+                flat /= world
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+            stats["collectives"] += 1
+            stats["bytes"] += flat.numel() * flat.element_size()
+        for q in qs:
+            was_learning = q.learnable and not q.observe
+            if not q.learnable or was_learning:
+                q.refresh_qparams()  # a learnable scale is (re)initialised from synced stats
+            q.observed = False
+    return stats
+
+
+def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Module:
+    """Replicate a compiled graph as ``spec.data_parallel.kind`` says.
+
+    - ``ddp``: ``DistributedDataParallel(gm, **kwargs)``.
+    - ``fsdp2``: ``fully_shard`` on every module the graph calls that owns parameters
+      (learnable quantizers get a float32 ``MixedPrecisionPolicy`` of their own, so scales
+      stay fp32 under a bf16 policy), then on the root with ``kwargs`` (``mesh``,
+      ``mp_policy``, ...). Parameters the graph reads directly (re-expressed Linear/Conv
+      weights) belong to the root's group.
+    - ``none``: ``gm`` itself.
+
+    With ``quant.sync_observers`` and an initialised process group, observer statistics
+    are reduced across ranks after every forward (``sync_observers``).
+    """
+    spec = as_spec(spec)
+    kind = spec.data_parallel.kind
+    if kind != "none" and not initialised():
+        raise QCompileError(f"data_parallel.kind: {kind} needs an initialised process group",
+                            fix="launch with torchrun and call "
+                            "torch.distributed.init_process_group() first")
+    refuse_wrapped(gm)
+    if spec.quant.sync_observers and initialised():
+        gm.register_forward_hook(lambda module, args, out: (sync_observers(module, group),
+                                                             None)[1])
+    if kind == "none":
+        return gm
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        if group is not None:
+            kwargs.setdefault("process_group", group)
+        return DistributedDataParallel(gm, **kwargs)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    read = {str(n.target).rpartition(".")[0] for n in gm.graph.nodes if n.op == "get_attr"}
+    for name in sorted(called, key=lambda s: -s.count(".")):  # innermost first
+        module = gm.get_submodule(name)
+        if not any(True for _ in module.parameters()) or name in read:
+            continue
+        if isinstance(module, FakeQuantize):
+            # fp32 scales whatever the model's policy; inputs keep their dtype (the
+            # quantizer computes in fp32 and returns the input's dtype itself)
+            fully_shard(module, mesh=kwargs.get("mesh"),
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                       reduce_dtype=torch.float32,
+                                                       cast_forward_inputs=False))
+        elif not any(isinstance(m, FakeQuantize) and m.learnable for m in module.modules()):
+            fully_shard(module, **kwargs)
+    return fully_shard(gm, **kwargs)
+
+
+def train_step(model: nn.Module, optimizer: Any, inputs: Any, target: Any, loss_fn: Any,
+               *, accumulate: int | None = None, spec: Any = None) -> float:
+    """One optimizer step over a batch split into ``accumulate`` micro-batches (default
+    ``spec.train.accumulate``). Under DDP the gradient all-reduce runs once, on the last
+    micro-batch (``no_sync`` on the others); the loss is the mean over micro-batches.
+
+    Example:
+        >>> import torch, qcompile as qc
+        >>> gm = qc.qcompile(torch.nn.Linear(4, 1), "int8-qat")
+        >>> opt = torch.optim.SGD(gm.parameters(), lr=0.1)
+        >>> loss = train_step(gm, opt, torch.randn(8, 4), torch.randn(8, 1),
+        ...                   torch.nn.functional.mse_loss, accumulate=4)
+        >>> isinstance(loss, float)
+        True
+    """
+    n = accumulate or (as_spec(spec).train.accumulate if spec is not None else 1)
+    xs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    if any(isinstance(x, torch.Tensor) and x.shape[0] % n for x in (*xs, target)):
+        raise QCompileError(f"train.accumulate = {n} does not divide the batch",
+                            fix="use a batch size that is a multiple of train.accumulate")
+    chunks = list(zip(*(x.chunk(n) for x in xs)))
+    targets = target.chunk(n)
+    optimizer.zero_grad()
+    total = 0.0
+    for i, (chunk, tgt) in enumerate(zip(chunks, targets)):
+        last = i == n - 1
+        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else (
+            model.no_sync())
+        with sync:
+            loss = loss_fn(model(*chunk), tgt) / n
+            loss.backward()
+        total += loss.item()
+    optimizer.step()
+    return total

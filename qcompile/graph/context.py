@@ -1,0 +1,45 @@
+"""``Context``: the per-compile state passes read (spec, model, inputs) and write (notes,
+facts, quantizer records). One is made per ``qcompile`` call; nothing is module-level.
+
+Example:
+    >>> import torch
+    >>> from qcompile.graph.context import Context
+    >>> from qcompile.specs import CompileSpec
+    >>> ctx = Context(spec=CompileSpec(), model=torch.nn.Linear(2, 2))
+    >>> ctx.note("hello"); ctx.notes
+    ['hello']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from qcompile.graph.records import QuantizerRecord, StageRecord
+from qcompile.specs import CompileSpec
+
+
+@dataclass
+class Context:
+    """State shared by the passes of one compilation."""
+
+    spec: CompileSpec
+    model: torch.nn.Module
+    example_inputs: tuple[Any, ...] | None = None
+    example_kwargs: dict[str, Any] | None = None
+    inplace: bool = False  # the graph may take the model's modules instead of copies
+    notes: list[str] = field(default_factory=list)
+    quantizers: list[QuantizerRecord] = field(default_factory=list)
+    rule_matches: dict[int, list[str]] = field(default_factory=dict)
+    trace_method: str | None = None
+    has_shapes: bool = False
+    shapes: str | None = None  # how node shapes were recorded (Report.shapes)
+    code_state: Any = None  # what the graph's code was last generated from (pipeline.py)
+    stages: list[StageRecord] = field(default_factory=list)
+    balance: str | None = None
+
+    def note(self, message: str) -> None:
+        """Record a note for the running pass (it lands in the Report)."""
+        self.notes.append(message)

@@ -1,0 +1,54 @@
+"""Every key qcompile reads or writes in ``node.meta`` and ``GraphModule.meta``, in one place.
+
+Passes, the runtime adapters and the tools name keys through these constants, never as
+string literals, so that a key's writers and readers can be found with one search and a
+rename is one edit. torch's own keys (written by ``ShapeProp``, ``torch.export`` and fx)
+are listed too, because qcompile reads them.
+
+Example:
+    >>> from qcompile.graph.meta import QSCHEME_KEY, TENSOR_META
+    >>> QSCHEME_KEY, TENSOR_META
+    ('qcompile.qscheme', 'tensor_meta')
+"""
+
+from __future__ import annotations
+
+# -- node.meta keys written by qcompile's passes ------------------------------------------
+#: fold_bn: the fusion group a node belongs to (conv-bn-relu, linear-relu, ...)
+FUSION_KEY = "qcompile.fusion"
+#: annotate: the ``NodeQScheme`` (rule index, weight / activation schemes) of a node
+QSCHEME_KEY = "qcompile.qscheme"
+#: insert_quant / fold_bn: the module (qualified name) a re-expressed call belongs to
+MODULE_KEY = "qcompile.module"
+#: place: the node's name in the unsplit graph (stage graphs rename values)
+FINAL_NAME_KEY = "qcompile.final_name"
+#: convert: the quantization parameters of a value that is a quantized tensor
+QPARAMS_KEY = "qcompile.qparams"
+#: convert: the float value a ``dequantize`` node stands for
+DQ_KEY = "qcompile.dq"
+#: partition: the pipeline stage index of a node
+STAGE_KEY = "qcompile.stage"
+
+# -- GraphModule.meta keys ----------------------------------------------------------------
+#: the compile ``Report`` (``qc.report(gm)``)
+REPORT_KEY = "qcompile.report"
+#: the ``CompileSpec`` the graph was compiled with
+SPEC_KEY = "qcompile.spec"
+#: ``quant.sync_observers`` of that spec (read by ``qc.calibrate``)
+SYNC_OBSERVERS_KEY = "qcompile.sync_observers"
+#: trace: the class of the traced model (module-type rules match the root by it)
+ROOT_CLASS_KEY = "qcompile.root_class"
+#: place: the names of the ``stage_<i>`` children of a pipeline-placed graph
+STAGE_NAMES_KEY = "qcompile.stage_names"
+#: place: for each parameter several stages hold, its qualified name in each stage
+TIED_KEY = "qcompile.tied"
+
+# -- torch's node.meta keys that qcompile reads --------------------------------------------
+#: ``torch.fx.passes.shape_prop.TensorMetadata`` (shape, dtype, ...) of a node's value
+TENSOR_META = "tensor_meta"
+#: the Python type of a node's value (written next to ``tensor_meta`` by shape propagation)
+TYPE = "type"
+#: torch.export: the fake tensor (or SymInt) a node computes
+VAL = "val"
+#: torch.export / dynamo: the module call stack a node was traced in
+NN_MODULE_STACK = "nn_module_stack"

@@ -1,0 +1,162 @@
+"""The compile ``Report``: what every pass did, which rule quantized which node.
+
+Example:
+    >>> from qcompile.graph.records import Report, PassRecord
+    >>> r = Report(mode="qat", passes=[PassRecord(name="trace", seconds=0.01,
+    ...            nodes_before=0, nodes_after=3)])
+    >>> "trace" in r.text()
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from qcompile.errors import QCompileError
+from qcompile.graph.meta import REPORT_KEY
+
+
+class PassRecord(BaseModel):
+    """One pass's run: time, graph size before/after, nodes added/removed, notes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    seconds: float
+    nodes_before: int
+    nodes_after: int
+    added: list[str] = Field(default_factory=list)
+    removed: list[str] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+
+
+class QuantizerRecord(BaseModel):
+    """One inserted ``FakeQuantize``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="qualified name of the FakeQuantize module")
+    role: str = Field(description="weight | activation | input")
+    node: str = Field(description="graph node (or parameter) it quantizes")
+    rule: int | None = Field(description="index into quant.rules; None for quant.inputs")
+    dtype: str
+    granularity: str
+    symmetric: bool
+    scales: int
+    learnable: bool = False
+    dynamic: bool = False
+
+
+class StageRecord(BaseModel):
+    """One pipeline stage: what it holds, what it costs, what crosses its edges."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stage: int
+    device: str
+    nodes: int
+    parameters: int = Field(description="parameter elements held by the stage")
+    parameter_bytes: int
+    cost: float = Field(description="estimated forward+backward cost (unit of the balance)")
+    bytes_in: int = Field(description="activation bytes received per forward")
+    bytes_out: int = Field(description="activation bytes sent per forward")
+    memory_bytes: int = Field(0, description="estimate: parameters x4 (weights, gradients, "
+                              "two Adam moments) + activations x micro-batches in flight")
+    modules: list[str] = Field(default_factory=list, description="top-level modules it holds")
+
+
+class ConversionRecord(BaseModel):
+    """What ``qc.convert`` made of one node or weight."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    node: str = Field(description="graph node in the converted graph")
+    module: str = Field(description="the layer (module qualified name) it belongs to")
+    path: str = Field(description="kernel | dynamic_kernel | quantize | int_storage | "
+                      "fake_quant | fold")
+    op: str = Field(description="the kernel or storage used, e.g. quantized::linear_relu")
+    note: str = ""
+
+
+class Report(BaseModel):
+    """What ``qcompile`` did; ``qc.report(gm)`` returns it, ``.model_dump_json()`` saves it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    qcompile_version: str = ""
+    torch_version: str = ""
+    mode: str
+    trace_method: str | None = None
+    shapes: str | None = Field(
+        None, description="how node shapes were recorded: 'meta tensors' (no kernel runs), "
+        "'torch.export' (its fake values), or 'example inputs (...)' (the model ran on them, "
+        "and why meta tensors could not); None without example inputs")
+    passes: list[PassRecord] = Field(default_factory=list)
+    quantizers: list[QuantizerRecord] = Field(default_factory=list)
+    rule_matches: dict[int, list[str]] = Field(
+        default_factory=dict, description="rule index -> nodes it selected"
+    )
+    stages: list[StageRecord] = Field(default_factory=list)
+    balance: str | None = Field(None, description="cost model used for the stages")
+    balance_ratio: float | None = Field(None, description="max stage cost / mean stage cost")
+    total_seconds: float = 0.0
+    conversions: list[ConversionRecord] = Field(
+        default_factory=list, description="qc.convert: what each quantized node became")
+    max_deviation: dict[str, float] = Field(
+        default_factory=dict, description="qc.convert with example_inputs: per output, max "
+        "|converted - fake-quant|, and in steps of the output quantizer when it has one")
+
+    def text(self) -> str:
+        """A human-readable summary."""
+        lines = [f"qcompile {self.qcompile_version} (torch {self.torch_version}), "
+                 f"mode {self.mode}, traced by {self.trace_method}, "
+                 f"{self.total_seconds * 1e3:.1f} ms"]
+        if self.shapes is not None and self.shapes.startswith("example inputs"):
+            lines.append(f"shapes from {self.shapes}")
+        lines.append(f"{'pass':<14}{'ms':>9}{'nodes':>8}{'+':>6}{'-':>6}")
+        for p in self.passes:
+            lines.append(f"{p.name:<14}{p.seconds * 1e3:>9.2f}{p.nodes_after:>8}"
+                         f"{len(p.added):>6}{len(p.removed):>6}")
+            lines += [f"    note: {n}" for n in p.notes]
+        for i, nodes in sorted(self.rule_matches.items()):
+            shown = ", ".join(nodes[:6]) + (f", ... (+{len(nodes) - 6})" if len(nodes) > 6 else "")
+            lines.append(f"rule {i}: {len(nodes)} node(s): {shown}")
+        by_kind: dict[str, int] = {}
+        for q in self.quantizers:
+            key = f"{q.role} {q.dtype} {q.granularity}"
+            by_kind[key] = by_kind.get(key, 0) + 1
+        lines.append(f"quantizers: {len(self.quantizers)}")
+        lines += [f"    {n:>4} x {k}" for k, n in sorted(by_kind.items())]
+        if self.stages:
+            lines.append(f"stages: {len(self.stages)} (balance {self.balance}, max/mean cost "
+                         f"{self.balance_ratio:.2f})")
+            lines.append(f"{'stage':<7}{'device':<9}{'nodes':>6}{'params':>11}{'cost':>12}"
+                         f"{'bytes in':>11}{'bytes out':>11}{'memory':>12}")
+            for s in self.stages:
+                lines.append(f"{s.stage:<7}{s.device:<9}{s.nodes:>6}{s.parameters:>11}"
+                             f"{s.cost:>12.4g}{s.bytes_in:>11}{s.bytes_out:>11}"
+                             f"{s.memory_bytes:>12}")
+        if self.conversions:
+            by_path: dict[str, int] = {}
+            for c in self.conversions:
+                key = f"{c.path} {c.op}"
+                by_path[key] = by_path.get(key, 0) + 1
+            lines.append(f"converted: {len(self.conversions)}")
+            lines += [f"    {n:>4} x {k}" for k, n in sorted(by_path.items())]
+            lines += [f"    note: {c.module}: {c.note}" for c in self.conversions
+                      if c.path == "fake_quant"]
+        for k, v in self.max_deviation.items():
+            lines.append(f"max deviation {k}: {v:.4g}")
+        return "\n".join(lines)
+
+
+def report(gm: Any) -> Report:
+    """The ``Report`` of a graph returned by ``qcompile``."""
+
+    meta = getattr(gm, "meta", None)
+    if not isinstance(meta, dict) or REPORT_KEY not in meta:
+        raise QCompileError(f"{type(gm).__name__} has no qcompile report",
+                            fix="pass the GraphModule returned by qc.qcompile")
+    return meta[REPORT_KEY]

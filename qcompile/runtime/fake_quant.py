@@ -1,0 +1,341 @@
+"""``FakeQuantize``: the quantizer module qcompile inserts into graphs.
+
+``forward(x) = dequantize(quantize(x))`` with a straight-through gradient (and the LSQ
+gradient for learnable scales), following the numerics in ``qcompile.runtime.quant_math``.
+Two plain Python bools steer it: ``enabled`` (fake-quant on/off) and ``observe``
+(observer updates qparams on forward). Scales are 1-D float32 whatever the model dtype.
+A third, ``reuse_weight`` (default True), lets a weight quantizer reuse its last result
+while the weight and qparams are unchanged (several forwards per optimizer step, see
+``qcompile.runtime.weight_cache``).
+
+Example:
+    >>> import torch
+    >>> from qcompile.runtime.fake_quant import FakeQuantize
+    >>> fq = FakeQuantize("int8", granularity="per_channel", axis=0, channels=4)
+    >>> w = torch.randn(4, 16)
+    >>> out = fq(w)                       # observes w, then fake-quantizes it
+    >>> steps = out / fq.scale[:, None]   # integers: the output lies on the grid
+    >>> fq.scale.shape, bool((steps - steps.round()).abs().max() < 1e-4)
+    (torch.Size([4]), True)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qcompile.runtime import weight_cache
+from qcompile.runtime.observers import MinMaxObserver, make_observer
+from qcompile.runtime.quant_math import (
+    FP8_DTYPES,
+    fake_quantize,
+    fake_quantize_fp8,
+    fp8_scale_from_minmax,
+    qparams_from_minmax,
+)
+from qcompile.specs.quant import FP8_MAX, Scheme
+
+_FLAG_INDEX = {"enabled": 0, "observe": 1}
+
+
+def _assign(target: torch.Tensor, value: torch.Tensor) -> None:
+    """``target[...] = value`` for plain, parameter and FSDP2-sharded (DTensor) tensors."""
+    local = target.data
+    if hasattr(local, "to_local") and hasattr(local, "device_mesh"):  # a DTensor shard
+        from torch.distributed.tensor import distribute_tensor
+
+        shard = distribute_tensor(value.to(local.to_local().device), local.device_mesh,
+                                  local.placements)
+        local.to_local().copy_(shard.to_local())
+        return
+    local.copy_(value)
+
+
+def scale_count(scheme: Scheme, shape: tuple[int, ...] | None, *, role: str) -> int:
+    """How many scales a tensor of ``shape`` needs under ``scheme`` (raises ``ValueError``
+    with the reason when the shape does not allow the scheme)."""
+    g = scheme.granularity
+    if g in ("per_tensor", "per_token"):
+        return 1
+    if shape is None:
+        raise ValueError(f"{g} quantization needs the tensor's shape: pass example_inputs "
+                         "to qcompile or set trace.inputs in the spec")
+    if g == "per_channel":
+        axis = default_axis(scheme, role)
+        if not -len(shape) <= axis < len(shape):
+            raise ValueError(f"axis {axis} is out of range for a tensor of shape {list(shape)}")
+        return int(shape[axis])
+    # per_group: rows = dim 0, groups run along the flattened remaining dims
+    if len(shape) < 2:
+        raise ValueError(f"per_group needs a tensor of 2 or more dims, got shape {list(shape)}")
+    row = 1
+    for d in shape[1:]:
+        row *= int(d)
+    gs = int(scheme.group_size or 0)
+    if row % gs:
+        divisors = [d for d in range(min(gs, row), 0, -1) if row % d == 0][:3]
+        raise ValueError(f"group_size {gs} does not divide {row} (the {list(shape)} tensor's "
+                         f"row length); use one of {divisors} or granularity per_channel")
+    return int(shape[0]) * (row // gs)
+
+
+def default_axis(scheme: Scheme, role: str) -> int:
+    """The channel axis: as given, else 0 for weights (output channels) and 1 for
+    activations (PyTorch's N, C, ... layout)."""
+    if scheme.axis is not None:
+        return scheme.axis
+    return 0 if role == "weight" else 1
+
+
+class FakeQuantize(nn.Module):
+    """Simulated quantization of one tensor.
+
+    Attributes (contract): ``scale`` (1-D float32 buffer, or Parameter when learnable),
+    ``zero_point`` (1-D int32 buffer), ``quant_min``, ``quant_max``, ``axis`` (None unless
+    per-channel), ``group_size`` (None unless per-group), ``enabled``, ``observe``.
+
+    Per-token and dynamic quantizers compute their qparams from each input and keep no
+    state; ``observe`` does not apply to them.
+
+    ``reuse_weight`` (plain bool, default True): when the input is a weight (exactly an
+    ``nn.Parameter``), the fake-quantized result is kept and returned again, with an
+    autograd node of its own and exact gradients, until the weight's version (an
+    optimizer step, any in-place write), the qparams or the switches change; so gradient
+    accumulation fake-quantizes each weight once per step. Costs one weight-sized tensor
+    plus a 1-byte mask per weight quantizer. The rule for what is cached and when it is
+    invalidated is in ``qcompile.runtime.weight_cache``; ``clear_weight_cache()`` drops it.
+    """
+
+    reuse_weight: bool = True
+
+    def __init__(
+        self,
+        dtype: str = "int8",
+        *,
+        symmetric: bool = True,
+        granularity: str = "per_tensor",
+        axis: int | None = None,
+        group_size: int | None = None,
+        channels: int = 1,
+        observer: object = "minmax",
+        learnable: bool = False,
+        dynamic: bool = False,
+        per_example: bool = False,
+    ) -> None:
+        super().__init__()
+        # LSQ's gradient scale counts elements per scale *per example* (dim 0 is the batch)
+        # for activations, so data-parallel ranks with smaller batches get the same factor.
+        self.per_example = per_example
+        scheme = Scheme(dtype=dtype, symmetric=symmetric, granularity=granularity,
+                        axis=axis if granularity == "per_channel" else None,
+                        group_size=group_size, observer=observer, learnable=learnable)
+        self.dtype = scheme.dtype
+        self.symmetric = scheme.symmetric
+        self.granularity = scheme.granularity
+        self.axis = (axis if axis is not None else 0) if granularity == "per_channel" else None
+        self.group_size = group_size if granularity == "per_group" else None
+        self.quant_min, self.quant_max = scheme.qrange()
+        self.learnable = learnable
+        self.dynamic = dynamic
+        self.register_buffer("mode_flags", torch.ones(2, dtype=torch.uint8))
+        self.enabled = True
+        self.observe = True
+        self.observed = False  # observed since the last synchronisation
+        n = channels if granularity in ("per_channel", "per_group") else 1
+        scale = torch.ones(n, dtype=torch.float32)
+        if learnable:
+            self.scale = nn.Parameter(scale)
+        else:
+            self.register_buffer("scale", scale)
+        self.register_buffer("zero_point", torch.zeros(n, dtype=torch.int32))
+        # Per-token and dynamic quantizers derive qparams from each input: no statistics.
+        stateless = dynamic or granularity == "per_token"
+        self.observer: MinMaxObserver | None = (
+            None if stateless else make_observer(scheme.observer, n,
+                                                 levels=self.quant_max - self.quant_min + 1))
+
+    @classmethod
+    def from_scheme(
+        cls, scheme: Scheme, *, role: str, shape: tuple[int, ...] | None, dynamic: bool = False,
+        channel_axis: int | None = None,
+    ) -> FakeQuantize:
+        """Build the quantizer a spec scheme describes for a tensor of ``shape``.
+        ``channel_axis`` is the default channel axis when the scheme gives none (a weight
+        used as [in, out] has its output channels on axis 1)."""
+        if scheme.axis is None and channel_axis is not None:
+            scheme = scheme.model_copy(update={"axis": channel_axis})
+        return cls(
+            scheme.dtype,
+            symmetric=scheme.symmetric,
+            granularity=scheme.granularity,
+            axis=default_axis(scheme, role) if scheme.granularity == "per_channel" else None,
+            group_size=scheme.group_size,
+            channels=scale_count(scheme, shape, role=role),
+            observer=scheme.observer,
+            learnable=scheme.learnable,
+            dynamic=dynamic,
+            per_example=role == "activation",
+        )
+
+    # -- statistics -------------------------------------------------------------------
+    def _minmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.granularity
+        if g == "per_token":
+            return torch.aminmax(x, dim=-1, keepdim=True)
+        if g == "per_channel":
+            mn, mx = torch.aminmax(x.movedim(self.axis, 0).reshape(x.shape[self.axis], -1), dim=1)
+            return mn, mx
+        if g == "per_group":
+            mn, mx = torch.aminmax(x.reshape(x.shape[0], -1, self.group_size), dim=-1)
+            return mn.reshape(-1), mx.reshape(-1)
+        mn, mx = torch.aminmax(x)
+        return mn.reshape(1), mx.reshape(1)
+
+    def _qparams(self, mn: torch.Tensor, mx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.dtype in FP8_MAX:
+            return fp8_scale_from_minmax(mn, mx, FP8_MAX[self.dtype])
+        return qparams_from_minmax(mn, mx, self.quant_min, self.quant_max, self.symmetric)
+
+    @torch.no_grad()
+    def observe_tensor(self, x: torch.Tensor) -> None:
+        """Fold ``x`` into the observer and recompute ``scale`` / ``zero_point``."""
+        if x.numel() == 0 or self.observer is None:
+            return
+        if getattr(self.observer, "needs_data", False):
+            self.observer.observe(x)  # histogram-based: the whole tensor
+        else:
+            mn, mx = self._minmax(x.detach().float())
+            self.observer.update(mn, mx)
+        self.refresh_qparams()
+        self.observed = True  # for synchronisation across data-parallel ranks
+        if self.learnable:
+            # LSQ: the observer only initialises the scale; from then on it is learned.
+            self.observe = False
+
+    @torch.no_grad()
+    def refresh_qparams(self) -> None:
+        """Recompute ``scale`` / ``zero_point`` from the observer's statistics.
+
+        A learnable scale is written through ``.data`` (after a forward that saved it for
+        backward, autograd must not see a change), and into its local shard when FSDP2
+        has sharded it."""
+        if self.observer is None:
+            return
+        scale, zero_point = self._qparams(self.observer.min_val, self.observer.max_val)
+        # written through .data (no version bump): the cached weight must go explicitly
+        weight_cache.clear(self)
+        _assign(self.scale, scale)
+        _assign(self.zero_point, zero_point)
+
+    def clear_weight_cache(self) -> None:
+        """Drop the cached fake-quantized weight (see ``reuse_weight``): needed only after
+        writes autograd does not see, such as ``weight.data.copy_(...)``."""
+        weight_cache.clear(self)
+
+    # -- forward ----------------------------------------------------------------------
+    def _shaped(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.granularity == "per_channel":
+            shape = [1] * x.dim()
+            shape[self.axis] = -1
+            return t.view(shape)
+        if self.granularity == "per_group":
+            return t.view(x.shape[0], -1, 1)
+        return t
+
+    def _fake_quant(self, x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+                    shaped: bool) -> torch.Tensor:
+        src = x
+        if self.granularity == "per_group":
+            x = x.reshape(x.shape[0], -1, self.group_size)
+        if not shaped:
+            scale, zero_point = self._shaped(scale, x), self._shaped(zero_point, x)
+        if self.dtype in FP8_DTYPES:
+            out = fake_quantize_fp8(x, scale, self.dtype, FP8_MAX[self.dtype])
+        else:
+            batch = src.shape[0] if self.per_example and src.dim() > 1 else 1
+            out = fake_quantize(x, scale, zero_point, self.quant_min, self.quant_max,
+                                learnable=self.learnable, batch=batch)
+        # per_group only changed the shape; returning a reshape view otherwise would make
+        # FSDP2 warn about views at the module boundary
+        return out.reshape(src.shape) if self.granularity == "per_group" else out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Only floating-point tensors are quantized: indices, masks and sizes pass through.
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
+            return x
+        if self.dynamic or self.granularity == "per_token":
+            if not self.enabled:
+                return x
+            with torch.no_grad():
+                scale, zero_point = self._qparams(*self._minmax(x.detach().float()))
+            return self._fake_quant(x, scale, zero_point, shaped=self.granularity == "per_token")
+        if self.enabled and self.reuse_weight and self._may_reuse(x):
+            return weight_cache.forward(self, x)
+        if self.observe:
+            self.observe_tensor(x)
+        if not self.enabled:
+            return x
+        return self._fake_quant(x, self.scale, self.zero_point, shaped=False)
+
+    def _may_reuse(self, x: torch.Tensor) -> bool:
+        """``x`` is a weight the cache may hold, and observing it again (when ``observe``
+        is on) would change nothing: a fixed-scale min-max observer."""
+        # Activations are never parameters: one type check, first, keeps their forward
+        # free of the checks below (it is also safe to trace).
+        if type(x) is not nn.Parameter or torch.compiler.is_compiling():
+            return False
+        if self.observe and not (type(self.observer) is MinMaxObserver and not self.learnable):
+            return False
+        # LSQ under saved-tensor hooks (non-reentrant checkpointing compares the tensors
+        # saved by a forward with those of its recomputation): the uncached nodes, always
+        if self.learnable and torch.is_grad_enabled() and weight_cache.saved_tensor_hooks_active():
+            return False
+        return weight_cache.cacheable_weight(x)
+
+    # The two switches are plain Python bools, read in forward without .item() (export- and
+    # meta-friendly). A calibrated graph must still reload as calibrated, so they are
+    # mirrored into a small uint8 buffer (a tensor, like torch.ao's flags, so state_dicts
+    # stay all-tensor for safetensors and distributed checkpoints) and read back on load.
+    def __setattr__(self, name: str, value: object) -> None:
+        super().__setattr__(name, value)
+        if name in _FLAG_INDEX:
+            weight_cache.clear(self)
+        if name in _FLAG_INDEX and "mode_flags" in self._buffers:
+            flags = self._buffers["mode_flags"]
+            if flags is not None and flags.device.type != "meta":
+                with torch.no_grad():
+                    flags[_FLAG_INDEX[name]] = int(bool(value))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
+        weight_cache.clear(self)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        flags = state_dict.get(prefix + "mode_flags")
+        if isinstance(flags, torch.Tensor) and flags.device.type != "meta":
+            self.enabled = bool(flags[0])
+            self.observe = bool(flags[1])
+
+    # The weight cache is runtime state of this instance only: moved or converted tensors
+    # start without it, and copies and pickles never carry it.
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        weight_cache.clear(self)
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()  # a copy of __dict__
+        state.pop(weight_cache.ATTR, None)
+        return state
+
+    def extra_repr(self) -> str:
+        parts = [self.dtype, self.granularity, "symmetric" if self.symmetric else "affine",
+                 f"range=[{self.quant_min}, {self.quant_max}]"]
+        if self.axis is not None:
+            parts.append(f"axis={self.axis}")
+        if self.group_size is not None:
+            parts.append(f"group_size={self.group_size}")
+        parts += [f"scales={self.scale.numel()}", f"enabled={self.enabled}",
+                  f"observe={self.observe}"]
+        if self.learnable:
+            parts.append("learnable")
+        if self.dynamic:
+            parts.append("dynamic")
+        return ", ".join(parts)

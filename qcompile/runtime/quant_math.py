@@ -1,0 +1,225 @@
+"""Quantization arithmetic: qparams from ranges, and fake-quant with its gradients.
+
+The numerics every quantizer follows (and the property tests check against an
+independent reference):
+
+    q   = clamp(round_half_even(x / scale) + zero_point, quant_min, quant_max)
+    out = (q - zero_point) * scale
+
+computed in float32 whatever the input dtype, with a straight-through gradient that is
+1 where ``round(x / scale) + zero_point`` lies in ``[quant_min, quant_max]`` and 0
+outside. fp8 formats fake-quantize by casting ``x / scale`` to the format (round to
+nearest even, saturating at the largest finite value).
+
+On CPU, ``fake_quantize`` runs the fused C++ kernels of ``qcompile.runtime.kernels`` (the same
+bits, one pass forward and one backward); other devices, and machines without a C++
+compiler, run the eager autograd Functions below (``fake_quantize_eager``).
+
+Example:
+    >>> import torch
+    >>> from qcompile.runtime.quant_math import qparams_from_minmax, fake_quantize
+    >>> s, z = qparams_from_minmax(torch.tensor([-1.0]), torch.tensor([1.0]), -128, 127, True)
+    >>> fake_quantize(torch.tensor([0.5]), s, z, -128, 127)
+    tensor([0.5039])
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from qcompile.runtime import kernels
+
+_EPS = torch.finfo(torch.float32).eps
+
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# Where round-to-nearest-even stops landing on the largest finite value: max + ulp(max)/2
+# (e4m3: 448 + 32/2, e5m2: 57344 + 8192/2). Inside it the gradient passes, as for the
+# integer path's round(x / scale) in [quant_min, quant_max].
+_FP8_ROUNDS_IN = {"fp8_e4m3": 464.0, "fp8_e5m2": 61440.0}
+
+
+def symmetric_zero_point(quant_min: int, quant_max: int) -> int:
+    """0 for signed ranges, the middle of the range for unsigned ones (128 for uint8)."""
+    return 0 if quant_min < 0 else (quant_min + quant_max + 1) // 2
+
+
+def qparams_from_minmax(
+    min_val: torch.Tensor,
+    max_val: torch.Tensor,
+    quant_min: int,
+    quant_max: int,
+    symmetric: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale (float32) and zero point (int32) covering ``[min_val, max_val]`` and 0.
+
+    Constant and all-zero ranges give ``scale = eps`` instead of dividing by zero; a range
+    never observed (min=+inf, max=-inf) behaves like all zeros.
+    """
+    min_neg = torch.clamp(min_val.float(), max=0.0)
+    max_pos = torch.clamp(max_val.float(), min=0.0)
+    if symmetric:
+        zp = symmetric_zero_point(quant_min, quant_max)
+        # Divide by the shorter side of the range so the largest |x| is never clipped.
+        steps = min(quant_max - zp, zp - quant_min)
+        scale = torch.clamp(torch.maximum(-min_neg, max_pos) / steps, min=_EPS)
+        return scale, torch.full_like(scale, zp, dtype=torch.int32)
+    scale = torch.clamp((max_pos - min_neg) / (quant_max - quant_min), min=_EPS)
+    zero_point = torch.clamp(quant_min - torch.round(min_neg / scale), quant_min, quant_max)
+    return scale, zero_point.to(torch.int32)
+
+
+def fp8_scale_from_minmax(
+    min_val: torch.Tensor, max_val: torch.Tensor, fp8_max: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale mapping the largest |x| to the format's largest finite value; zero point 0."""
+    amax = torch.maximum(-torch.clamp(min_val.float(), max=0.0),
+                         torch.clamp(max_val.float(), min=0.0))
+    scale = torch.clamp(amax / fp8_max, min=_EPS)
+    return scale, torch.zeros_like(scale, dtype=torch.int32)
+
+
+class _FakeQuantSTE(torch.autograd.Function):
+    """Fixed-scale fake-quant; gradient passes straight through inside the range."""
+
+    @staticmethod
+    def forward(ctx, x, scale, zero_point, quant_min, quant_max):  # type: ignore[override]
+        # One buffer, updated in place: the same arithmetic as the formula, fewer passes.
+        q = torch.div(x, scale).round_().add_(zero_point)
+        mask = q >= quant_min
+        mask &= q <= quant_max
+        out = q.clamp_(quant_min, quant_max).sub_(zero_point).mul_(scale)
+        ctx.save_for_backward(mask)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (mask,) = ctx.saved_tensors
+        return grad * mask, None, None, None, None
+
+
+class _FakeQuantLSQ(torch.autograd.Function):
+    """Learned step size quantization (Esser et al., 2020): the gradient also reaches the
+    scale, ``d out / d scale = q - zp - x/scale`` inside the range and ``q - zp`` at the
+    clamp, times ``grad_factor = 1 / sqrt(numel_per_scale * quant_max)``."""
+
+    @staticmethod
+    def forward(ctx, x, scale, zero_point, quant_min, quant_max, grad_factor):  # type: ignore[override]
+        ctx.save_for_backward(x, scale, zero_point)
+        ctx.qrange = (quant_min, quant_max, grad_factor)
+        q = torch.div(x, scale).round_().add_(zero_point)
+        return q.clamp_(quant_min, quant_max).sub_(zero_point).mul_(scale)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, scale, zero_point = ctx.saved_tensors
+        quant_min, quant_max, grad_factor = ctx.qrange
+        xs = x / scale
+        q = torch.round(xs) + zero_point
+        inside = (q >= quant_min) & (q <= quant_max)
+        qc = torch.clamp(q, quant_min, quant_max)
+        grad_scale = grad * torch.where(inside, qc - zero_point - xs, qc - zero_point)
+        grad_scale = grad_scale.sum_to_size(scale.shape) * grad_factor
+        return grad * inside, grad_scale, None, None, None, None
+
+
+class _FakeQuantFP8(torch.autograd.Function):
+    """Cast-based fp8 fake-quant, saturating at +-fp8_max; STE where the value rounds to a
+    finite value of the format."""
+
+    @staticmethod
+    def forward(ctx, x, scale, fp8_dtype, fp8_max, rounds_in):  # type: ignore[override]
+        xs = x / scale
+        mask = xs.abs() < rounds_in
+        out = torch.clamp(xs, -fp8_max, fp8_max).to(fp8_dtype).to(xs.dtype) * scale
+        ctx.save_for_backward(mask)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (mask,) = ctx.saved_tensors
+        return grad * mask, None, None, None, None
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    quant_min: int,
+    quant_max: int,
+    *,
+    learnable: bool = False,
+    batch: int = 1,
+) -> torch.Tensor:
+    """Fake-quantize ``x`` with ``scale``/``zero_point`` already shaped to broadcast
+    against it. Math runs in float32; the result has ``x``'s dtype. With ``learnable``,
+    LSQ's gradient factor counts ``x.numel() / scale.numel() / batch`` elements.
+
+    CPU tensors run the fused kernels of ``qcompile.runtime.kernels`` (bit-identical results,
+    one pass each way); other devices, or no C++ compiler, run ``fake_quantize_eager``."""
+    factor = lsq_grad_factor(x, scale, quant_max, batch) if learnable else 0.0
+    if _fused(x, scale, zero_point):
+        ops = torch.ops.qcompile  # loaded by kernels.available()
+        if learnable:
+            return ops.fake_quant_lsq(x, scale, zero_point, quant_min, quant_max, factor)
+        return ops.fake_quant(x, scale, zero_point, quant_min, quant_max)
+    return fake_quantize_eager(x, scale, zero_point, quant_min, quant_max,
+                               learnable=learnable, grad_factor=factor)
+
+
+def lsq_grad_factor(x: torch.Tensor, scale: torch.Tensor, quant_max: int, batch: int) -> float:
+    """LSQ's gradient scale ``1 / sqrt(n * quant_max)``, ``n`` the elements per scale (per
+    example when ``batch`` > 1)."""
+    n = max(x.numel() // max(scale.numel(), 1) // max(batch, 1), 1)
+    return 1.0 / math.sqrt(n * max(quant_max, 1))
+
+
+def fake_quantize_eager(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    quant_min: int,
+    quant_max: int,
+    *,
+    learnable: bool = False,
+    grad_factor: float = 1.0,
+) -> torch.Tensor:
+    """The tensor-op formulation (any device): the reference the fused kernels match."""
+    xf = x.float()
+    zp = zero_point.to(torch.float32)
+    if learnable:
+        out = _FakeQuantLSQ.apply(xf, scale, zp, quant_min, quant_max, grad_factor)
+    else:
+        out = _FakeQuantSTE.apply(xf, scale, zp, quant_min, quant_max)
+    return out.to(x.dtype)
+
+
+def _fused(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> bool:
+    """Whether the fused CPU kernels take this call: CPU, floating point, and qparams that
+    broadcast to ``x``'s own shape (the eager formula would grow the output otherwise)."""
+    if not (x.is_cpu and x.is_floating_point() and kernels.available()):
+        return False
+    shape = x.shape
+    return _fits(scale, shape) and _fits(zero_point, shape)
+
+
+def _fits(t: torch.Tensor, shape: torch.Size) -> bool:
+    """``t`` broadcasts to ``shape`` without growing it."""
+    k, nd = t.dim(), len(shape)
+    if k > nd:
+        return False
+    if t.numel() == 1:
+        return True
+    for a, b in zip(t.shape, shape[nd - k:]):  # noqa: SIM110  (no generator: per-call cost)
+        if a != 1 and a != b:
+            return False
+    return True
+
+
+def fake_quantize_fp8(
+    x: torch.Tensor, scale: torch.Tensor, fmt: str, fp8_max: float
+) -> torch.Tensor:
+    """Fake-quantize ``x`` to an fp8 format (``fp8_e4m3`` / ``fp8_e5m2``)."""
+    out = _FakeQuantFP8.apply(x.float(), scale, FP8_DTYPES[fmt], fp8_max, _FP8_ROUNDS_IN[fmt])
+    return out.to(x.dtype)

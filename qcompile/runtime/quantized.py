@@ -1,0 +1,114 @@
+"""Runtime modules of converted graphs (``qc.convert``) that torch does not provide.
+
+- ``IntWeight``: a weight kept as integers (int8, or int4 packed two per byte) with its
+  scale(s) and zero point(s); ``forward()`` returns the dequantized float weight, so any op
+  (embedding, matmul, a per-group int4 linear...) runs on it. This is the storage path for
+  what no integer kernel on the backend computes.
+- ``DynamicLinear``: torch's dynamic int8 linear (``quantized::linear_dynamic``, weights
+  int8 ahead of time, activation qparams per batch) with the full 8-bit activation range,
+  which is what qcompile's dynamic fake-quant simulates (``torch.ao``'s module fixes
+  ``reduce_range=True``, i.e. 7-bit activations).
+
+Example:
+    >>> import torch
+    >>> from qcompile.runtime.quantized import IntWeight
+    >>> q = torch.tensor([[-8, 7, 1, 0]], dtype=torch.int8)
+    >>> w = IntWeight(q, torch.tensor([0.5]), torch.tensor([0]), axis=0, bits=4)
+    >>> w.packed.numel(), w()            # two int4 values per byte
+    (2, tensor([[-4.0000,  3.5000,  0.5000,  0.0000]]))
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.ao.nn.quantized.dynamic as nnqd
+from torch import nn
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Signed int4 values (int8 tensor in [-8, 7], even numel) -> uint8, two per byte: the
+    first value in the low nibble."""
+    flat = q.reshape(-1).to(torch.int16) & 0xF
+    return (flat[0::2] | (flat[1::2] << 4)).to(torch.uint8)
+
+
+def unpack_int4(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of ``pack_int4``: int8 values in [-8, 7]."""
+    b = packed.to(torch.int16)
+    out = torch.stack((b & 0xF, b >> 4), dim=1).reshape(-1)[:numel]
+    return (out - ((out & 0x8) << 1)).to(torch.int8)  # sign-extend the nibble
+
+
+class IntWeight(nn.Module):
+    """An integer-stored weight. ``forward()`` -> ``(q - zero_point) * scale`` in float32,
+    the same arithmetic as the fake-quant it replaces (exactly, with float32 scales).
+
+    ``axis`` is the channel axis for per-channel scales; ``group_size`` means per-group
+    scales along the flattened trailing dims (rows = dim 0). ``bits=4`` packs two values
+    per byte. Scales may be stored in float16 (``qc.convert`` does so for per-group int4
+    to meet the size budget), zero points as a single value when they are all equal."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, *,
+                 axis: int | None = None, group_size: int | None = None, bits: int = 8,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.shape = tuple(q.shape)
+        self.axis = axis
+        self.group_size = group_size
+        self.bits = bits
+        self.out_dtype = dtype
+        if bits <= 4:
+            if q.numel() % 2:
+                q = torch.cat([q.reshape(-1), q.new_zeros(1)])
+            self.register_buffer("packed", pack_int4(q))
+        else:
+            self.register_buffer("packed", q.to(torch.int8 if q.min() >= -128 and q.max() <= 127
+                                                else torch.int16))
+        self.register_buffer("scale", scale)
+        zp = zero_point.to(torch.int32)
+        if zp.numel() > 1 and bool((zp == zp.reshape(-1)[0]).all()):
+            # symmetric schemes: one zero point, not one per scale (cloned: a slice would
+            # keep, and serialize, the whole storage)
+            zp = zp.reshape(-1)[:1].clone()
+        self.register_buffer("zero_point", zp)
+
+    def integers(self) -> torch.Tensor:
+        """The stored integers, unpacked, in the weight's shape."""
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        q = unpack_int4(self.packed, numel) if self.bits <= 4 else self.packed
+        return q.reshape(self.shape)
+
+    def forward(self) -> torch.Tensor:
+        q = self.integers().to(torch.float32)
+        scale = self.scale.to(torch.float32)
+        zp = self.zero_point.to(torch.float32)
+        if self.group_size is not None:
+            q = q.reshape(self.shape[0], -1, self.group_size)
+            scale = scale.view(self.shape[0], -1, 1)
+            zp = zp.view(self.shape[0], -1, 1) if zp.numel() > 1 else zp
+        elif self.axis is not None:
+            view = [1] * len(self.shape)
+            view[self.axis] = -1
+            scale = scale.view(view)
+            zp = zp.view(view) if zp.numel() > 1 else zp
+        return ((q - zp) * scale).reshape(self.shape).to(self.out_dtype)
+
+    def extra_repr(self) -> str:
+        kind = (f"per_group({self.group_size})" if self.group_size is not None
+                else f"per_channel(axis={self.axis})" if self.axis is not None else "per_tensor")
+        return (f"int{self.bits}, shape={list(self.shape)}, {kind}, "
+                f"scale={str(self.scale.dtype).removeprefix('torch.')}")
+
+
+class DynamicLinear(nnqd.Linear):
+    """``torch.ao.nn.quantized.dynamic.Linear`` computing activation qparams over the full
+    8-bit range (``reduce_range=False``), as qcompile's dynamic fake-quant does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        y = torch.ops.quantized.linear_dynamic(x, self._packed_params._packed_params, False)
+        return y.to(x.dtype)
+
+    def _get_name(self) -> str:
+        return "DynamicQuantizedLinear"
