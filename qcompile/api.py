@@ -11,7 +11,7 @@ Example:
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +20,8 @@ from torch.fx import GraphModule
 
 from qcompile.distributed.data_parallel import sync_observers
 from qcompile.errors import QCompileError
-from qcompile.graph.meta import REPORT_KEY, STAGE_NAMES_KEY, SYNC_OBSERVERS_KEY
+from qcompile.graph.meta import REPORT_KEY, SPEC_KEY, STAGE_NAMES_KEY, SYNC_OBSERVERS_KEY
+from qcompile.graph.pipeline import Instrument
 from qcompile.graph.records import Report, report
 from qcompile.passes.convert import convert_graph
 from qcompile.runtime.calibration import (
@@ -78,14 +79,19 @@ def _outputs(value: Any) -> list[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None) -> nn.Module:
+def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
+            instruments: Sequence[Instrument] = ()) -> nn.Module:
     """Lower a calibrated static, trained QAT or dynamic graph to integer kernels for
     inference (see ``qcompile.passes.convert``); ``gm`` is left as it is. With
     ``example_inputs``, both graphs run them and ``report(result).max_deviation`` records
     the largest difference per output, also in steps of the output's quantizer.
 
     The result is in eval mode and for inference (quantized kernels have no autograd).
-    ``report(result).conversions`` says what each quantized node became and why.
+    ``report(result).conversions`` says what each quantized node became and why;
+    ``report(result).passes`` continues the compile passes with one record per conversion
+    step (``convert.<step>``; ``convert.stage_<i>.<step>`` per stage of a pipeline-placed
+    graph). ``instruments`` (e.g. ``GraphDumps``) see every conversion step, numbered after
+    the compile passes, and ``finish`` with the result's report.
 
     Example:
         >>> import torch, qcompile as qc
@@ -116,14 +122,19 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None) -> nn.
         with torch.no_grad():
             ref = _outputs(out(*example_inputs))
     # a pipeline-placed graph: each stage_<i> child is a graph of its own
-    targets = [out] if STAGE_NAMES_KEY not in out.meta else [
-        m for n, m in out.named_children() if n.startswith("stage_")]
+    targets = [("", out)] if STAGE_NAMES_KEY not in out.meta else [
+        (f"{n}.", m) for n, m in out.named_children() if n.startswith("stage_")]
     steps = _output_steps(out)
-    records = []
-    for target in targets:
-        if isinstance(target, GraphModule):
-            records += convert_graph(target)
+    spec = out.meta.get(SPEC_KEY)
     new_report = rep.model_copy(deep=True)
+    records = []
+    for stage, target in targets:
+        if isinstance(target, GraphModule):
+            done, passes = convert_graph(target, spec, prefix=f"convert.{stage}",
+                                         instruments=instruments,
+                                         first_index=len(new_report.passes) + 1)
+            records += done
+            new_report.passes += passes
     new_report.conversions = records
     if ref is not None:
         with torch.no_grad():
@@ -136,6 +147,8 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None) -> nn.
             if i < len(steps) and steps[i] is not None:
                 new_report.max_deviation[f"output{i}_steps"] = dev / steps[i]
     out.meta[REPORT_KEY] = new_report
+    for inst in instruments:
+        inst.finish(new_report, out)
     return out
 
 

@@ -44,6 +44,7 @@ from typing import Any
 
 from qcompile.errors import QCompileError
 from qcompile.graph.meta import QSCHEME_KEY, TENSOR_META
+from qcompile.tools.output import Sink, note, table
 from qcompile.version import __version__
 
 JSON_VERSION = 1  # bumped when a JSON field changes meaning
@@ -53,17 +54,11 @@ class UsageError(Exception):
     """Wrong arguments (exit 2)."""
 
 
-# -- the output sink ------------------------------------------------------------------------
+# -- the output sink (qcompile.tools.output, shared with qcompile-bench) ----------------------
 def emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
-    """Print ``data`` as JSON or ``text`` for people: the only place that writes results."""
-    if args.format == "json":
-        print(json.dumps({"qcompile_inspect": JSON_VERSION, **data}, indent=2, default=str))
-    else:
-        print(text)
-
-
-def note(message: str) -> None:
-    print(message, file=sys.stderr)
+    """Print ``data`` as JSON (headed by ``"qcompile_inspect"``) or ``text`` for people,
+    through the shared sink: the only place that writes results (``note``: stderr)."""
+    Sink(args.format, header={"qcompile_inspect": JSON_VERSION}).emit(data, text)
 
 
 # -- loading ----------------------------------------------------------------------------------
@@ -229,14 +224,6 @@ def summary(gm: Any) -> dict[str, Any]:
             "trace_method": report.trace_method}
 
 
-def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    cells = [[("" if r[c] is None else str(r[c])) for c in columns] for r in rows]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
-    return "\n".join(lines)
-
-
 # -- pictures -----------------------------------------------------------------------------------
 _COLOURS = ["#dbeafe", "#dcfce7", "#fef9c3", "#fce7f3", "#ede9fe", "#ffedd5"]
 
@@ -339,7 +326,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
     from qcompile.specs import CompileSpec
 
     schema = CompileSpec.model_json_schema()
-    print(json.dumps(schema, indent=2))  # JSON either way: it is a JSON schema
+    Sink("json").emit(schema)  # JSON either way (and no header): it is a JSON schema
     return 0
 
 
@@ -390,18 +377,19 @@ def _why(rule: Any, node: Any, gm: Any) -> tuple[bool, str]:
 def cmd_explain(args: argparse.Namespace) -> int:
     import qcompile as qc
     from qcompile.graph.context import Context
+    from qcompile.graph.pipeline import Pipeline
     from qcompile.passes.annotate import annotate, assign_rules
     from qcompile.passes.fold_bn import fold_bn
     from qcompile.passes.trace import trace
 
     model, spec, inputs = build(args)
-    # The annotated graph before insertion shows matching as the rules saw it.
+    # The graph before annotation shows matching as the rules saw it.
     ctx = Context(spec=spec, model=model, example_inputs=inputs)
-    annotated = fold_bn(trace(None, ctx), ctx)
+    annotated, _ = Pipeline([trace, fold_bn]).run(ctx)
     matches = assign_rules(annotated, list(spec.quant.rules)).won
     graphs = [annotated]
     try:  # the compiled graph too: `show` prints its node names
-        annotate(fold_bn(trace(None, ctx), ctx), ctx)
+        Pipeline([trace, fold_bn, annotate]).run(ctx)  # an unmatched rule raises here
         graphs.insert(0, qc.qcompile(model, spec, inputs))
     except QCompileError as e:  # an unmatched rule: explain the rest anyway
         note(f"note: {e.message}")
@@ -437,10 +425,37 @@ def cmd_passes(args: argparse.Namespace) -> int:
     from qcompile.graph.dump import GraphDumps
 
     out = Path(args.dump_dir)
-    gm, _, _ = compile_graph(args, instruments=(GraphDumps(out),))
+    dumps = GraphDumps(out)
+    gm, _, inputs = compile_graph(args, instruments=(dumps,))
+    if args.convert:  # calibrate (static, QAT) on random batches, then the conversion steps
+        import warnings
+
+        import torch
+
+        import qcompile as qc
+        from qcompile.runtime.calibration import collect_statistics
+
+        if qc.quantizers(gm) and qc.report(gm).mode in ("static", "qat"):
+            if inputs is None:
+                raise UsageError("passes --convert needs --input-shape (it calibrates on "
+                                 "random batches of that shape)")
+            gen = torch.Generator().manual_seed(1)
+            collect_statistics(gm, [tuple(torch.randn(x.shape, generator=gen).to(x.dtype)
+                                          if x.is_floating_point() else x for x in inputs)
+                                    for _ in range(4)], progress=False)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation.*")
+            gm = qc.convert(gm, example_inputs=inputs, instruments=(dumps,))
     files = sorted(p.name for p in out.iterdir())
     data: dict[str, Any] = {"dump_dir": str(out), "files": files}
     text = [f"wrote {len(files)} files to {out}: {', '.join(files)}"]
+    if args.convert:
+        import qcompile as qc
+
+        conversions = qc.report(gm).conversions
+        data["conversions"] = [c.model_dump() for c in conversions]
+        text += [f"converted: {len(conversions)} conversion record(s)"]
+        text += [f"  {c.node}: {c.path} {c.op}" for c in conversions]
     if args.diff:
         import qcompile as qc
 
@@ -523,6 +538,9 @@ def parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--dump-dir", required=True)
     p.add_argument("--diff", help="what one pass added and removed")
+    p.add_argument("--convert", action="store_true",
+                   help="also convert (qc.convert, after calibrating static/QAT graphs on "
+                   "random batches of --input-shape) and dump each conversion step")
     p.set_defaults(fn=cmd_passes)
     p = sub.add_parser("sqnr", parents=[common], help="per-layer SQNR, worst first")
     _model_args(p)

@@ -16,8 +16,6 @@ into every stage that uses them.
   (``qcompile.passes.partition.cuts``). A cut never separates an op from its activation quantizer
   (it goes after the quantizer) and never passes a non-tensor value between stages.
 
-Graph bookkeeping (who consumes what, in what order) uses networkx.
-
 Example:
     >>> import torch, qcompile as qc
     >>> m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
@@ -34,7 +32,6 @@ import statistics
 import time
 from typing import Any
 
-import networkx as nx
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.passes.shape_prop import TensorMetadata
@@ -97,17 +94,13 @@ class Layout:
                         if n.op not in ("placeholder", "output") and n not in self.floating]
         self.index = {n: i for i, n in enumerate(self.anchors)}
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        # consumer graph (networkx): value -> anchor/output users, floating looked through
-        self.dag = nx.DiGraph()
-        self.dag.add_nodes_from(gm.graph.nodes)
-        self.dag.add_edges_from((i, n) for n in gm.graph.nodes for i in n.all_input_nodes)
         n = len(self.anchors)
         # floating node -> positions of the anchors using it (through floating nodes only)
         self.used_at: dict[Node, set[int]] = {}
         for f in reversed(list(gm.graph.nodes)):
             if f in self.floating:
                 at: set[int] = set()
-                for u in self.dag.successors(f):
+                for u in f.users:  # fx keeps each node's consumers
                     if u in self.index:
                         at.add(self.index[u])
                     elif u in self.floating:
@@ -117,10 +110,10 @@ class Layout:
                 self.used_at[f] = at
         self.first_use = {f: min(at, default=n - 1) for f, at in self.used_at.items()}
         self.values = [v for v in (*self.placeholders, *self.anchors)
-                       if any(u not in self.floating for u in self.dag.successors(v))]
+                       if any(u not in self.floating for u in v.users)]
         self.defined = {v: self.index.get(v, -1) for v in self.values}
         self.last_use = {v: max(n if u.op == "output" else self.index[u]
-                                for u in self.dag.successors(v) if u not in self.floating)
+                                for u in v.users if u not in self.floating)
                          for v in self.values}
         self.is_tensor = {v: _is_tensor_value(v, has_shapes) for v in self.values}
 

@@ -16,6 +16,8 @@ be a ready-to-train qcompile graph:
   shapes the same way on both front ends.
 
 Module ownership comes from ``node.meta[NN_MODULE_STACK]`` (recorded by export).
+``capture`` is the front end the ``trace`` pass calls: ``export_graph`` with every failure
+turned into a ``QCompileError`` that says how to get past it.
 
 Example:
     >>> import torch
@@ -31,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 import torch
@@ -39,6 +42,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from qcompile.errors import QCompileError
+from qcompile.graph.context import Context
 from qcompile.graph.meta import NN_MODULE_STACK, TENSOR_META, VAL
 from qcompile.graph.state_layout import keep_state_layout
 from qcompile.runtime.modes import ModeAwareBatchNorm, ModeAwareSDPA
@@ -140,8 +144,6 @@ def dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict,
     """``torch.export`` dynamic_shapes from the spec's ``trace.dynamic_dims``."""
     if not dims:
         return None
-    import inspect
-
     params = list(inspect.signature(model.forward).parameters)
     given = params[:len(args)] + [k for k in kwargs]
     unknown = sorted(set(dims) - set(given))
@@ -216,3 +218,46 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict,
         if isinstance(val, torch.Tensor):
             node.meta[TENSOR_META] = _extract_tensor_metadata(val)
     return gm, notes
+
+
+def capture(ctx: Context, inputs: tuple[Any, ...] | None,
+            symbolic_error: QCompileError | None = None) -> GraphModule:
+    """``export_graph`` for the pass: ``inputs`` are the example inputs (None without any),
+    ``symbolic_error`` why symbolic tracing failed first (``trace.method: auto``). Every
+    failure becomes a ``QCompileError`` that says how to get past it with either front end;
+    the notes of the capture land in ``ctx``."""
+    earlier = f"{symbolic_error.message}\n  " if symbolic_error is not None else ""
+    if inputs is None:
+        raise QCompileError(
+            f"{earlier}the torch.export front end needs example inputs",
+            fix="pass example_inputs (and example_kwargs) to qcompile, or set trace.inputs"
+            + (f"; or for symbolic tracing: {symbolic_error.fix}" if symbolic_error else ""))
+    try:
+        gm, notes = export_graph(ctx.model, inputs, dict(ctx.example_kwargs or {}),
+                                 ctx.spec.trace.dynamic_dims, inplace=ctx.inplace)
+    except QCompileError:
+        raise
+    except Exception as e:
+        text = str(e).strip()
+        first = text.splitlines()[0] if text else ""
+        if ctx.spec.trace.dynamic_dims and ("Constraints violated" in text
+                                            or "Suggested fixes" in text):
+            hints = text.split("Suggested fixes:", 1)[1].strip() if (
+                "Suggested fixes:" in text) else ""
+            hints = " ".join(line.strip() for line in hints.splitlines()[:6] if line.strip())
+            raise QCompileError(
+                f"trace.dynamic_dims: torch.export cannot keep these dims dynamic: {first} "
+                f"{hints}".rstrip(),
+                fix="bound the dims in the spec, e.g. {1: {name: seq, max: 64}} for export's "
+                "Dim('seq', max=64), or leave them static") from e
+        fix = ("make the failing code exportable (torch.export guidance: "
+               "https://pytorch.org/docs/stable/export.html, e.g. torch.cond for data-dependent "
+               "branches, no .item() in forward), or keep the module out of the graph with "
+               "trace.leaf_modules and trace.method: symbolic")
+        if symbolic_error is not None:
+            fix = f"{symbolic_error.fix}; or {fix}"
+        raise QCompileError(f"{earlier}torch.export failed: {type(e).__name__}: {first}",
+                            fix=fix) from e
+    for note in notes:
+        ctx.note(note)
+    return gm

@@ -1,4 +1,15 @@
-"""Quantize once and share the result with every rank (``qc.distributed.compile_once``)."""
+"""Quantize once and share the result with every rank (``qc.distributed.compile_once``).
+
+Without a process group it is compile (+ calibrate, + cache) in one process.
+
+Example:
+    >>> import torch, qcompile as qc
+    >>> from qcompile.distributed.once import compile_once
+    >>> gm = compile_once(lambda: torch.nn.Linear(4, 4), "int8-static", (torch.randn(2, 4),),
+    ...                   calibration=[torch.randn(2, 4) for _ in range(2)])
+    >>> all(q.enabled and not q.observe for q in qc.quantizers(gm).values())
+    True
+"""
 
 from __future__ import annotations
 

@@ -2,6 +2,18 @@
 
 Built on ``torch.distributed.pipelining``; qcompile adds inputs by name, a batch-size check
 before any communication and summing the gradients of parameters tied across ranks.
+
+Example:
+    >>> import torch, qcompile as qc
+    >>> from qcompile.distributed.pipelining import pipeline
+    >>> spec = {"pipeline": {"stages": 2}}
+    >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    >>> gm = qc.qcompile(m, spec, example_inputs=(torch.randn(2, 4),))
+    >>> pipeline(gm, spec)  # launched without torchrun
+    Traceback (most recent call last):
+    ...
+    qcompile.errors.QCompileError: qc.distributed.pipeline needs an initialised process group
+      fix: launch with torchrun and call torch.distributed.init_process_group() first
 """
 
 from __future__ import annotations

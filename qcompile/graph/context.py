@@ -39,6 +39,7 @@ class Context:
     code_state: Any = None  # what the graph's code was last generated from (pipeline.py)
     stages: list[StageRecord] = field(default_factory=list)
     balance: str | None = None
+    conversion: Any = None  # qc.convert: the state its steps share (passes/convert)
 
     def note(self, message: str) -> None:
         """Record a note for the running pass (it lands in the Report)."""

@@ -16,10 +16,11 @@ storage (a parameter that is a view into a flat buffer, as FSDP1's ``use_orig_pa
 or contiguous-buffer optimizers make them, is filled by collectives that autograd does
 not see, so it is not cached). Nothing is cached while tracing (``torch.compile``,
 ``torch.export``, fx tracing, any active ``TorchDispatchMode`` such as FakeTensorMode or
-FlopCounterMode, ``torch.func`` transforms), nor while any module of the process is
-managed by FSDP2's ``fully_shard``: FSDP2 all-gathers each step's new values into the
-*same* unsharded ``Parameter`` objects without bumping their version counters, so
-identity and version cannot tell a stale entry there. Quantizers with
+FlopCounterMode, ``torch.func`` transforms), nor once FSDP2's ``fully_shard`` has been
+applied to a module of the process (for the rest of the process: see
+``_fully_shard_used``): FSDP2 all-gathers each step's new values into the *same*
+unsharded ``Parameter`` objects without bumping their version counters, so identity and
+version cannot tell a stale entry there. Quantizers with
 ``reuse_weight = False``, disabled ones, dynamic and per-token ones never cache.
 While ``observe`` is on, only a plain ``minmax`` observer on a fixed scale is cached
 (observing the same tensor again changes nothing, so a hit skips the observation);
@@ -32,7 +33,7 @@ offloading; see below).
 weight object (held by weak reference), its ``_version`` (bumped by every in-place
 write autograd sees), data pointer, dtype, device, shape and strides; the count of
 ``Optimizer.step()`` calls in the process (fused optimizers write parameters without
-bumping their versions; global step hooks count every optimizer's steps);
+bumping their versions; global step hooks count every optimizer's steps, see below);
 the ``scale`` / ``zero_point`` objects, versions and data pointers; the observer's
 statistics (object and version, while observing); the quantizer's configuration (dtype,
 granularity, axis, group size, range); and the cached result's own version (an in-place
@@ -45,6 +46,15 @@ into a parameter directly (``dist.broadcast(w)``, ``dist.all_reduce(w)``); call
 buffer broadcast is such a write (it preserves the version counters): harmless, as every
 rank computes the same weight qparams from the same weights and observations, but a
 scale changed on one rank only reaches the others unseen.
+
+**Optimizer hooks.** Importing this module changes nothing global. The first forward
+that uses the cache registers one global optimizer step pre-hook and one post-hook
+(``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``..._post_hook``); both
+count steps into a ``_StepCounter``, the one object owning the count and the two hook
+handles. ``step_hooks_installed()`` says whether they are registered and
+``remove_step_hooks()`` removes them (tests, or a process done training); entries key on
+the counter object itself, so entries made before the removal never match again, and
+the next forward using the cache registers a fresh counter.
 
 **Gradients.** Straight-through quantizers keep the STE mask (1 byte per element) of the
 cached computation, obtained from the quantizer's own backward (the gradient of the
@@ -85,8 +95,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 import weakref
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -95,30 +106,82 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-__all__ = ["cacheable_weight", "clear", "forward", "saved_tensor_hooks_active", "tracing"]
+__all__ = ["cacheable_weight", "clear", "forward", "remove_step_hooks",
+           "saved_tensor_hooks_active", "step_hooks_installed", "tracing"]
 
 # the attribute of the FakeQuantize instance holding its entry (a plain attribute)
 ATTR = "_weight_cache"
 
-# Optimizer steps seen in this process. Fused optimizers (``fused=True``: SGD, Adam,
-# AdamW, Adagrad) write parameters without bumping their version counters, so every
-# ``Optimizer.step()`` (any optimizer: the hooks are global) is part of the key as well.
-_STEPS = [0]
+
+class _StepCounter:
+    """Counts the ``Optimizer.step()`` calls of every optimizer of the process, and owns
+    the two global hooks doing it.
+
+    Fused optimizers (``fused=True``: SGD, Adam, AdamW, Adagrad) write parameters
+    without bumping their version counters, so the count is part of every entry's key.
+    The hooks are global because a weight does not know its optimizer. They count before
+    (a step that raises half-way) and after (ZeroRedundancyOptimizer broadcasts the
+    updated shards at the end of its step) every step.
+
+    At most one instance is current: created, and its hooks registered, by the first
+    forward that uses the cache (``get``), never at import; ``remove`` unregisters the
+    hooks and forgets it. Entries key on the instance itself, so an entry made under a
+    removed counter (whose steps are no longer counted) never matches again.
+    """
+
+    __slots__ = ("_handles", "count")
+
+    _current: ClassVar[_StepCounter | None] = None  # the only reference: get() / remove()
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._handles = (register_optimizer_step_pre_hook(self._tick),
+                         register_optimizer_step_post_hook(self._tick))
+
+    def _tick(self, *_: Any) -> None:
+        self.count += 1
+
+    @classmethod
+    def get(cls) -> _StepCounter:
+        """The current counter, created (hooks registered) on first use."""
+        counter = cls._current
+        if counter is None:
+            with cls._lock:  # two threads' first forwards register one pair of hooks
+                if cls._current is None:
+                    cls._current = cls()
+                counter = cls._current
+        return counter
+
+    @classmethod
+    def remove(cls) -> bool:
+        """Unregister the hooks and forget the counter; False when none was current."""
+        with cls._lock:
+            counter, cls._current = cls._current, None
+        if counter is None:
+            return False
+        for handle in counter._handles:
+            handle.remove()
+        return True
 
 
-def _count_step(*_: Any) -> None:
-    _STEPS[0] += 1
+def step_hooks_installed() -> bool:
+    """Whether the cache's optimizer step hooks are registered (after a forward that
+    used the cache, until ``remove_step_hooks()``)."""
+    return _StepCounter._current is not None
 
 
-# before (a step that raises half-way) and after (ZeroRedundancyOptimizer broadcasts the
-# updated shards at the end of its step) every step
-register_optimizer_step_pre_hook(_count_step)
-register_optimizer_step_post_hook(_count_step)
+def remove_step_hooks() -> bool:
+    """Unregister the cache's global optimizer step hooks (registered by the first
+    forward that uses the cache). Existing entries are invalidated; the next forward
+    that uses the cache registers them again. Returns whether hooks were registered."""
+    return _StepCounter.remove()
 
 
 def tracing() -> bool:
     """True under torch.compile / torch.export, fx tracing, an active TorchDispatchMode
     (FakeTensorMode, make_fx, FlopCounterMode, ...) or a torch.func transform."""
+    # torch has no public query for the last three; these are what torch itself reads
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return True
     if torch._C._functorch.peek_interpreter_stack() is not None:
@@ -126,14 +189,33 @@ def tracing() -> bool:
     return torch.fx._symbolic_trace.is_fx_symbolic_tracing()
 
 
-def _fully_shard_in_use() -> bool:
-    """True while any module of the process is managed by FSDP2's ``fully_shard`` (its
-    states are registered in ``torch.distributed._composable_state``)."""
-    mod = sys.modules.get("torch.distributed._composable_state")
-    if mod is None:
-        return False
-    mapping = getattr(mod, "_module_state_mapping", None)
-    return mapping is None or len(mapping) > 0  # unknown layout: assume it is in use
+def _has_module_subclass(cls: type) -> bool:
+    return any(issubclass(sub, nn.Module) or _has_module_subclass(sub)
+               for sub in type.__subclasses__(cls))
+
+
+def _fully_shard_used() -> bool:
+    """True once FSDP2's ``fully_shard`` (or ``replicate``, built on it) has been applied
+    to a module of this process.
+
+    Nothing on the tensor tells such a weight: inside the forward FSDP2 hands the module
+    plain unsharded ``nn.Parameter`` objects (not DTensors, which the exact-type check of
+    ``cacheable_weight`` refuses anyway), refilled in place by each all-gather with their
+    version counters preserved. So the check is on modules, through public API only:
+    ``fully_shard`` turns each module it manages into an instance of a new class deriving
+    from the public ``torch.distributed.fsdp.FSDPModule`` and the module's own class, so
+    an ``nn.Module`` subclass of ``FSDPModule`` exists once it has been called (torch's
+    own ``ReplicateModule`` mixin is no ``nn.Module``). ``FSDPModule`` is looked up in
+    ``sys.modules``: the runtime never imports ``torch.distributed``, and without
+    ``torch.distributed.fsdp`` imported ``fully_shard`` was never called. torch keeps
+    those classes for the life of the process and no public API lists live FSDP2
+    modules, so the answer stays True after the sharded model is gone: conservative
+    (only caching is lost), where reading torch's private per-module state registry
+    would not be.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    fsdp_module = getattr(fsdp, "FSDPModule", None)
+    return isinstance(fsdp_module, type) and _has_module_subclass(fsdp_module)
 
 
 def cacheable_weight(x: torch.Tensor) -> bool:
@@ -141,13 +223,15 @@ def cacheable_weight(x: torch.Tensor) -> bool:
     activations are never parameters) that owns its storage, and nothing is tracing."""
     if tracing():  # first: under torch.compile nothing below is traced
         return False
+    # Exactly nn.Parameter: nn.Parameter(t) of a tensor subclass (DTensor, FakeTensor,
+    # ...) is an instance of that subclass, refused here without naming (or importing) it.
     if type(x) is not nn.Parameter or x.layout != torch.strided or x.is_meta:
         return False
     if x.is_inference() or x.storage_offset() != 0:
         return False
     if x.untyped_storage().nbytes() != x.numel() * x.element_size():
         return False
-    return not _fully_shard_in_use()
+    return not _fully_shard_used()
 
 
 class _Entry:
@@ -257,7 +341,10 @@ def clear(fq: nn.Module) -> None:
 
 
 def _key(x: torch.Tensor) -> tuple:
-    return (_STEPS[0], x._version, x.data_ptr(), x.dtype, x.device, x.shape, x.stride())
+    # the counter object itself, then its count: registers the step hooks on first use
+    steps = _StepCounter.get()
+    return (steps, steps.count, x._version, x.data_ptr(), x.dtype, x.device, x.shape,
+            x.stride())
 
 
 def _qkey(fq: Any) -> tuple[tuple, tuple]:

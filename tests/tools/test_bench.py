@@ -37,3 +37,34 @@ def test_unknown_suite_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit) as info:
         main(["nope"])
     assert info.value.code == 2
+
+
+def test_format_json_parses_as_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fakequant", "--quick", "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["copy_GBps"] > 0 and data["per_tensor"]["qcompile_fwd_GBps"] > 0
+    assert "qcompile_inspect" not in data  # bench JSON is the result dict as it was
+
+
+def test_json_flag_is_format_json() -> None:
+    from qcompile.tools.bench import parser
+
+    assert parser().parse_args(["step", "--json"]).format == "json"
+    assert parser().parse_args(["step", "--format", "json"]).format == "json"
+    assert parser().parse_args(["step"]).format == "text"
+
+
+def test_text_and_json_come_from_one_sink(capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dispatch through SUITES, rendered by qcompile.tools.output (a stand-in suite, so
+    nothing is measured)."""
+    from qcompile.tools.bench import SUITES, Suite
+
+    result = {"mlp": {"qcompile_s": 0.012345, "kernels": 4, "label": "x"}, "ratio": 2.5,
+              "note": "torchao not installed"}
+    monkeypatch.setitem(SUITES, "step", Suite(lambda quick: result))
+    assert main(["step", "--quick"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "mlp: qcompile_s 0.0123, kernels 4", "ratio: 2.5", "note: torchao not installed"]
+    assert main(["step", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out) == result

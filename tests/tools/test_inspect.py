@@ -623,6 +623,33 @@ def test_explain_subprocess(work: Path) -> None:
     assert lines[2] == "  * #1 op=add,matmul,cat: matches"
 
 
+def test_explain_runs_its_passes_through_the_pipeline(capsys: pytest.CaptureFixture[str],
+                                                      work: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from qcompile.graph.pipeline import Pipeline
+
+    ran: list[list[str]] = []
+    original = Pipeline.run
+
+    def spy(self: Pipeline, *args: Any, **kwargs: Any) -> Any:
+        ran.append([p.name for p in self.passes])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Pipeline, "run", spy)
+    rc, _, err = run(capsys, "explain", "int8-static", "--model", ref(work, "net"), *NET_SHAPE)
+    assert rc == 0, err
+    assert ran[:2] == [["trace", "fold_bn"], ["trace", "fold_bn", "annotate"]]
+
+
+def test_json_goes_through_the_shared_sink(capsys: pytest.CaptureFixture[str]) -> None:
+    from qcompile.tools.output import to_json
+
+    rc, out, _ = run(capsys, "validate", "int8-qat", "--format", "json")
+    assert rc == 0
+    assert out == to_json(json.loads(out)) + "\n"  # indent 2, "qcompile_inspect" first
+    assert next(iter(json.loads(out))) == "qcompile_inspect"
+
+
 # -- passes --------------------------------------------------------------------------------
 def test_passes(capsys: pytest.CaptureFixture[str], work: Path, tmp_path: Path) -> None:
     dump = tmp_path / "dumps"
@@ -669,6 +696,43 @@ def test_passes_unknown_diff(capsys: pytest.CaptureFixture[str], work: Path,
                        *NET_SHAPE, "--dump-dir", str(tmp_path), "--diff", "nope")
     assert rc == 2 and out == ""
     assert "usage error: --diff 'nope' is not a pass" in err and "insert_quant" in err
+
+
+CONVERT_STEPS = ["collect_weights", "fold_batchnorm", "lower_activations", "sink_dequantize",
+                 "use_kernels", "store_weights", "tidy"]
+
+
+def test_passes_convert(capsys: pytest.CaptureFixture[str], work: Path, tmp_path: Path) -> None:
+    rc, out, _ = run(capsys, "passes", "int8-static", "--model", ref(work, "net"), *NET_SHAPE,
+                     "--dump-dir", str(tmp_path), "--convert", "--diff", "convert.tidy",
+                     "--format", "json")
+    assert rc == 0
+    data = json.loads(out)
+    steps = [f"{i:02d}_convert.{s}.txt" for i, s in enumerate(CONVERT_STEPS, start=5)]
+    assert data["files"] == ["01_trace.txt", "02_fold_bn.txt", "03_annotate.txt",
+                             "04_insert_quant.txt", *steps, "report.json"]
+    report = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
+    assert [p["name"] for p in report["passes"]][4:] == [f"convert.{s}" for s in CONVERT_STEPS]
+    assert data["conversions"] == report["conversions"] and data["conversions"]
+    assert data["diff"]["pass"] == "convert.tidy"
+    # text, and a pipeline-placed QAT graph: each stage's steps
+    rc, out, _ = run(capsys, "passes", str(work / "pipe.yaml"), "--model", ref(work, "mlp"),
+                     "--input-shape", "2x16", "--dump-dir", str(tmp_path / "d2"), "--convert")
+    assert rc == 0
+    assert "converted: " in out and "13_convert.stage_0.tidy.txt" in out
+    assert "20_convert.stage_1.tidy.txt" in out
+
+
+def test_passes_convert_needs_shapes_and_quantizers(capsys: pytest.CaptureFixture[str],
+                                                    work: Path, tmp_path: Path) -> None:
+    rc, out, err = run(capsys, "passes", "int8-static", "--model", ref(work, "net"),
+                       "--dump-dir", str(tmp_path / "a"), "--convert")
+    assert rc == 2 and out == "" and "--convert needs --input-shape" in err
+    (tmp_path / "float.yaml").write_text("version: 1\n", encoding="utf-8")
+    rc, out, err = run(capsys, "passes", str(tmp_path / "float.yaml"), "--model",
+                       ref(work, "net"), *NET_SHAPE, "--dump-dir", str(tmp_path / "b"),
+                       "--convert")
+    assert rc == 1 and out == "" and "no quantizers" in err
 
 
 def test_passes_subprocess(work: Path, tmp_path: Path) -> None:

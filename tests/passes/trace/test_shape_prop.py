@@ -1,18 +1,18 @@
-"""Shape propagation on symbolic graphs (``qcompile.passes.trace``): meta tensors against
-torch's own ``ShapeProp``, the fallbacks to a real run, state left alone, ``copy_model``
-against ``copy.deepcopy``, and the pipeline recompiling only changed graphs.
+"""Shape propagation on symbolic graphs (``qcompile.passes.trace.shape_prop``): meta tensors
+against torch's own ``ShapeProp``, the fallbacks to a real run, state left alone,
+``copy_model`` (``qcompile.passes.trace.model_copy``) against ``copy.deepcopy``, and the
+pipeline recompiling only changed graphs.
 
 The reference is ``torch.fx.passes.shape_prop.ShapeProp`` on a ``torch.fx.symbolic_trace``
 of an eval-mode copy of the model under ``no_grad``, the setting ``trace`` has always
 recorded shapes in (so computed values have ``requires_grad=False``; placeholders and
-parameters keep theirs). Nodes are matched by name; strides are not compared (trace.py
+parameters keep theirs). Nodes are matched by name; strides are not compared (shape_prop
 documents that meta kernels may lay some outputs out differently).
 """
 
 from __future__ import annotations
 
 import copy
-import importlib
 import warnings
 
 import pytest
@@ -27,9 +27,8 @@ from torch.nn.utils import parametrizations, parametrize
 import qcompile as qc
 from qcompile.graph.context import Context
 from qcompile.graph.pipeline import Pipeline, graph_pass
-from qcompile.passes.trace import copy_model, trace
-
-trace_module = importlib.import_module("qcompile.passes.trace")
+from qcompile.passes.trace import shape_prop, trace
+from qcompile.passes.trace.model_copy import copy_model
 
 FALLBACK = "example inputs (ran the model on them: "
 
@@ -103,7 +102,7 @@ def check_against_shapeprop(model: nn.Module, *inputs, spec: dict | None = None,
 def counted(monkeypatch):
     """Counts of memo hits (``_rebuild``) and stock fast paths taken (``_stock_output``)."""
     counts = {"memo": 0, "stock": 0}
-    rebuild, stock = trace_module._rebuild, trace_module._stock_output
+    rebuild, stock = shape_prop._rebuild, shape_prop._stock_output
 
     def counting_rebuild(template):
         counts["memo"] += 1
@@ -114,8 +113,8 @@ def counted(monkeypatch):
         counts["stock"] += out is not None
         return out
 
-    monkeypatch.setattr(trace_module, "_rebuild", counting_rebuild)
-    monkeypatch.setattr(trace_module, "_stock_output", counting_stock)
+    monkeypatch.setattr(shape_prop, "_rebuild", counting_rebuild)
+    monkeypatch.setattr(shape_prop, "_stock_output", counting_stock)
     return counts
 
 

@@ -355,3 +355,15 @@ def test_user_model_unchanged_by_trace():
     assert not params & {id(p) for p in gm.parameters()}
     assert gm.training is True
     assert gm.get_submodule("bn").training and not gm.get_submodule("frozen").training
+
+
+def test_package_keeps_its_import_paths() -> None:
+    """Importers of ``qcompile.passes.trace`` (partition's ``example_args``, ``copy_model``)
+    keep working now that the package is split by concern."""
+    import qcompile.passes.trace as package
+    from qcompile.passes.trace import capture_export, capture_symbolic, model_copy, shape_prop
+
+    assert package.copy_model is model_copy.copy_model
+    assert callable(package.example_args) and callable(package.trace)
+    for module in (capture_export, capture_symbolic, model_copy, shape_prop):
+        assert module.__name__.startswith("qcompile.passes.trace."), module

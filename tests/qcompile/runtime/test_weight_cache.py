@@ -8,11 +8,15 @@ import copy
 import gc
 import io
 import pickle
+import subprocess
+import sys
+import textwrap
 import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.optim.optimizer as optim_mod
 from torch import nn
 
 import qcompile as qc
@@ -509,42 +513,135 @@ def test_dispatch_modes_bypass_the_cache(calls: list[int]) -> None:
     assert calls[0] == 2
 
 
-def _fsdp2_matches_unsharded() -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
-    ref = qc.qcompile(mlp(), "int8-qat", (x,))
-    for q in qc.quantizers(ref).values():
-        q.reuse_weight = False
-    sharded = fully_shard(qc.qcompile(mlp(), "int8-qat", (x,)))
-    assert weight_cache._fully_shard_in_use()
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, sharded)]
-    for _ in range(3):
-        outs = []
-        for m, opt in zip((ref, sharded), opts):
-            opt.zero_grad()
-            for i in range(2):
-                out = m(x[4 * i:4 * i + 4])
-                out.square().mean().backward()
-            outs.append(out.detach())
-            opt.step()
-        assert torch.equal(outs[0], outs[1])
-    assert all(q.__dict__.get(weight_cache.ATTR) is None
-               for q in qc.quantizers(sharded).values())
+def run_python(code: str, timeout: float = 300) -> str:
+    """Run ``code`` in a fresh interpreter (nothing imported or registered yet)."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
 
 
-def test_fsdp2_bypasses_the_cache(tmp_path) -> None:
+def test_fsdp2_bypasses_the_cache() -> None:
     """FSDP2 all-gathers each step's values into the same unsharded Parameter objects
-    without bumping their versions: the cache must stay off while fully_shard is in use."""
+    without bumping their versions: the cache must stay off once fully_shard is in use
+    (for the rest of the process, so in a process of its own)."""
     import torch.distributed as dist
 
-    if not dist.is_available() or dist.is_initialized():
-        pytest.skip("needs torch.distributed and no process group yet")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
-                            rank=0, world_size=1)
-    try:
-        _fsdp2_matches_unsharded()
-    finally:
+    if not dist.is_available():
+        pytest.skip("needs torch.distributed")
+    out = run_python("""
+        import tempfile
+        import torch, torch.distributed as dist
+        from torch import nn
+        import qcompile as qc
+        from qcompile.runtime import weight_cache
+
+        dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1),
+                                rank=0, world_size=1)
+        import torch.distributed.fsdp  # imported alone: nothing sharded yet
+        from torch.distributed.fsdp import fully_shard
+
+        def mlp():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+        ref = qc.qcompile(mlp(), "int8-qat", (x,))
+        for q in qc.quantizers(ref).values():
+            q.reuse_weight = False
+        sharded = qc.qcompile(mlp(), "int8-qat", (x,))
+        assert not weight_cache._fully_shard_used()
+        sharded = fully_shard(sharded)
+        assert weight_cache._fully_shard_used()
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, sharded)]
+        for _ in range(3):
+            outs = []
+            for m, opt in zip((ref, sharded), opts):
+                opt.zero_grad()
+                for i in range(2):
+                    out = m(x[4 * i:4 * i + 4])
+                    out.square().mean().backward()
+                outs.append(out.detach())
+                opt.step()
+            assert torch.equal(outs[0], outs[1])
+        assert all(q.__dict__.get(weight_cache.ATTR) is None
+                   for q in qc.quantizers(sharded).values())
         dist.destroy_process_group()
-    gc.collect()
-    assert not weight_cache._fully_shard_in_use()  # the bypass ends with the FSDP2 model
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
+
+
+# -- optimizer hooks: registered by the first forward using the cache, removable ----------------
+def _hook_counts() -> tuple[int, int]:
+    return (len(optim_mod._global_optimizer_pre_hooks),
+            len(optim_mod._global_optimizer_post_hooks))
+
+
+def test_import_registers_no_optimizer_hooks_first_forward_does() -> None:
+    out = run_python("""
+        import torch, torch.optim.optimizer as o
+
+        def counts():
+            return len(o._global_optimizer_pre_hooks), len(o._global_optimizer_post_hooks)
+
+        before = counts()
+        import qcompile as qc, qcompile.runtime.weight_cache, qcompile.runtime.fake_quant
+        import qcompile.distributed, qcompile.runtime
+        from qcompile.runtime import weight_cache as wc
+        assert counts() == before and not wc.step_hooks_installed(), counts()
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 16))
+        x = torch.randn(4, 32)
+        gm = qc.qcompile(model, "int8-qat", (x,))
+        print("after compile", counts() != before)
+        gm(x)                                  # a cacheable forward of a QAT graph
+        gm(x)
+        assert counts() == (before[0] + 1, before[1] + 1) and wc.step_hooks_installed()
+        opt = torch.optim.SGD(gm.parameters(), lr=0.1, fused=True)
+        gm(x).sum().backward()
+        opt.step()
+        assert counts() == (before[0] + 1, before[1] + 1)
+        assert wc.remove_step_hooks() and counts() == before and not wc.step_hooks_installed()
+        assert not wc.remove_step_hooks()
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
+
+
+def test_remove_step_hooks_invalidates_and_the_next_forward_registers_again(
+        calls: list[int]) -> None:
+    lin = nn.Linear(64, 32)
+    fq = make_fq()
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5, fused=True)  # no version bumps
+    weight_cache.remove_step_hooks()
+    base = _hook_counts()
+    with torch.no_grad():
+        fq(lin.weight)
+    assert weight_cache.step_hooks_installed()
+    assert _hook_counts() == (base[0] + 1, base[1] + 1)
+    with torch.no_grad():
+        fq(lin.weight)  # one pair of hooks, however many forwards
+    assert _hook_counts() == (base[0] + 1, base[1] + 1)
+    assert weight_cache.remove_step_hooks()
+    assert _hook_counts() == base and not weight_cache.step_hooks_installed()
+    version = lin.weight._version
+    lin.weight.grad = torch.ones_like(lin.weight)
+    opt.step()  # counted by nobody, and the weight's version is unchanged
+    assert lin.weight._version == version
+    calls[0] = 0
+    with torch.no_grad():
+        out = fq(lin.weight)  # an entry of the removed counter: recomputed
+    assert calls[0] == 1
+    assert torch.equal(out, uncached(fq, lin.weight))
+    assert _hook_counts() == (base[0] + 1, base[1] + 1)
+    lin.weight.grad = torch.ones_like(lin.weight)
+    opt.step()  # counted again
+    calls[0] = 0
+    with torch.no_grad():
+        out = fq(lin.weight)
+        fq(lin.weight)
+    assert calls[0] == 1
+    assert torch.equal(out, uncached(fq, lin.weight))

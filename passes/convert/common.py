@@ -1,0 +1,190 @@
+"""What the conversion steps share: weights as integers (``IntTensor``), the state of one
+conversion (``Conversion``, held by ``ctx.conversion``), and small node helpers.
+
+A ``Conversion`` is made by the first step (``collect_weights``) and read by the others,
+so it lives as long as the ``Context`` of one graph's conversion: there is no module-level
+state.
+
+Example:
+    >>> import torch
+    >>> from qcompile.runtime.fake_quant import FakeQuantize
+    >>> fq = FakeQuantize("int4", symmetric=True)
+    >>> fq.scale.fill_(0.5)
+    tensor([0.5000])
+    >>> t = integers(fq, torch.tensor([[-1.0, 0.2, 0.8, 9.0]]))
+    >>> t.q.tolist(), t.bits, qint8(t).int_repr().tolist()
+    ([[-2, 0, 2, 7]], 4, [[-2, 0, 2, 7]])
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.ao.nn.intrinsic.quantized as nniq
+import torch.ao.nn.quantized as nnq
+import torch.nn.functional as F
+from torch import nn
+from torch.fx import GraphModule, Node
+
+from qcompile.errors import QCompileError
+from qcompile.graph.context import Context
+from qcompile.graph.matching import layer_of, op_name
+from qcompile.graph.records import ConversionRecord
+from qcompile.runtime.fake_quant import FakeQuantize
+from qcompile.specs.quant import FP8_MAX
+
+aten = torch.ops.aten
+LINEAR = frozenset({F.linear, aten.linear.default})
+CONV = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3, torch.conv1d: 1, torch.conv2d: 2,
+        torch.conv3d: 3, aten.conv1d.default: 1, aten.conv2d.default: 2,
+        aten.conv3d.default: 3}
+QCONV = {1: (nnq.Conv1d, nniq.ConvReLU1d), 2: (nnq.Conv2d, nniq.ConvReLU2d),
+         3: (nnq.Conv3d, nniq.ConvReLU3d)}
+ADD = frozenset({operator.add, torch.add, aten.add.Tensor})
+
+
+@dataclass(frozen=True)
+class IntTensor:
+    """A weight as integers with its qparams (the fake-quant's exact grid)."""
+
+    q: torch.Tensor  # int32, the weight's shape
+    scale: torch.Tensor  # float32, 1-D
+    zero_point: torch.Tensor  # int32, 1-D
+    axis: int | None
+    group_size: int | None
+    quant_min: int
+    quant_max: int
+
+    @property
+    def bits(self) -> int:
+        return max(1, math.ceil(math.log2(self.quant_max - self.quant_min + 1)))
+
+
+def integers(fq: FakeQuantize, w: torch.Tensor) -> IntTensor:
+    """``w`` on ``fq``'s grid: ``clamp(round(w / scale) + zp)``, as its forward computes."""
+    x = w.detach().float()
+    scale, zp = fq.scale.detach().float(), fq.zero_point.detach()
+    if fq.group_size is not None:
+        xs = x.reshape(x.shape[0], -1, fq.group_size)
+        s, z = scale.view(x.shape[0], -1, 1), zp.view(x.shape[0], -1, 1)
+    elif fq.axis is not None:
+        view = [1] * x.dim()
+        view[fq.axis] = -1
+        xs, s, z = x, scale.view(view), zp.view(view)
+    else:
+        xs, s, z = x, scale, zp
+    q = torch.clamp(torch.round(xs / s) + z, fq.quant_min, fq.quant_max)
+    return IntTensor(q.to(torch.int32).reshape(x.shape), scale.clone(), zp.to(torch.int32),
+                     fq.axis % x.dim() if fq.axis is not None else None, fq.group_size,
+                     fq.quant_min, fq.quant_max)
+
+
+def qint8(t: IntTensor) -> torch.Tensor | None:
+    """The weight as a ``qint8`` tensor for torch's kernels, or None when it does not fit
+    (more than 8 bits, asymmetric, per-group, channel axis other than 0)."""
+    if t.group_size is not None or (t.axis not in (None, 0)) or t.quant_max - t.quant_min > 255:
+        return None
+    shift = 128 if t.quant_min >= 0 else 0  # uint8 grid -> int8 grid, same values
+    q, zp = t.q - shift, t.zero_point - shift
+    if bool((zp != 0).any()) or int(q.min()) < -128 or int(q.max()) > 127:
+        return None
+    if t.axis is None:
+        return torch._make_per_tensor_quantized_tensor(q.to(torch.int8), float(t.scale[0]), 0)
+    return torch._make_per_channel_quantized_tensor(
+        q.to(torch.int8), t.scale.double(), zp.long(), 0)
+
+
+def act_qparams(fq: Any) -> tuple[float, int] | None:
+    """(scale, zero point on the uint8 grid) for an 8-bit per-tensor static quantizer."""
+    if (not isinstance(fq, FakeQuantize) or fq.dynamic or not fq.enabled
+            or fq.granularity != "per_tensor" or fq.dtype in FP8_MAX
+            or fq.quant_max - fq.quant_min != 255):
+        return None
+    return float(fq.scale.detach()[0]), int(fq.zero_point[0]) - fq.quant_min
+
+
+def module_at(gm: GraphModule, node: Node) -> nn.Module | None:
+    """The module a ``call_module`` node calls, else None."""
+    return gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+
+
+def arg(node: Node, index: int, name: str, default: Any) -> Any:
+    """Argument ``index`` of a call, or its keyword ``name``, or ``default``."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def only_user(node: Node) -> Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def is_relu(gm: GraphModule, node: Node | None) -> bool:
+    if node is None:
+        return False
+    if node.op == "call_module":
+        return type(module_at(gm, node)) is nn.ReLU
+    return node.op in ("call_function", "call_method") and op_name(node) == "relu"
+
+
+def attr_value(gm: GraphModule, node: Any) -> torch.Tensor | None:
+    """The tensor a ``get_attr`` node reads, else None."""
+    if not isinstance(node, Node) or node.op != "get_attr":
+        return None
+    parent, _, leaf = str(node.target).rpartition(".")
+    return getattr(gm.get_submodule(parent) if parent else gm, leaf)
+
+
+def where(node: Node) -> str:
+    """The layer a node belongs to: its module (either front end), else the node."""
+    return layer_of(node) or node.name
+
+
+@dataclass
+class Conversion:
+    """The state the steps of one graph's conversion share (``ctx.conversion``)."""
+
+    # weight quantizer node -> its integers (collected once, BatchNorm folds rewrite them)
+    weights: dict[Node, IntTensor] = field(default_factory=dict)
+    # op -> the bias replacing its own (a folded BatchNorm's)
+    bias: dict[Node, torch.Tensor | None] = field(default_factory=dict)
+    # (node, layer, path, op, note); names are read at the end, after renaming
+    steps: list[tuple[Node, str, str, str, str]] = field(default_factory=list)
+    count: int = 0  # modules and buffers added: `_qc_<count>_<layer>`
+
+    def record(self, node: Node, path: str, op: str, note: str = "",
+               layer: str | None = None) -> None:
+        self.steps.append((node, layer or where(node), path, op, note))
+
+    def _name(self, base: str) -> str:
+        self.count += 1
+        return f"_qc_{self.count}_{base.replace('.', '_')}"
+
+    def add_module(self, gm: GraphModule, base: str, module: nn.Module) -> str:
+        name = self._name(base)
+        gm.add_submodule(name, module)
+        return name
+
+    def add_buffer(self, gm: GraphModule, base: str, value: torch.Tensor) -> str:
+        name = self._name(base)
+        gm.register_buffer(name, value)
+        return name
+
+    def records(self) -> list[ConversionRecord]:
+        """What became what, under the nodes' final names. A quantize node a kernel
+        absorbed is not in the result (a fold's conv is: it became a kernel)."""
+        return [ConversionRecord(node=node.name, module=layer, path=path, op=op, note=note)
+                for node, layer, path, op, note in self.steps
+                if not node._erased or path == "fold"]
+
+
+def state(ctx: Context) -> Conversion:
+    """``ctx.conversion``; the ``Pipeline`` puts ``collect_weights`` first, which makes it."""
+    if not isinstance(ctx.conversion, Conversion):
+        raise QCompileError("a conversion step ran without collect_weights before it",
+                            fix="run the steps through qcompile.passes.convert's pipeline")
+    return ctx.conversion

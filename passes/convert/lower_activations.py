@@ -1,0 +1,72 @@
+"""``lower_activations``: activation quantizers -> ``quantize_per_tensor`` -> ``dequantize``.
+
+An 8-bit per-tensor static activation quantizer on a float32 value becomes a real
+``quint8`` tensor and its dequantization, so what is not a kernel reads the same numbers
+as the fake-quant graph (``use_kernels`` later takes the quantized tensors directly).
+Other activation quantizers (per-token, fp8, not 8-bit) stay ``FakeQuantize`` with their
+observers frozen: simulated, with a record saying so. A switched-off quantizer is
+removed (its value passes as is); dynamic quantizers are left to ``use_kernels``.
+
+Example:
+    >>> import torch, qcompile as qc
+    >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    >>> gm = qc.qcompile(m, "int8-static", example_inputs=(torch.randn(2, 8),))
+    >>> gm = qc.calibrate(gm, [(torch.randn(16, 8),) for _ in range(2)], progress=False)
+    >>> step = next(p for p in qc.report(qc.convert(gm)).passes
+    ...             if p.name == "convert.lower_activations")
+    >>> step.notes
+    ['2 activation quantizer(s) -> quantize_per_tensor / dequantize']
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule
+
+from qcompile.graph.context import Context
+from qcompile.graph.meta import DQ_KEY, QPARAMS_KEY, TENSOR_META
+from qcompile.graph.pipeline import graph_pass
+from qcompile.passes.convert.common import act_qparams, module_at, state
+from qcompile.runtime.fake_quant import FakeQuantize
+
+
+@graph_pass(requires=("integer_weights",), provides=("quantized_activations",))
+def lower_activations(gm: GraphModule, ctx: Context) -> GraphModule:
+    conv = state(ctx)
+    g = gm.graph
+    lowered = simulated = 0
+    for node in list(g.nodes):
+        fq = module_at(gm, node)
+        if not isinstance(fq, FakeQuantize) or node in conv.weights:
+            continue
+        if not fq.enabled and not fq.dynamic:  # switched off: the value passes as is
+            node.replace_all_uses_with(node.args[0])
+            g.erase_node(node)
+            continue
+        qp = act_qparams(fq)
+        tm = node.meta.get(TENSOR_META)
+        if qp is None or (tm is not None and getattr(tm, "dtype", None) != torch.float32):
+            if not fq.dynamic:
+                fq.observe = False
+                simulated += 1
+                conv.record(node, "fake_quant", "FakeQuantize",
+                            f"{fq.dtype} {fq.granularity}: no integer tensor type for it; "
+                            "stays simulated", layer=str(node.target))
+            continue
+        with g.inserting_after(node):
+            q = g.call_function(torch.quantize_per_tensor,
+                                (node.args[0], qp[0], qp[1], torch.quint8))
+        with g.inserting_after(q):
+            dq = g.call_method("dequantize", (q,))
+        q.meta[QPARAMS_KEY] = qp
+        dq.meta[DQ_KEY] = True
+        dq.meta[TENSOR_META] = node.meta.get(TENSOR_META)
+        node.replace_all_uses_with(dq)
+        g.erase_node(node)
+        lowered += 1
+        conv.record(q, "quantize", "quantize_per_tensor",
+                    f"scale={qp[0]:.6g} zero_point={qp[1]} (quint8)", layer=str(node.target))
+    ctx.note(f"{lowered} activation quantizer(s) -> quantize_per_tensor / dequantize")
+    if simulated:
+        ctx.note(f"{simulated} activation quantizer(s) stay simulated (FakeQuantize)")
+    return gm

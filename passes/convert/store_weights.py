@@ -1,0 +1,90 @@
+"""``store_weights``: every weight no kernel took is stored as integers (``IntWeight``).
+
+int4 is packed two per byte, int8 and int16 as they are; per-group scales of 4-bit
+weights are stored as float16 when they fit. The ``IntWeight`` module returns the
+dequantized weight to the float op (embedding, matmul, an op without a quantized input,
+a weight no kernel takes) and the float parameter leaves the state dict (``tidy``). An op
+whose BatchNorm was folded reads the folded bias from a new buffer.
+
+Example:
+    >>> import torch, qcompile as qc
+    >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    >>> gm = qc.qcompile(m, "w8-weight-only", example_inputs=(torch.randn(2, 8),))
+    >>> int8 = qc.convert(gm)
+    >>> [(c.module, c.op) for c in qc.report(int8).conversions]
+    [('0.weight', 'int8 weight'), ('2.weight', 'int8 weight')]
+    >>> sorted(k for k in int8.state_dict() if k.startswith("0."))  # no float weight
+    ['0.bias', '0.weight.packed', '0.weight.scale', '0.weight.zero_point']
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule
+
+from qcompile.graph.context import Context
+from qcompile.graph.meta import FINAL_NAME_KEY
+from qcompile.graph.pipeline import graph_pass
+from qcompile.passes.convert.common import (
+    CONV,
+    LINEAR,
+    attr_value,
+    module_at,
+    qint8,
+    state,
+    where,
+)
+from qcompile.runtime.quantized import IntWeight
+
+
+def _fits_fp16(scale: torch.Tensor) -> bool:
+    """float16 keeps ~3 significant digits for normal values (6.1e-5 .. 65504)."""
+    return bool(((scale >= 6.2e-5) & (scale <= 65504)).all())
+
+
+@graph_pass(requires=("kernels",), provides=("int_storage",))
+def store_weights(gm: GraphModule, ctx: Context) -> GraphModule:
+    conv = state(ctx)
+    g = gm.graph
+    stored = 0
+    for w_node, t in conv.weights.items():
+        if w_node._erased or not w_node.users:
+            continue  # consumed by a kernel (the node was erased with it)
+        users = list(w_node.users)
+        fq = module_at(gm, w_node)
+        param_name = str(w_node.args[0].target)
+        param = attr_value(gm, w_node.args[0])
+        bits = t.bits
+        scale = t.scale
+        note = ""
+        if t.group_size is not None and bits <= 4 and _fits_fp16(scale):
+            # 4-bit groups of 32: fp32 scales alone would be 25% of the int4 payload
+            scale = scale.half()
+            note = "per-group scales stored as float16"
+        elif qint8(t) is None and any(u.target in LINEAR or u.target in CONV for u in users):
+            note = f"{fq.dtype} {fq.granularity}: no integer kernel for this weight"
+        module = IntWeight(t.q.to(torch.int16 if bits > 8 else torch.int8), scale,
+                           t.zero_point, axis=t.axis, group_size=t.group_size,
+                           bits=4 if bits <= 4 else 8 if bits <= 8 else 16,
+                           dtype=param.dtype)
+        name = conv.add_module(gm, param_name, module)
+        with g.inserting_before(w_node):
+            new = g.call_module(name, ())
+        new.meta[FINAL_NAME_KEY] = param_name
+        w_node.replace_all_uses_with(new)
+        g.erase_node(w_node)
+        stored += 1
+        conv.record(new, "int_storage", f"int{module.bits} weight",
+                    note or "dequantized for the float op", layer=param_name)
+        for user in users:  # a folded BatchNorm's bias replaces the op's own
+            if user in conv.bias:
+                b = conv.add_buffer(gm, f"{where(user)}.bias", conv.bias[user])
+                with g.inserting_before(user):
+                    b_node = g.get_attr(b)
+                args = list(user.args)
+                while len(args) < 3:
+                    args.append(None)
+                args[2] = b_node
+                user.args = tuple(args)
+    ctx.note(f"{stored} weight(s) stored as integers")
+    return gm

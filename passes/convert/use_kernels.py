@@ -1,0 +1,178 @@
+"""``use_kernels``: linear / conv / add between quantized tensors become integer kernels.
+
+Kernels are ``torch.ops.quantized`` through torch's own modules, on the current
+``torch.backends.quantized.engine`` (x86/fbgemm, onednn, qnnpack), and run on CPU only:
+
+- ``linear`` / ``conv1-3d`` (+ ReLU) whose input is a ``dequantize`` (an 8-bit per-tensor
+  activation, ``lower_activations``), whose weight fits ``qint8`` (symmetric, per-tensor
+  or per-channel on axis 0) and whose output (or the following ReLU) goes into a
+  ``quantize_per_tensor`` become ``nnq.Linear`` / ``nniq.LinearReLU`` / ``nnq.Conv2d`` /
+  ... reading and writing ``quint8`` tensors; a folded BatchNorm's bias replaces the op's.
+- ``add`` (+ ReLU) between two such tensors becomes ``quantized::add`` (``add_relu``).
+- Dynamic graphs: ``linear`` whose input has an 8-bit per-tensor asymmetric dynamic
+  quantizer becomes ``quantized::linear_dynamic`` (``DynamicLinear``).
+
+A kernel module is added as ``_qc_<k>_<layer>``; ``tidy`` gives it its layer's name.
+
+Example:
+    >>> import torch, qcompile as qc
+    >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8),
+    ...                         torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    >>> gm = qc.qcompile(m, "int8-static", example_inputs=(torch.randn(2, 8),))
+    >>> gm = qc.calibrate(gm, [(torch.randn(16, 8),) for _ in range(2)], progress=False)
+    >>> int8 = qc.convert(gm)
+    >>> [c.op for c in qc.report(int8).conversions if c.path == "kernel"]
+    ['quantized::linear_relu', 'quantized::linear']
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.ao.nn.intrinsic.quantized as nniq
+import torch.ao.nn.quantized as nnq
+from torch.fx import GraphModule, Node
+
+from qcompile.graph.context import Context
+from qcompile.graph.meta import DQ_KEY, FINAL_NAME_KEY, MODULE_KEY, QPARAMS_KEY
+from qcompile.graph.pipeline import graph_pass
+from qcompile.passes.convert.common import (
+    ADD,
+    CONV,
+    LINEAR,
+    QCONV,
+    Conversion,
+    arg,
+    attr_value,
+    is_relu,
+    module_at,
+    only_user,
+    qint8,
+    state,
+    where,
+)
+from qcompile.runtime.fake_quant import FakeQuantize
+from qcompile.runtime.quantized import DynamicLinear
+
+
+def _quantized_output(gm: GraphModule, node: Node) -> tuple[Node, bool, Node | None]:
+    """(the quantize node consuming ``node``'s value, whether a ReLU sits between, the ReLU
+    node) or (node, False, None) when the value is not quantized."""
+    user = only_user(node)
+    relu = None
+    if is_relu(gm, user):
+        relu, user = user, only_user(user)
+    if user is not None and user.target is torch.quantize_per_tensor:
+        return user, relu is not None, relu
+    return node, False, None
+
+
+def _replace_chain(gm: GraphModule, op: Node, out_q: Node, relu: Node | None,
+                   new: Node) -> None:
+    out_q.replace_all_uses_with(new)
+    for n in (out_q, relu, op):
+        if n is not None:
+            gm.graph.erase_node(n)
+
+
+def _static_kernel(gm: GraphModule, conv: Conversion, node: Node) -> bool:
+    x, w_node = node.args[0], node.args[1] if len(node.args) > 1 else None
+    if not (isinstance(x, Node) and x.meta.get(DQ_KEY)) or w_node not in conv.weights:
+        return False
+    out_q, has_relu, relu = _quantized_output(gm, node)
+    if out_q is node:
+        return False
+    qweight = qint8(conv.weights[w_node])
+    if qweight is None:
+        return False
+    bias = conv.bias.get(node, attr_value(gm, arg(node, 2, "bias", None)))
+    bias = None if bias is None else bias.detach().float()
+    scale, zp = out_q.meta[QPARAMS_KEY]
+    shape = tuple(qweight.shape)
+    if node.target in LINEAR:
+        module = (nniq.LinearReLU(shape[1], shape[0], bias=bias is not None) if has_relu
+                  else nnq.Linear(shape[1], shape[0], bias_=bias is not None))
+    else:
+        dims = CONV[node.target]
+        padding = arg(node, 4, "padding", 0)
+        if isinstance(padding, str):
+            if padding != "valid":
+                return False
+            padding = 0
+        cls = QCONV[dims][1 if has_relu else 0]
+        groups = arg(node, 6, "groups", 1)
+        module = cls(shape[1] * groups, shape[0], shape[2:], stride=arg(node, 3, "stride", 1),
+                     padding=padding, dilation=arg(node, 5, "dilation", 1), groups=groups,
+                     bias=bias is not None)
+    module.set_weight_bias(qweight, bias)
+    module.scale, module.zero_point = scale, zp
+    name = conv.add_module(gm, where(node), module)
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_module(name, (x.args[0],))
+    new.meta[MODULE_KEY] = new.meta[FINAL_NAME_KEY] = where(node)
+    _replace_chain(gm, node, out_q, relu, new)
+    op = f"quantized::{'linear' if node.target in LINEAR else 'conv'}" + (
+        "_relu" if has_relu else "")
+    conv.record(new, "kernel", op,
+                f"{torch.backends.quantized.engine} engine, weight {tuple(shape)} int8")
+    return True
+
+
+def _dynamic_kernel(gm: GraphModule, conv: Conversion, node: Node) -> bool:
+    x, w_node = node.args[0], node.args[1] if len(node.args) > 1 else None
+    if node.target not in LINEAR or w_node not in conv.weights:
+        return False
+    fq = module_at(gm, x) if isinstance(x, Node) else None
+    if not (isinstance(fq, FakeQuantize) and fq.dynamic and fq.enabled
+            and fq.granularity == "per_tensor" and not fq.symmetric
+            and fq.quant_min == 0 and fq.quant_max == 255):
+        return False
+    qweight = qint8(conv.weights[w_node])
+    if qweight is None:
+        return False
+    bias = attr_value(gm, arg(node, 2, "bias", None))
+    module = DynamicLinear(qweight.shape[1], qweight.shape[0], bias_=bias is not None)
+    module.set_weight_bias(qweight, None if bias is None else bias.detach().float())
+    name = conv.add_module(gm, where(node), module)
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_module(name, (x.args[0],))
+    new.meta[MODULE_KEY] = new.meta[FINAL_NAME_KEY] = where(node)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    conv.record(new, "dynamic_kernel", "quantized::linear_dynamic",
+                f"weight {tuple(qweight.shape)} int8")
+    return True
+
+
+def _add_kernel(gm: GraphModule, conv: Conversion, node: Node) -> bool:
+    args = [a for a in node.args if isinstance(a, Node)]
+    if (len(node.args) != 2 or len(args) != 2 or node.kwargs
+            or not all(a.meta.get(DQ_KEY) for a in args)):
+        return False
+    out_q, has_relu, relu = _quantized_output(gm, node)
+    if out_q is node:
+        return False
+    scale, zp = out_q.meta[QPARAMS_KEY]
+    fn = torch.ops.quantized.add_relu if has_relu else torch.ops.quantized.add
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(fn, (args[0].args[0], args[1].args[0], scale, zp))
+    _replace_chain(gm, node, out_q, relu, new)
+    conv.record(new, "kernel", f"quantized::add{'_relu' if has_relu else ''}")
+    return True
+
+
+@graph_pass(requires=("batchnorm_folded", "dequantize_sunk"), provides=("kernels",))
+def use_kernels(gm: GraphModule, ctx: Context) -> GraphModule:
+    conv = state(ctx)
+    if not all(t.device.type == "cpu" for t in gm.parameters()):
+        ctx.note("parameters not on the CPU: no integer kernels (they run on CPU only)")
+        return gm
+    used = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in LINEAR or node.target in CONV:
+            used += _static_kernel(gm, conv, node) or _dynamic_kernel(gm, conv, node)
+        elif node.target in ADD:
+            used += _add_kernel(gm, conv, node)
+    ctx.note(f"{used} integer kernel(s), {torch.backends.quantized.engine} engine")
+    return gm

@@ -1,0 +1,97 @@
+"""The symbolic front end: torch.fx symbolic tracing with the spec's leaf modules and
+concrete arguments (``spec.trace``), on a copy of the model (the model itself with
+``inplace``).
+
+When tracing fails, ``TraceFailure`` names the innermost module being traced and the
+spec field that would get past it; ``trace.method: auto`` then tries torch.export.
+
+Example:
+    >>> import torch
+    >>> from qcompile.graph.context import Context
+    >>> from qcompile.passes.trace import capture_symbolic
+    >>> from qcompile.specs import CompileSpec
+    >>> class Gate(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return x if x.sum() > 0 else -x  # branches on a value: not traceable
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), Gate())
+    >>> try:
+    ...     capture_symbolic.capture(Context(spec=CompileSpec(), model=model))
+    ... except capture_symbolic.TraceFailure as e:
+    ...     print(e.message.split(":")[0])
+    symbolic tracing failed in module '1' (Gate)
+    >>> spec = CompileSpec.model_validate({"trace": {"leaf_modules": ["Gate"]}})
+    >>> gm = capture_symbolic.capture(Context(spec=spec, model=model))
+    >>> [(n.op, n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    [('call_module', '0'), ('call_module', '1')]
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+from torch.fx import GraphModule, Tracer
+
+from qcompile.errors import QCompileError
+from qcompile.graph.context import Context
+from qcompile.graph.state_layout import keep_state_layout
+from qcompile.passes.trace.model_copy import copy_model
+
+
+class _Tracer(Tracer):
+    """symbolic tracing with spec-given leaf modules; remembers which module it was in
+    when tracing fails, so the error can name it."""
+
+    def __init__(self, leaf_patterns: list[str]) -> None:
+        super().__init__()
+        self.leaf_patterns = leaf_patterns
+        self.used_patterns: set[str] = set()
+        self.path: list[tuple[str, str]] = []
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if not self.leaf_patterns:
+            return super().is_leaf_module(m, module_qualified_name)
+        cls = type(m)
+        names = (cls.__name__, f"{cls.__module__}.{cls.__qualname__}", module_qualified_name)
+        hits = [p for p in self.leaf_patterns if any(fnmatch.fnmatchcase(v, p) for v in names)]
+        if hits:
+            self.used_patterns.update(hits)
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m, forward, args, kwargs):  # type: ignore[override]
+        self.path.append((self.path_of_module(m), type(m).__name__))
+        out = super().call_module(m, forward, args, kwargs)
+        self.path.pop()  # left in place when tracing raises: the innermost module failed
+        return out
+
+
+class TraceFailure(QCompileError):
+    """Symbolic tracing could not capture the model (``auto`` then tries torch.export)."""
+
+
+def capture(ctx: Context) -> GraphModule:
+    """torch.fx symbolic tracing; raises ``TraceFailure`` when the model cannot be traced."""
+    model = ctx.model
+    root = model if ctx.inplace else copy_model(model)
+    tracer = _Tracer(list(ctx.spec.trace.leaf_modules))
+    concrete = dict(ctx.spec.trace.concrete_args) or None
+    try:
+        graph = tracer.trace(root, concrete_args=concrete)
+    except Exception as e:
+        if tracer.path:
+            name, cls = tracer.path[-1]
+            where = f"module {name!r} ({cls})"
+            fix = (f"add it to trace.leaf_modules (e.g. leaf_modules: [{cls}]) so it stays one "
+                   "node, or pass concrete_args for arguments used in Python control flow")
+        else:
+            where = f"the forward of {type(model).__name__}"
+            fix = ("pass concrete_args for arguments used in Python control flow, or move the "
+                   "control flow into a submodule listed in trace.leaf_modules")
+        raise TraceFailure(f"symbolic tracing failed in {where}: {type(e).__name__}: {e}",
+                           fix=fix) from e
+    for p in sorted(set(ctx.spec.trace.leaf_modules) - tracer.used_patterns):
+        ctx.note(f"trace.leaf_modules entry {p!r} matched no module")
+    gm = GraphModule(tracer.root, graph, type(model).__name__)
+    keep_state_layout(gm, tracer.root)
+    return gm

@@ -1,0 +1,75 @@
+"""``qcompile-bench``: side-by-side measurements, medians and ratios in one run.
+
+Subcommands:
+
+- ``pipeline``: partitioning time on a ~10,000-node graph, bytes crossing each cut with
+  ``transfer: fp32`` vs ``int8``, and the step time of a 2-stage GPipe pipeline (2 ranks,
+  gloo, CPU) next to the same model trained in one process.
+- ``compile-once``: peak RSS of each rank when two ranks share one compile of a ~400 MB
+  model (``qc.distributed.compile_once``: rank 1 builds on the meta device).
+- ``observer-sync``: collectives and bytes per step that keep observers identical on 2
+  DDP ranks (one flattened collective per reduction kind, whatever the quantizer count).
+- ``compile``: compile time of qcompile int8-qat and torch.ao ``prepare_qat_fx`` relative
+  to ``torch.fx.symbolic_trace`` (MLP, ResNet-18-style CNN, 12-layer transformer), and
+  compile time of 50..400-block MLPs (scaling).
+- ``memory``: peak RSS of compile + 2 QAT steps of the 12-layer transformer, qcompile
+  (with and without its copy of the model) vs torch.ao ``prepare_qat_fx``, each in a
+  fresh process.
+- ``step``: QAT training-step time relative to the fp32 eager step, qcompile vs
+  ``prepare_qat_fx``, same models.
+- ``convert``: int8 inference latency after ``qc.convert`` vs fp32, next to torch.ao
+  ``convert_fx`` (MLP at batch 64 and 1, ResNet-style CNN at batch 32).
+- ``fakequant``: fake-quant throughput (GB/s, forward and forward+backward) per-tensor /
+  per-channel / per-group / LSQ next to ``y.copy_(x)`` and torch's built-in ops.
+
+``--quick`` runs smaller workloads; ``--format json`` (or ``--json``) prints the result
+dict as JSON instead of text, through the output sink shared with ``qcompile-inspect``
+(``qcompile.tools.output``).
+
+The package: ``models`` (the model zoo), ``competitors`` (torch.ao, torchao and
+``symbolic_trace`` adapters), ``measure`` (timing, peak RSS), ``workers`` (what runs in
+spawned processes) and ``suites`` (one module per suite group, and the ``SUITES``
+registry this command line dispatches on).
+
+Example:
+    >>> from qcompile.tools.bench import deep_mlp
+    >>> len(list(deep_mlp(3).modules())) > 3
+    True
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from qcompile.tools.bench.models import deep_mlp, resnet_like, transformer
+from qcompile.tools.bench.suites import SUITES, Suite
+from qcompile.tools.output import FORMATS, Sink
+
+__all__ = ["SUITES", "Suite", "deep_mlp", "main", "parser", "resnet_like", "transformer"]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qcompile-bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("suite", choices=list(SUITES))
+    p.add_argument("--quick", action="store_true", help="smaller workloads")
+    p.add_argument("--format", choices=FORMATS, default="text",
+                   help="text (default) or JSON")
+    p.add_argument("--json", dest="format", action="store_const", const="json",
+                   default="text", help="print JSON instead of text (= --format json)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    suite = SUITES[args.suite]
+    if suite.threads is not None:
+        import torch
+
+        torch.set_num_threads(min(suite.threads, torch.get_num_threads()))
+    Sink(args.format).emit(suite.run(args.quick), suite.text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

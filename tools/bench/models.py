@@ -1,0 +1,90 @@
+"""The benchmark model zoo: what ``qcompile-bench`` compiles, trains and converts.
+
+- ``deep_mlp(blocks, width)``: ``blocks`` x (Linear + ReLU), the scaling and pipeline
+  workload;
+- ``big_model()``: ~400 MB of fp32 Linear weights (``compile-once``);
+- ``transformer(layers)``: pre-norm encoder blocks (d 256, 4 heads, GELU MLP);
+- ``resnet_like()``: a ResNet-18-shaped CNN for 32x32 inputs;
+- ``workloads(quick)``: name -> (factory, example input) for the side-by-side suites
+  (MLP 4 x Linear(1024), the CNN, the 12-layer transformer; smaller with ``quick``).
+
+Example:
+    >>> from qcompile.tools.bench.models import deep_mlp, workloads
+    >>> len(list(deep_mlp(3).modules())) > 3
+    True
+    >>> sorted(workloads(quick=True))
+    ['cnn', 'mlp', 'transformer']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def deep_mlp(blocks: int, width: int = 64) -> nn.Sequential:
+    """``blocks`` x (Linear + ReLU): the scaling workload."""
+    layers: list[nn.Module] = []
+    for _ in range(blocks):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def big_model(layers: int = 24, width: int = 2048) -> nn.Sequential:
+    """~400 MB of fp32 weights at the defaults."""
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+
+class Block(nn.Module):
+    """One pre-norm transformer encoder block (attention written out, so fx traces it)."""
+
+    def __init__(self, d: int = 256, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.fc1, self.fc2, self.act = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, -1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = torch.softmax(q @ k.transpose(-2, -1) / (d // self.heads) ** 0.5, -1) @ v
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(self.act(self.fc1(self.ln2(x))))
+
+
+def transformer(layers: int = 12) -> nn.Module:
+    return nn.Sequential(*[Block() for _ in range(layers)])
+
+
+def basic_block(cin: int, cout: int, stride: int) -> nn.Module:
+    """Two conv-bn-relu groups (a ResNet basic block without its skip)."""
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout),
+                         nn.ReLU(), nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
+                         nn.BatchNorm2d(cout), nn.ReLU())
+
+
+def resnet_like() -> nn.Module:
+    """A ResNet-18-shaped CNN for 32x32 inputs (plain blocks; torch.fx traces it as is)."""
+    layers: list[nn.Module] = [nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64),
+                               nn.ReLU()]
+    cin = 64
+    for cout, stride in ((64, 1), (64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (512, 2),
+                         (512, 1)):
+        layers.append(basic_block(cin, cout, stride))
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 10)]
+    return nn.Sequential(*layers)
+
+
+def workloads(quick: bool) -> dict[str, tuple[Callable[[], nn.Module], torch.Tensor]]:
+    """name -> (model factory, example input) of the side-by-side suites."""
+    return {
+        "mlp": (lambda: deep_mlp(4, 1024), torch.randn(64, 1024)),
+        "cnn": (resnet_like, torch.randn(8 if quick else 32, 3, 32, 32)),
+        "transformer": (lambda: transformer(4 if quick else 12),
+                        torch.randn(2 if quick else 8, 32 if quick else 128, 256)),
+    }

@@ -1,0 +1,51 @@
+"""The suites of ``qcompile-bench``, by subcommand name, in the order ``--help`` lists
+them. A ``Suite`` is how to run it (``run(quick) -> result dict``), how its result reads
+as text (``records`` unless it says it in sentences) and how many torch threads it may
+use (``None``: as many as the process has).
+
+Example:
+    >>> from qcompile.tools.bench.suites import SUITES
+    >>> list(SUITES)[:3]
+    ['pipeline', 'compile-once', 'observer-sync']
+    >>> SUITES["step"].threads
+    2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from qcompile.tools.bench.suites.compile import bench_compile, bench_memory
+from qcompile.tools.bench.suites.convert import bench_convert
+from qcompile.tools.bench.suites.distributed import (
+    compile_once_text,
+    observer_sync_text,
+    pipeline_text,
+    run_compile_once,
+    run_observer_sync,
+    run_pipeline,
+)
+from qcompile.tools.bench.suites.fakequant import bench_fakequant
+from qcompile.tools.bench.suites.step import bench_step
+from qcompile.tools.output import records
+
+
+@dataclass(frozen=True)
+class Suite:
+    run: Callable[[bool], dict[str, Any]]
+    text: Callable[[dict[str, Any]], str] = records
+    threads: int | None = None  # cap torch's intra-op threads at this many
+
+
+SUITES: dict[str, Suite] = {
+    "pipeline": Suite(run_pipeline, pipeline_text),
+    "compile-once": Suite(run_compile_once, compile_once_text),
+    "observer-sync": Suite(run_observer_sync, observer_sync_text),
+    "compile": Suite(bench_compile, threads=2),
+    "memory": Suite(bench_memory, threads=2),
+    "step": Suite(bench_step, threads=2),
+    "fakequant": Suite(bench_fakequant, threads=2),
+    "convert": Suite(bench_convert, threads=2),
+}

@@ -1,0 +1,119 @@
+"""The compile-cost suites: ``compile`` (time) and ``memory`` (peak RSS).
+
+- ``compile``: compile time of qcompile int8-qat (also ``inplace=True``), torch.ao
+  ``prepare_qat_fx`` and, when installed, torchao's QAT, relative to
+  ``torch.fx.symbolic_trace``, on the MLP, the ResNet-18-style CNN and the transformer;
+  then compile time of 50..400-block MLPs (scaling);
+- ``memory``: peak RSS of compile + 2 QAT steps of the transformer, each way in a fresh
+  process.
+
+Both print as ``records`` (one line per model).
+
+Example:
+    >>> from qcompile.tools.bench.suites.compile import bench_compile, bench_memory
+    >>> bench_compile.__doc__.split(":")[0]
+    'Compile time'
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+import qcompile as qc
+from qcompile.tools.bench.competitors import (
+    has_torchao,
+    prepare_qat_fx,
+    symbolic_trace,
+    torchao_qat,
+)
+from qcompile.tools.bench.models import deep_mlp, workloads
+from qcompile.tools.bench.workers import memory_worker
+
+
+def bench_compile(quick: bool) -> dict[str, Any]:
+    """Compile time: symbolic_trace vs qcompile int8-qat (also ``inplace=True``, which skips
+    qcompile's copy of the model) vs prepare_qat_fx (on a copy, as qcompile makes one), and
+    scaling with depth. Each model's contenders run once untimed (warm-up), then in
+    interleaved rounds; medians of the rounds. Models are built outside the timings."""
+    rounds = 3 if quick else 5
+    out: dict[str, Any] = {}
+    for name, (make, x) in workloads(quick).items():
+        torch.manual_seed(0)
+        model = make()
+        runs = {
+            "symbolic_trace": lambda m, x=x: symbolic_trace(m),
+            "qcompile": lambda m, x=x: qc.qcompile(m, "int8-qat", (x,)),
+            "qcompile_inplace": lambda m, x=x: qc.qcompile(m, "int8-qat", (x,), inplace=True),
+            "prepare_qat_fx": lambda m, x=x: prepare_qat_fx(copy.deepcopy(m), x),
+        }
+        if has_torchao():  # optional competitor (Linear layers only)
+            runs["torchao_qat"] = lambda m: torchao_qat(copy.deepcopy(m))
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        for r in range(rounds + 1):
+            for key, fn in runs.items():
+                m = copy.deepcopy(model) if key == "qcompile_inplace" else model
+                t0 = time.perf_counter()
+                fn(m)
+                if r:  # round 0 warms up
+                    times[key].append(time.perf_counter() - t0)
+        t = {k: statistics.median(v) for k, v in times.items()}
+        out[name] = {f"{k}_s": v for k, v in t.items()}
+        for k in t:
+            if k != "symbolic_trace":
+                out[name][f"{k}_vs_trace"] = t[k] / t["symbolic_trace"]
+    sizes = (50, 100) if quick else (50, 100, 200, 400)
+    qc.qcompile(deep_mlp(10), "int8-qat", (torch.randn(4, 64),))  # warm up imports and caches
+    scaling: dict[int, float] = {}
+    for n in sizes:
+        times_n = []
+        for _ in range(rounds):
+            m, x = deep_mlp(n), torch.randn(4, 64)
+            t0 = time.perf_counter()
+            qc.qcompile(m, "int8-qat", (x,))
+            times_n.append(time.perf_counter() - t0)
+        scaling[n] = statistics.median(times_n)
+    out["scaling_s"] = scaling
+    out["scaling_ratio"] = scaling[sizes[-1]] / scaling[sizes[0]]
+    return out
+
+
+def bench_memory(quick: bool) -> dict[str, Any]:
+    """Peak RSS (MB) of compile + 2 QAT steps of the transformer (12 layers; 4 with
+    ``quick``), each way in a fresh process: qcompile (which compiles a copy and leaves the
+    model alone), qcompile ``inplace=True``, and torch.ao ``prepare_qat_fx`` (in place).
+    ``*_net_mb`` is above the process's RSS after imports (torch, qcompile, torch.ao)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out: dict[str, Any] = {}
+    hows = ("qcompile", "qcompile_inplace", "prepare_qat_fx")
+    with tempfile.TemporaryDirectory() as tmp:
+        # concurrently: each process's peak RSS is its own, and the imports dominate the time
+        procs = {how: ctx.Process(target=memory_worker,
+                                  args=(how, quick, os.path.join(tmp, f"{how}.json")))
+                 for how in hows}
+        for p in procs.values():
+            p.start()
+        for p in procs.values():
+            p.join()
+        for how, p in procs.items():
+            if p.exitcode != 0:
+                raise RuntimeError(f"memory worker {how!r} exited with {p.exitcode}")
+            with open(os.path.join(tmp, f"{how}.json")) as f:
+                r = json.load(f)
+            out[how] = {"peak_mb": r["peak_mb"], "net_mb": r["peak_mb"] - r["import_mb"],
+                        "after_compile_mb": r["compile_mb"], "import_mb": r["import_mb"],
+                        "weights_mb": r["weights_mb"]}
+    ao = out["prepare_qat_fx"]
+    for how in ("qcompile", "qcompile_inplace"):
+        out[f"{how}_vs_prepare_qat_fx"] = out[how]["peak_mb"] / ao["peak_mb"]
+        out[f"{how}_vs_prepare_qat_fx_net"] = out[how]["net_mb"] / ao["net_mb"]
+    return out

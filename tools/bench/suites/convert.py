@@ -1,0 +1,80 @@
+"""The ``convert`` suite: int8 inference latency after ``qc.convert`` relative to fp32
+eager, next to torch.ao ``convert_fx`` (MLP at batch 64 and 1, ResNet-style CNN at batch
+32), both calibrated on the same batches. Prints as ``records`` (one line per case).
+
+Example:
+    >>> from qcompile.tools.bench.suites.convert import int8_spec
+    >>> spec = int8_spec()
+    >>> spec.quant.mode, spec.quant.inputs is not None
+    ('static', True)
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+import warnings
+from typing import Any
+
+import torch
+
+import qcompile as qc
+from qcompile.tools.bench.competitors import convert_fx
+from qcompile.tools.bench.models import deep_mlp, resnet_like
+
+
+def int8_spec() -> qc.CompileSpec:
+    """int8-static, plus quantized model inputs and pooled features, so every conv and
+    linear reads integers (what torch.ao's prepare_fx does by default)."""
+    d = qc.load_spec("int8-static").model_dump()
+    d["quant"]["inputs"] = {"dtype": "uint8", "symmetric": False}
+    d["quant"]["rules"].append({"match": {"module": "AdaptiveAvgPool2d"}, "optional": True,
+                                "activation": {"dtype": "uint8", "symmetric": False}})
+    return qc.CompileSpec.model_validate(d)
+
+
+def bench_convert(quick: bool) -> dict[str, Any]:
+    """Inference latency of converted int8 graphs relative to fp32 eager: ``qc.convert``
+    next to torch.ao ``prepare_fx`` + ``convert_fx`` (x86 default qconfig) on the same
+    models, calibrated on the same batches."""
+    cases = {"mlp_b64": (lambda: deep_mlp(4, 1024), (64, 1024)),
+             "mlp_b1": (lambda: deep_mlp(4, 1024), (1, 1024)),
+             "cnn_b32": (resnet_like, (8 if quick else 32, 3, 32, 32))}
+    out: dict[str, Any] = {}
+    for name, (make, shape) in cases.items():
+        torch.manual_seed(0)
+        model = make().eval()
+        calib = [(torch.randn(shape),) for _ in range(2 if quick else 8)]
+        x = torch.randn(shape)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gm = qc.qcompile(model, int8_spec(), calib[0])
+            qc.calibrate(gm, calib, progress=False)
+            ours = qc.convert(gm)
+        ao = convert_fx(copy.deepcopy(model), calib)
+        kernels = sum(c.path in ("kernel", "dynamic_kernel") for c in qc.report(ours).conversions)
+        repeat = 3 if quick else (40 if shape[0] == 1 else 8)
+        runs: dict[str, list[float]] = {"fp32": [], "qcompile": [], "convert_fx": []}
+        contenders = (("fp32", model), ("qcompile", ours), ("convert_fx", ao))
+        with torch.inference_mode():
+            for _, m in contenders:
+                m(x)  # warm-up
+            # Rounds of back-to-back calls per contender (warm caches: the fp32 model's
+            # 16 MB of weights would evict the int8 ones for whoever runs right after it),
+            # contenders interleaved round by round.
+            for _ in range(5):
+                for label, m in contenders:
+                    block = []
+                    for _ in range(repeat):
+                        t0 = time.perf_counter()
+                        m(x)
+                        block.append(time.perf_counter() - t0)
+                    runs[label].append(statistics.median(block))
+            dev = float((ours(x) - gm.eval()(x)).abs().max())
+        times = {k: statistics.median(v) for k, v in runs.items()}
+        out[name] = {**{f"{k}_ms": v * 1e3 for k, v in times.items()},
+                     "qcompile_speedup": times["fp32"] / times["qcompile"],
+                     "convert_fx_speedup": times["fp32"] / times["convert_fx"],
+                     "kernels": kernels, "max_dev_vs_fake_quant": dev}
+    return out

@@ -1,0 +1,135 @@
+"""The ``fakequant`` suite: fake-quant throughput (GB/s, forward and forward+backward) of
+qcompile's quantizers per-tensor / per-channel / per-group / LSQ next to ``y.copy_(x)``
+and torch's built-in fake-quant op of the same kind, plus the per-call time on a small
+tensor. Prints as ``records`` (one line per kind).
+
+Example:
+    >>> import torch
+    >>> from qcompile.tools.bench.suites.fakequant import fakequant_cases
+    >>> x = torch.randn(4, 1024)
+    >>> fq, builtin = fakequant_cases(x, ("per_channel",))["per_channel"]
+    >>> bool((fq(x) - builtin(x)).abs().max() < 1e-6)
+    True
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from qcompile.tools.bench.measure import median_seconds
+
+
+def fakequant_cases(x: torch.Tensor, only: tuple[str, ...] = ()) -> dict[str, tuple[Any, Any]]:
+    """name -> (qcompile FakeQuantize, torch's built-in op of the same kind) on ``x``
+    ([rows, 1024]); per-group has no built-in op of its own: torch's per-channel op on
+    the [rows * groups, group_size] view computes the same thing."""
+    from qcompile.runtime.fake_quant import FakeQuantize
+
+    rows, cols = x.shape
+    kinds = {"per_tensor": {},
+             "per_channel": {"granularity": "per_channel", "axis": 0, "channels": rows},
+             "per_channel_last": {"granularity": "per_channel", "axis": -1, "channels": cols},
+             "per_group": {"granularity": "per_group", "group_size": 128,
+                           "channels": rows * cols // 128},
+             "lsq": {"learnable": True},
+             "lsq_per_channel": {"learnable": True, "granularity": "per_channel", "axis": 0,
+                                 "channels": rows}}
+    cases: dict[str, tuple[Any, Any]] = {}
+    for name, kw in kinds.items():
+        if only and name not in only:
+            continue
+        fq = FakeQuantize("int8", **kw)
+        fq(x)
+        fq.observe = False
+        s, z = fq.scale.detach().clone(), fq.zero_point.clone()
+        sp, zf = s.clone().requires_grad_(True), z.float()
+        builtin = {
+            "per_tensor": lambda t, s=s, z=z: torch.fake_quantize_per_tensor_affine(
+                t, float(s), int(z), -128, 127),
+            "per_channel": lambda t, s=s, z=z: torch.fake_quantize_per_channel_affine(
+                t, s, z, 0, -128, 127),
+            "per_channel_last": lambda t, s=s, z=z: torch.fake_quantize_per_channel_affine(
+                t, s, z, 1, -128, 127),
+            "per_group": lambda t, s=s, z=z: torch.fake_quantize_per_channel_affine(
+                t.reshape(-1, 128), s, z, 0, -128, 127).view_as(t),
+            "lsq": lambda t, sp=sp, zf=zf: torch._fake_quantize_learnable_per_tensor_affine(
+                t, sp, zf, -128, 127, 1.0),
+            "lsq_per_channel": lambda t, sp=sp, zf=zf:
+                torch._fake_quantize_learnable_per_channel_affine(t, sp, zf, 0, -128, 127, 1.0),
+        }[name]
+        cases[name] = (fq, builtin)
+    return cases
+
+
+def bench_fakequant(quick: bool) -> dict[str, Any]:
+    """Fake-quant throughput (GB/s), qcompile vs torch's built-in op of the same kind, next
+    to ``y.copy_(x)``, all interleaved in one run (medians of the rounds).
+
+    GB/s counts the bytes every implementation must move: the forward reads x and writes
+    the output (2 x 4 bytes per element, like the copy); forward+backward also reads the
+    output's gradient and writes x's (4 x 4 bytes; saved state such as a mask is not
+    counted). The backward gets a dense upstream gradient (``out.backward(g)``).
+    ``small_64x64_us``: per-call time on a 64x64 tensor (dispatch overhead)."""
+    from qcompile.runtime import kernels
+
+    n = (1 if quick else 16) * 1024 * 1024
+    rounds = 3 if quick else 7
+    x = torch.randn(n // 1024, 1024)
+    g = torch.randn_like(x)
+    y = torch.empty_like(x)
+    nbytes = x.numel() * x.element_size()
+
+    def fwd(fn: Any, t: torch.Tensor = x) -> Any:
+        return lambda: fn(t)
+
+    def fwd_bwd(fn: Any, t: torch.Tensor = x, grad: torch.Tensor = g) -> Any:
+        def run() -> None:
+            fn(t.detach().requires_grad_(True)).backward(grad)
+        return run
+
+    cases = fakequant_cases(x)
+    runs: list[tuple[str, Any]] = []
+    for name, (fq, builtin) in cases.items():
+        runs.append(("copy", lambda: y.copy_(x)))  # a copy next to every case
+        for impl, fn in (("qcompile", fq), ("torch", builtin)):
+            runs.append((f"{name}.{impl}_fwd", fwd(fn)))
+            runs.append((f"{name}.{impl}_fwd_bwd", fwd_bwd(fn)))
+    times: dict[str, list[float]] = {k: [] for k, _ in runs}
+    for _, fn in runs:  # warm up (allocator, first-call paths)
+        fn()
+    for _ in range(rounds):
+        for key, fn in runs:
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+    t = {k: statistics.median(v) for k, v in times.items()}
+    copy_gbps = 2 * nbytes / t["copy"] / 1e9
+    out: dict[str, Any] = {"elements": n, "copy_GBps": copy_gbps,
+                           "kernels": 1 if kernels.available() else 0}
+    for name in cases:
+        row: dict[str, Any] = {}
+        for key, tensors in (("fwd", 2), ("fwd_bwd", 4)):
+            for impl in ("qcompile", "torch"):
+                row[f"{impl}_{key}_GBps"] = tensors * nbytes / t[f"{name}.{impl}_{key}"] / 1e9
+            row[f"speedup_{key}"] = t[f"{name}.torch_{key}"] / t[f"{name}.qcompile_{key}"]
+            row[f"{key}_vs_copy"] = row[f"qcompile_{key}_GBps"] / copy_gbps
+        out[name] = row
+    # per-call overhead: a 64x64 per-tensor quantizer, forward and forward+backward
+    small = torch.randn(64, 64)
+    fq, builtin = fakequant_cases(small, ("per_tensor",))["per_tensor"]
+    gs = torch.randn_like(small)
+    calls = 50 if quick else 500
+    row = {}
+    for impl, fn in (("qcompile", fq), ("torch", builtin)):
+        for key, run in (("fwd", fwd(fn, small)), ("fwd_bwd", fwd_bwd(fn, small, gs))):
+            def many(run: Any = run) -> None:
+                for _ in range(calls):
+                    run()
+            many()
+            row[f"{impl}_{key}_us"] = median_seconds(many, rounds) / calls * 1e6
+    out["small_64x64_us"] = row
+    return out
