@@ -8,6 +8,9 @@
   linear/conv/embedding calls on parameters get the same treatment. One quantizer per
   parameter, named ``<module>.<param>_fake_quant``; parameter names are unchanged.
 - Inputs: with ``quant.inputs``, a quantizer after each floating-point model input.
+- Ranges: weights take their dtype's full range; activation, dynamic-input and input
+  quantizers of 8-bit integer dtypes take the 7-bit range when ``quant.target`` needs it
+  (``x86``: uint8 [0, 127], int8 [-64, 63]; see ``qcompile.specs.quant.QuantSpec``).
 
 Mode decides how quantizers start: ``qat`` observes and fake-quantizes; ``static``
 observes activations with fake-quant off until ``qc.calibrate``; ``dynamic`` computes
@@ -124,11 +127,13 @@ def _functionalize(gm: GraphModule, node: Node, op: str) -> Node:
     return new
 
 
-def _build(scheme: Scheme, *, role: str, shape: tuple[int, ...] | None, dynamic: bool,
-           where: str, field: str, channel_axis: int | None = None) -> FakeQuantize:
+def _build(scheme: Scheme, ctx: Context, *, role: str, shape: tuple[int, ...] | None,
+           dynamic: bool, where: str, field: str,
+           channel_axis: int | None = None) -> FakeQuantize:
     try:
         return FakeQuantize.from_scheme(scheme, role=role, shape=shape, dynamic=dynamic,
-                                        channel_axis=channel_axis)
+                                        channel_axis=channel_axis,
+                                        target=ctx.spec.quant.target)
     except ValueError as e:
         raise QCompileError(f"{where}: {field}: {e}",
                             fix=f"change {field} in the spec, or exclude {where} with a "
@@ -196,7 +201,7 @@ def _dynamic_input(gm: GraphModule, ctx: Context, op: Node, qs: Any) -> None:
         ctx.note(f"rule {qs.rule}: the input of {op.name} is not a floating-point tensor; "
                  "it is not quantized")
         return
-    fq = _build(qs.activation, role="activation", shape=shape, dynamic=True,
+    fq = _build(qs.activation, ctx, role="activation", shape=shape, dynamic=True,
                 where=f"node {op.name!r}", field=f"quant.rules[{qs.rule}].activation")
     fq.to(_device(gm))
     module = layer_of(op)
@@ -237,7 +242,8 @@ def _activations(gm: GraphModule, ctx: Context) -> None:
                      "its activation is not quantized")
             continue
         field = f"quant.rules[{qs.rule}].activation"
-        fq = _build(qs.activation, role="activation", shape=shape, dynamic=mode == "dynamic",
+        fq = _build(qs.activation, ctx, role="activation", shape=shape,
+                    dynamic=mode == "dynamic",
                     where=f"node {last.name!r}", field=field)
         _set_activation_mode(fq, mode)
         fq.to(device)
@@ -281,7 +287,7 @@ def _weights(gm: GraphModule, ctx: Context) -> None:
                 f"{where}: {field}: per_group needs the weight stored as [out, in]; "
                 f"{node.name} uses it as [in, out]",
                 fix="use granularity per_channel for this layer, or skip it with a rule")
-        fq = _build(qs.weight, role="weight", shape=tuple(weight.shape), dynamic=False,
+        fq = _build(qs.weight, ctx, role="weight", shape=tuple(weight.shape), dynamic=False,
                     where=where, field=field, channel_axis=use.axis % weight.dim())
         fq.to(weight.device)  # a quantizer lives where its tensor does (cuda, meta, ...)
         fq.observe_tensor(weight)
@@ -308,7 +314,7 @@ def _inputs(gm: GraphModule, ctx: Context) -> None:
         is_float, shape = _tensor_shape(node, ctx)
         if not is_float:
             continue
-        fq = _build(scheme, role="activation", shape=shape,
+        fq = _build(scheme, ctx, role="activation", shape=shape,
                     dynamic=ctx.spec.quant.mode == "dynamic",
                     where=f"input {node.target!r}", field="quant.inputs")
         _set_activation_mode(fq, ctx.spec.quant.mode)

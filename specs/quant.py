@@ -10,6 +10,10 @@ Example:
     ...      "granularity": "per_group", "group_size": 32}}]})
     >>> q.rules[0].weight.qrange()
     (-8, 7)
+    >>> q.target, q.reduce_range  # x86 kernels read 8-bit activations in 7 bits
+    ('x86', True)
+    >>> Scheme(dtype="uint8").qrange(reduce_range=q.reduce_range)
+    (0, 127)
 """
 
 from __future__ import annotations
@@ -29,6 +33,25 @@ FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 QDtype = Literal[DTYPES]  # type: ignore[valid-type]
 Granularity = Literal["per_tensor", "per_channel", "per_group", "per_token"]
 Mode = Literal["none", "dynamic", "static", "qat"]
+Target = Literal["x86", "qnnpack", "onednn_vnni", "generic"]
+
+# The 8-bit integer dtypes whose activations a target may read in 7 bits.
+REDUCIBLE_DTYPES = ("uint8", "int8")
+
+
+def reduces_activation_range(target: str) -> bool:
+    """Whether ``target``'s integer kernels need 8-bit activations in the reduced 7-bit
+    range (uint8 [0, 127], int8 [-64, 63]).
+
+    True for ``x86``: fbgemm and onednn multiply u8 activations by s8 weights and, on CPUs
+    without VNNI (AVX2, AVX-512 before Cascade Lake), add adjacent pairs of products into
+    int16 with saturation (``vpmaddubsw``); a full-range pair reaches 255 * 128 * 2 = 65280
+    and saturates, a 7-bit one at most 127 * 128 * 2 = 32512 never does. torch.ao's x86
+    qconfig uses ``reduce_range`` for the same reason. ``qnnpack`` accumulates in int32
+    exactly, ``onednn_vnni`` multiplies and adds in int32 (``vpdpbusd``), and ``generic``
+    has no kernel to serve: full range.
+    """
+    return target == "x86"
 
 
 class Frozen(BaseModel):
@@ -113,12 +136,19 @@ class Scheme(Frozen):
             raise ValueError(f"learnable scales are for integer dtypes, not {self.dtype}")
         return self
 
-    def qrange(self) -> tuple[int, int]:
-        """Integer range ``(quant_min, quant_max)`` of the dtype (fp8: +-largest finite)."""
+    def qrange(self, *, reduce_range: bool = False) -> tuple[int, int]:
+        """Integer range ``(quant_min, quant_max)`` of the dtype (fp8: +-largest finite).
+
+        ``reduce_range``: the 7-bit range for 8-bit integer dtypes (uint8 [0, 127], int8
+        [-64, 63]), as activation quantizers use on targets that need it (see
+        ``reduces_activation_range``); other dtypes keep their full range.
+        """
         if self.dtype in FP8_MAX:
             m = int(FP8_MAX[self.dtype])
             return -m, m
         bits = int(self.dtype.removeprefix("u").removeprefix("int"))
+        if reduce_range and self.dtype in REDUCIBLE_DTYPES:
+            bits -= 1
         if self.dtype.startswith("u"):
             return 0, 2**bits - 1
         return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
@@ -185,9 +215,23 @@ class Rule(Frozen):
 
 
 class QuantSpec(Frozen):
-    """The ``quant`` section."""
+    """The ``quant`` section.
+
+    ``target`` names whose integer kernels the quantized numerics simulate (and what
+    ``qc.convert`` lowers to): ``x86`` (fbgemm / onednn on any x86 CPU: 8-bit activations
+    in the reduced 7-bit range, weights in the full int8 range), ``qnnpack`` (ARM / mobile,
+    full range), ``onednn_vnni`` (full range, x86 CPUs with VNNI only) or ``generic`` (no
+    integer kernel: full range). The default is ``x86``: its graphs convert correctly on
+    every CPU (a 7-bit activation is a valid 8-bit one everywhere, and no x86 CPU saturates
+    on it), while a full-range graph is computed differently by x86 CPUs without VNNI; the
+    price is one bit of activation resolution, which ``qnnpack`` or ``onednn_vnni`` buy back
+    when the deployment CPU is known. Weights, fp8 and other bit widths are never reduced.
+    """
 
     mode: Mode = "none"
+    target: Target = Field(
+        "x86", description="whose integer kernels: x86 (7-bit activations, correct on every "
+        "x86 CPU) | qnnpack | onednn_vnni (needs VNNI) | generic (no kernel constraints)")
     rules: list[Rule] = Field(default_factory=list)
     inputs: Scheme | None = Field(None, description="quantize the model's tensor inputs too")
     fold_bn: bool = True
@@ -205,3 +249,9 @@ class QuantSpec(Frozen):
                     f"set mode: qat or learnable: false (mode is {self.mode})"
                 )
         return self
+
+    @property
+    def reduce_range(self) -> bool:
+        """Whether this spec's 8-bit integer activation quantizers (static, QAT, dynamic
+        and input ones) use the reduced 7-bit range: ``reduces_activation_range(target)``."""
+        return reduces_activation_range(self.target)

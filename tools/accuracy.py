@@ -104,7 +104,7 @@ class Settings:
     seed: int = 0
     fp32_epochs: dict[str, int] = dataclasses.field(default_factory=_default_epochs)
     fp32_lr: float = 3e-3
-    qat_epochs: int = 2         # QAT fine-tuning from the fp32 weights
+    qat_epochs: int = 3         # QAT fine-tuning from the fp32 weights
     qat_lr: float = 1e-4
     calib_batches: int = 2      # static PTQ: batches of the shuffled train set
     calib_batch: int = 256

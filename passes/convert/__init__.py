@@ -15,8 +15,9 @@ mode), as a ``Pipeline`` of conversion passes, each its own module with its own
 4. ``sink_dequantize``: shape ops and max-pooling run on the quantized tensor directly
    (``dequantize`` commutes with them exactly); dropout is removed.
 5. ``use_kernels``: **integer kernels** (``torch.ops.quantized`` through torch's own
-   modules, on the current ``torch.backends.quantized.engine``: x86/fbgemm, onednn,
-   qnnpack): ``linear`` / ``conv1-3d`` (+ ReLU) between 8-bit per-tensor activation
+   modules, packed with the engine ``quant.target`` asks for: x86 (7-bit activations, exact
+   on every x86 CPU), qnnpack, or x86 on a VNNI CPU (``qcompile.runtime.engines``)):
+   ``linear`` / ``conv1-3d`` (+ ReLU) between 8-bit per-tensor activation
    quantizers with an int8 symmetric per-tensor or per-channel (axis 0) weight become
    ``nnq.Linear`` / ``nniq.LinearReLU`` / ``nnq.Conv2d`` / ...; ``add`` (+ ReLU) between
    two such tensors becomes ``quantized::add``; in dynamic graphs ``linear`` becomes
@@ -63,6 +64,7 @@ from qcompile.passes.convert.sink_dequantize import sink_dequantize
 from qcompile.passes.convert.store_weights import store_weights
 from qcompile.passes.convert.tidy import tidy
 from qcompile.passes.convert.use_kernels import use_kernels
+from qcompile.runtime.engines import require_engine, use_engine
 from qcompile.specs import CompileSpec
 
 __all__ = ["CONVERSION_PASSES", "GRAPH_FACT", "conversion_pipeline", "convert_graph"]
@@ -103,7 +105,11 @@ def convert_graph(gm: GraphModule, spec: CompileSpec | None = None, *,
     conversion pipeline; returns what became what and one ``PassRecord`` per step.
     Instruments see the steps numbered from ``first_index``."""
     ctx = Context(spec=spec if spec is not None else CompileSpec(), model=gm)
+    # Kernels are packed with the engine that computes what quant.target simulated (packed
+    # weights keep their engine); a target this CPU cannot honour is refused here.
+    engine = require_engine(ctx.spec.quant.target)
     numbered = [_Numbered(i, first_index - 1) for i in instruments]
-    out, passes = conversion_pipeline(prefix).run(ctx, gm, numbered)
+    with use_engine(engine):
+        out, passes = conversion_pipeline(prefix).run(ctx, gm, numbered)
     assert out is gm, "conversion steps rewrite the graph in place"
     return state(ctx).records(), passes

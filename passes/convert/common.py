@@ -35,7 +35,6 @@ from qcompile.graph.context import Context
 from qcompile.graph.matching import layer_of, op_name
 from qcompile.graph.records import ConversionRecord
 from qcompile.runtime.fake_quant import FakeQuantize
-from qcompile.specs.quant import FP8_MAX
 
 aten = torch.ops.aten
 LINEAR = frozenset({F.linear, aten.linear.default})
@@ -98,13 +97,30 @@ def qint8(t: IntTensor) -> torch.Tensor | None:
         q.to(torch.int8), t.scale.double(), zp.long(), 0)
 
 
-def act_qparams(fq: Any) -> tuple[float, int] | None:
-    """(scale, zero point on the uint8 grid) for an 8-bit per-tensor static quantizer."""
+#: activation dtypes with an 8-bit integer tensor type (quint8 after the grid shift)
+EIGHT_BIT = ("uint8", "int8")
+
+
+def act_qparams(fq: Any) -> tuple[float, int, int] | None:
+    """(scale, zero point on the uint8 grid, highest level on that grid) for an 8-bit
+    per-tensor static quantizer: 255, or 127 where ``quant.target`` keeps activations in
+    7 bits (x86). The quantizer's lowest level maps to 0 on the uint8 grid."""
     if (not isinstance(fq, FakeQuantize) or fq.dynamic or not fq.enabled
-            or fq.granularity != "per_tensor" or fq.dtype in FP8_MAX
-            or fq.quant_max - fq.quant_min != 255):
+            or fq.granularity != "per_tensor" or fq.dtype not in EIGHT_BIT
+            or not 0 < fq.quant_max - fq.quant_min <= 255):
         return None
-    return float(fq.scale.detach()[0]), int(fq.zero_point[0]) - fq.quant_min
+    return (float(fq.scale.detach()[0]), int(fq.zero_point[0]) - fq.quant_min,
+            fq.quant_max - fq.quant_min)
+
+
+def level_bounds(qparams: tuple[float, int, int]) -> tuple[float, float] | None:
+    """The float range of a reduced grid (None for the full uint8 range): quint8 kernels
+    clamp to [0, 255], the fake-quant graph to [0, levels]; a clamp to these bounds
+    (exact grid values) makes the two agree beyond the calibrated range too."""
+    scale, zp, levels = qparams
+    if levels == 255:
+        return None
+    return (0 - zp) * scale, (levels - zp) * scale
 
 
 def module_at(gm: GraphModule, node: Node) -> nn.Module | None:

@@ -26,7 +26,7 @@ from torch.fx import GraphModule
 from qcompile.graph.context import Context
 from qcompile.graph.meta import DQ_KEY, QPARAMS_KEY, TENSOR_META
 from qcompile.graph.pipeline import graph_pass
-from qcompile.passes.convert.common import act_qparams, module_at, state
+from qcompile.passes.convert.common import act_qparams, level_bounds, module_at, state
 from qcompile.runtime.fake_quant import FakeQuantize
 
 
@@ -56,8 +56,17 @@ def lower_activations(gm: GraphModule, ctx: Context) -> GraphModule:
         with g.inserting_after(node):
             q = g.call_function(torch.quantize_per_tensor,
                                 (node.args[0], qp[0], qp[1], torch.quint8))
-        with g.inserting_after(q):
-            dq = g.call_method("dequantize", (q,))
+        held = q
+        bounds = level_bounds(qp)
+        if bounds is not None:
+            # A 7-bit grid: quint8 (and the kernels writing it later, which replace `q`)
+            # clamps at 255, the fake-quant graph at 127. Clamping the quantized tensor
+            # keeps the two equal beyond the calibrated range, and keeps every kernel's
+            # input within the range its int16 pair sums are exact for.
+            with g.inserting_after(q):
+                held = g.call_function(torch.clamp, (q, *bounds))
+        with g.inserting_after(held):
+            dq = g.call_method("dequantize", (held,))
         q.meta[QPARAMS_KEY] = qp
         dq.meta[DQ_KEY] = True
         dq.meta[TENSOR_META] = node.meta.get(TENSOR_META)
@@ -65,7 +74,9 @@ def lower_activations(gm: GraphModule, ctx: Context) -> GraphModule:
         g.erase_node(node)
         lowered += 1
         conv.record(q, "quantize", "quantize_per_tensor",
-                    f"scale={qp[0]:.6g} zero_point={qp[1]} (quint8)", layer=str(node.target))
+                    f"scale={qp[0]:.6g} zero_point={qp[1]} (quint8"
+                    f"{'' if bounds is None else f', levels 0..{qp[2]}'})",
+                    layer=str(node.target))
     ctx.note(f"{lowered} activation quantizer(s) -> quantize_per_tensor / dequantize")
     if simulated:
         ctx.note(f"{simulated} activation quantizer(s) stay simulated (FakeQuantize)")

@@ -86,7 +86,7 @@ def _static_kernel(gm: GraphModule, conv: Conversion, node: Node) -> bool:
         return False
     bias = conv.bias.get(node, attr_value(gm, arg(node, 2, "bias", None)))
     bias = None if bias is None else bias.detach().float()
-    scale, zp = out_q.meta[QPARAMS_KEY]
+    scale, zp = out_q.meta[QPARAMS_KEY][:2]
     shape = tuple(qweight.shape)
     if node.target in LINEAR:
         module = (nniq.LinearReLU(shape[1], shape[0], bias=bias is not None) if has_relu
@@ -124,13 +124,16 @@ def _dynamic_kernel(gm: GraphModule, conv: Conversion, node: Node) -> bool:
     fq = module_at(gm, x) if isinstance(x, Node) else None
     if not (isinstance(fq, FakeQuantize) and fq.dynamic and fq.enabled
             and fq.granularity == "per_tensor" and not fq.symmetric
-            and fq.quant_min == 0 and fq.quant_max == 255):
+            and fq.dtype == "uint8" and fq.quant_min == 0 and fq.quant_max in (127, 255)):
         return False
     qweight = qint8(conv.weights[w_node])
     if qweight is None:
         return False
     bias = attr_value(gm, arg(node, 2, "bias", None))
-    module = DynamicLinear(qweight.shape[1], qweight.shape[0], bias_=bias is not None)
+    # reduce_range: the kernel picks 7-bit activation qparams per batch, as the x86
+    # target's dynamic fake-quant does (fbgemm's int16 pair sums stay exact on every CPU)
+    module = DynamicLinear(qweight.shape[1], qweight.shape[0], bias_=bias is not None,
+                           reduce_range=fq.quant_max == 127)
     module.set_weight_bias(qweight, None if bias is None else bias.detach().float())
     name = conv.add_module(gm, where(node), module)
     with gm.graph.inserting_before(node):
@@ -139,7 +142,8 @@ def _dynamic_kernel(gm: GraphModule, conv: Conversion, node: Node) -> bool:
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
     conv.record(new, "dynamic_kernel", "quantized::linear_dynamic",
-                f"weight {tuple(qweight.shape)} int8")
+                f"weight {tuple(qweight.shape)} int8, "
+                f"{'7' if fq.quant_max == 127 else '8'}-bit activations")
     return True
 
 
@@ -151,7 +155,7 @@ def _add_kernel(gm: GraphModule, conv: Conversion, node: Node) -> bool:
     out_q, has_relu, relu = _quantized_output(gm, node)
     if out_q is node:
         return False
-    scale, zp = out_q.meta[QPARAMS_KEY]
+    scale, zp = out_q.meta[QPARAMS_KEY][:2]
     fn = torch.ops.quantized.add_relu if has_relu else torch.ops.quantized.add
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(fn, (args[0].args[0], args[1].args[0], scale, zp))

@@ -33,7 +33,7 @@ from qcompile.runtime.quant_math import (
     fp8_scale_from_minmax,
     qparams_from_minmax,
 )
-from qcompile.specs.quant import FP8_MAX, Scheme
+from qcompile.specs.quant import FP8_MAX, REDUCIBLE_DTYPES, Scheme, reduces_activation_range
 
 _FLAG_INDEX = {"enabled": 0, "observe": 1}
 
@@ -104,9 +104,14 @@ class FakeQuantize(nn.Module):
     accumulation fake-quantizes each weight once per step. Costs one weight-sized tensor
     plus a 1-byte mask per weight quantizer. The rule for what is cached and when it is
     invalidated is in ``qcompile.runtime.weight_cache``; ``clear_weight_cache()`` drops it.
+
+    ``reduce_range`` (plain bool): an 8-bit integer quantizer (uint8, int8) uses the 7-bit
+    range ([0, 127], [-64, 63]), as activations do for the ``x86`` target
+    (``qcompile.specs.quant.reduces_activation_range``); False for every other dtype.
     """
 
     reuse_weight: bool = True
+    reduce_range: bool = False  # also what graphs pickled before the attribute existed read
 
     def __init__(
         self,
@@ -121,6 +126,7 @@ class FakeQuantize(nn.Module):
         learnable: bool = False,
         dynamic: bool = False,
         per_example: bool = False,
+        reduce_range: bool = False,
     ) -> None:
         super().__init__()
         # LSQ's gradient scale counts elements per scale *per example* (dim 0 is the batch)
@@ -134,7 +140,10 @@ class FakeQuantize(nn.Module):
         self.granularity = scheme.granularity
         self.axis = (axis if axis is not None else 0) if granularity == "per_channel" else None
         self.group_size = group_size if granularity == "per_group" else None
-        self.quant_min, self.quant_max = scheme.qrange()
+        self.quant_min, self.quant_max = scheme.qrange(reduce_range=reduce_range)
+        # True only where it changed the range (8-bit integers), so readers such as convert
+        # (reduce_range of torch's dynamic kernels) can take it as is.
+        self.reduce_range = bool(reduce_range) and scheme.dtype in REDUCIBLE_DTYPES
         self.learnable = learnable
         self.dynamic = dynamic
         self.register_buffer("mode_flags", torch.ones(2, dtype=torch.uint8))
@@ -157,11 +166,13 @@ class FakeQuantize(nn.Module):
     @classmethod
     def from_scheme(
         cls, scheme: Scheme, *, role: str, shape: tuple[int, ...] | None, dynamic: bool = False,
-        channel_axis: int | None = None,
+        channel_axis: int | None = None, target: str = "generic",
     ) -> FakeQuantize:
         """Build the quantizer a spec scheme describes for a tensor of ``shape``.
         ``channel_axis`` is the default channel axis when the scheme gives none (a weight
-        used as [in, out] has its output channels on axis 1)."""
+        used as [in, out] has its output channels on axis 1). ``target`` (``quant.target``)
+        decides the range of activation quantizers (``role`` other than ``"weight"``):
+        reduced to 7 bits for 8-bit integer dtypes where the target's kernels need it."""
         if scheme.axis is None and channel_axis is not None:
             scheme = scheme.model_copy(update={"axis": channel_axis})
         return cls(
@@ -175,6 +186,7 @@ class FakeQuantize(nn.Module):
             learnable=scheme.learnable,
             dynamic=dynamic,
             per_example=role == "activation",
+            reduce_range=role != "weight" and reduces_activation_range(target),
         )
 
     # -- statistics -------------------------------------------------------------------

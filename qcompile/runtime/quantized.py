@@ -20,6 +20,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.ao.nn.quantized.dynamic as nnqd
 from torch import nn
@@ -103,12 +105,25 @@ class IntWeight(nn.Module):
 
 
 class DynamicLinear(nnqd.Linear):
-    """``torch.ao.nn.quantized.dynamic.Linear`` computing activation qparams over the full
-    8-bit range (``reduce_range=False``), as qcompile's dynamic fake-quant does."""
+    """``torch.ao.nn.quantized.dynamic.Linear`` computing activation qparams per batch over
+    the range qcompile's dynamic fake-quant simulated: 7 bits (``reduce_range=True``) for
+    ``quant.target: x86``, else the full 8 bits (torch.ao's module always reduces)."""
+
+    # a class default, so graphs pickled before the attribute existed load as they were
+    reduce_range: bool = False
+
+    def __init__(self, in_features: int, out_features: int, *args: Any,
+                 reduce_range: bool = False, **kwargs: Any) -> None:
+        super().__init__(in_features, out_features, *args, **kwargs)
+        self.reduce_range = reduce_range
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        y = torch.ops.quantized.linear_dynamic(x, self._packed_params._packed_params, False)
+        y = torch.ops.quantized.linear_dynamic(x, self._packed_params._packed_params,
+                                               self.reduce_range)
         return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, reduce_range={self.reduce_range}"
 
     def _get_name(self) -> str:
         return "DynamicQuantizedLinear"

@@ -407,3 +407,92 @@ def test_op_rule_on_int_arithmetic_without_shapes_still_runs():
     _, gm, _ = run_insert(SizeArithmetic(), qspec(
         {"match": {"op": "add"}, "activation": {"dtype": "int8"}}))
     assert gm(torch.randn(2, 4)).shape == (2, 4)
+
+
+# -- quant.target: the range of activation quantizers ---------------------------------
+
+TARGETS = ["x86", "qnnpack", "onednn_vnni", "generic"]
+FULL = {"uint8": (0, 255), "int8": (-128, 127)}
+REDUCED = {"uint8": (0, 127), "int8": (-64, 63)}
+
+
+def _ranges(gm) -> dict[str, tuple[int, int]]:
+    return {n: (q.quant_min, q.quant_max) for n, q in qc.quantizers(gm).items()}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("mode", ["static", "qat", "dynamic"])
+@pytest.mark.parametrize("adtype", ["uint8", "int8"])
+def test_target_sets_8_bit_activation_ranges(target: str, mode: str, adtype: str) -> None:
+    """x86 reduces every 8-bit activation quantizer (outputs, dynamic inputs of weighted
+    ops, model inputs) to 7 bits; weights keep the full range; other targets never
+    reduce."""
+    a = {"dtype": adtype, "symmetric": False}
+    _, gm, ctx = run_insert(mlp(), qspec({"match": {"module": "Linear"}, "weight": W8C,
+                                          "activation": a},
+                                         mode=mode, target=target, inputs=a), X)
+    roles = {r.name: r.role for r in ctx.quantizers}
+    expected_act = REDUCED[adtype] if target == "x86" else FULL[adtype]
+    ranges = _ranges(gm)
+    assert set(roles.values()) == {"weight", "activation", "input"}
+    if mode == "dynamic":
+        assert {"0.input_fake_quant", "2.input_fake_quant"} <= set(ranges)
+    for name, rng in ranges.items():
+        fq = qc.quantizers(gm)[name]
+        if roles[name] == "weight":
+            assert rng == (-128, 127), name
+            assert fq.reduce_range is False
+        else:
+            assert rng == expected_act, name
+            assert fq.reduce_range is (target == "x86")
+            assert fq.dynamic is (mode == "dynamic")
+
+
+@pytest.mark.parametrize(("adtype", "learnable"), [("int4", False), ("uint4", False),
+                                                   ("int16", False), ("uint16", False),
+                                                   ("fp8_e4m3", False), ("uint8", True)])
+def test_x86_reduces_only_8_bit_integer_activations(adtype: str, learnable: bool) -> None:
+    a = {"dtype": adtype, "learnable": learnable}
+    if adtype.startswith("u"):
+        a["symmetric"] = False
+    _, gm, _ = run_insert(mlp(), qspec({"match": {"module": "Linear"}, "weight": W8C,
+                                        "activation": a}, target="x86"), X)
+    q = qc.quantizers(gm)["0.output_fake_quant"]
+    full = qc.specs.Scheme(dtype=adtype, symmetric=a.get("symmetric", True)).qrange()
+    if adtype == "uint8":  # LSQ activations too
+        assert q.learnable and (q.quant_min, q.quant_max) == (0, 127)
+    else:
+        assert (q.quant_min, q.quant_max) == full and q.reduce_range is False
+
+
+def test_x86_int8_weights_and_activations_for_an_op_rule() -> None:
+    """An op rule's activation (the add) is an activation like any other; a weight scheme
+    of uint8 is a weight and keeps its full range."""
+    _, gm, _ = run_insert(SizeArithmetic(), qspec(
+        {"match": {"module": "Linear"}, "weight": {"dtype": "uint8", "symmetric": False}},
+        {"match": {"op": "add"}, "activation": {"dtype": "int8"}}, target="x86"),
+        torch.randn(2, 4))
+    assert _ranges(gm) == {"fc.weight_fake_quant": (0, 255), "add_1_fake_quant": (-64, 63)}
+
+
+@pytest.mark.parametrize("mode", ["qat", "dynamic"])
+def test_x86_activation_values_stay_in_7_bits(mode: str) -> None:
+    """What the graph computes: activations on a grid of at most 128 levels, the integers
+    within [quant_min, quant_max] (dynamic: each batch's own qparams, still 7 bits)."""
+    a = {"dtype": "uint8", "symmetric": False}
+    _, gm, _ = run_insert(mlp(), qspec({"match": {"module": "Linear"}, "weight": W8C,
+                                        "activation": a}, mode=mode, target="x86"), X)
+    fq = qc.quantizers(gm)["0.input_fake_quant" if mode == "dynamic" else "0.output_fake_quant"]
+    seen = []
+    handle = fq.register_forward_hook(lambda m, args, out: seen.append((args[0], out)))
+    try:
+        gm(torch.randn(64, 6, generator=torch.Generator().manual_seed(5)) * 3)
+    finally:
+        handle.remove()
+    (inp, out), = seen
+    levels = torch.unique(out)
+    assert 64 < levels.numel() <= 128
+    # the step of the grid is the range over 127 levels, not 255
+    lo, hi = inp.min().clamp(max=0), inp.max().clamp(min=0)
+    step = (levels[1:] - levels[:-1]).min()
+    torch.testing.assert_close(step, (hi - lo) / 127, rtol=1e-4, atol=0)

@@ -392,7 +392,9 @@ def test_calibrate_enables_freezes_and_fits_the_data_range() -> None:
     lo, hi = data.min(), data.max()
     q = qs[inp]
     assert q.observer.min_val.item() == lo.item() and q.observer.max_val.item() == hi.item()
-    expected = (torch.clamp(hi, min=0) - torch.clamp(lo, max=0)) / 255
+    levels = q.quant_max - q.quant_min  # 127: quant.target x86 keeps activations in 7 bits
+    assert levels == 127
+    expected = (torch.clamp(hi, min=0) - torch.clamp(lo, max=0)) / levels
     torch.testing.assert_close(q.scale, expected.reshape(1), rtol=1e-6, atol=0)
     assert q.zero_point.item() == int(torch.round(-lo / q.scale).item())
 

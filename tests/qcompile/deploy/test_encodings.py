@@ -56,7 +56,8 @@ def test_export_lists_every_quantizer_with_its_numerics(tmp_path: Path) -> None:
         assert e["min"] == (e["quant_min"] - z) * s and e["max"] == (e["quant_max"] - z) * s
         assert e["granularity"] == "per_channel" and e["axis"] == 0
     act = data["activation_encodings"]["fc.output"][0]
-    assert act["is_symmetric"] is False and act["quant_min"] == 0 and act["quant_max"] == 255
+    assert act["is_symmetric"] is False and act["quant_min"] == 0 and act["quant_max"] == 127
+    assert act["bitwidth"] == 7  # quant.target x86: 7-bit activations, the grid AIMET needs
 
 
 def test_round_trip_reproduces_qparams_and_outputs(tmp_path: Path) -> None:
@@ -95,7 +96,7 @@ def test_dynamic_quantizers_are_marked_dynamic(tmp_path: Path) -> None:
     qc.export_encodings(gm, path)
     data = json.loads(path.read_text())
     assert data["activation_encodings"]["0.input"] == [  # dynamic: what the op reads
-        {"dynamic": True, "bitwidth": 8, "is_symmetric": False, "granularity": "per_tensor"}]
+        {"dynamic": True, "bitwidth": 7, "is_symmetric": False, "granularity": "per_tensor"}]
     assert len(data["param_encodings"]["0.weight"]) == 4
     qc.load_encodings(gm, path)  # dynamic entries are left as they are
 

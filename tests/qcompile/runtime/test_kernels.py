@@ -474,3 +474,57 @@ def test_build_failure_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch,
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert kernels.load.__wrapped__() is None
+
+
+# -- forced to AVX2: the path of every CPU without AVX-512 ----------------------------------
+_AVX2_CHECKS = """
+import importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location("kernel_tests", sys.argv[1])
+m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+# the x86 target's 7-bit activation ranges too
+m.QDTYPES.update({"uint8_x86": (0, 127, False), "int8_x86": (-64, 63, True)})
+for name, shape, axis in m.GRANULARITIES:
+    for learnable in (False, True):
+        m.test_matches_eager_exactly(name, shape, axis, learnable, "contiguous")
+m.test_matches_eager_exactly("per_channel_1", (3, 4, 5, 6), 1, True, "transposed")
+for axis in (None, 0, 1):
+    m.test_lsq_scale_gradient_exact_when_sums_are_exact(axis)
+for n in (7, 1000, 70001):
+    m.test_masks(n)
+print(m.OPS.fake_quant_isa(), torch.backends.cpu.get_cpu_capability())
+"""
+
+
+def _cpu_flags() -> set[str] | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return None
+
+
+@needs_ext
+def test_kernels_forced_to_avx2_match_eager() -> None:
+    """The key equality checks in a fresh process with our kernels forced to their AVX2
+    variant (``QCOMPILE_FQ_ISA=avx2``) and torch's eager reference to its AVX2 code
+    (``ATEN_CPU_CAPABILITY=avx2``): what a CPU without AVX-512 runs, tested on any CPU."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "QCOMPILE_FQ_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2"}
+    proc = subprocess.run([sys.executable, "-c", _AVX2_CHECKS, __file__], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    isa, aten = proc.stdout.split()[-2:]
+    flags = _cpu_flags()
+    if flags is not None and {"avx2", "fma", "f16c", "bmi2"} <= flags:
+        assert isa == "avx2", proc.stdout
+        assert aten == "AVX2", proc.stdout
+    else:
+        assert isa in ("avx2", "base"), proc.stdout
