@@ -10,8 +10,6 @@ this CPU has.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import int_reference as ref
@@ -22,21 +20,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 import qcompile as qc
+from qcompile.runtime.engines import use_engine
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation.*:UserWarning")
 
 A8 = {"dtype": "uint8", "symmetric": False}
 VNNI = ref.cpu_has_vnni()
-
-
-@contextlib.contextmanager
-def engine(name: str) -> Iterator[None]:
-    old = torch.backends.quantized.engine
-    torch.backends.quantized.engine = name
-    try:
-        yield
-    finally:
-        torch.backends.quantized.engine = old
 
 
 class One(nn.Module):
@@ -195,7 +184,7 @@ def test_reference_is_the_kernels_arithmetic(engine_name: str, x_max: int) -> No
                                    t.w_scale, t.bias)
         lo, hi = min(float(exact.min()), 0.0), max(float(exact.max()), 0.0)
         t.out_scale, t.out_zp = (hi - lo) / 255, round(-lo * 255 / (hi - lo))
-        with engine(engine_name):
+        with use_engine(engine_name):
             got = kernel(t)
         assert max_steps(got, reference(t, vnni=vnni)) <= 1, (seed, k)
         if x_max == 127:  # no saturation: both arithmetics agree exactly
@@ -252,7 +241,7 @@ def test_x86_graph_and_kernels_match_the_reference(method: str, p: dict) -> None
     assert max_steps(fq, r) <= 1 + 1e-6, "fake-quant graph vs integer reference"
     r_kernel = reference(t, vnni=False, full_output_range=True)
     for name in ("x86", "onednn", "qnnpack"):
-        with engine(name):
+        with use_engine(name):
             assert max_steps(kernel(t), r_kernel) <= 1, name
 
 
@@ -286,7 +275,7 @@ def test_x86_conv_graph_and_kernel_match_the_reference(method: str) -> None:
     assert torch.equal(r, reference(t, vnni=True))
     with torch.no_grad():
         assert max_steps(steps(gm(x), t), r) <= 1 + 1e-6
-    with engine("x86"):
+    with use_engine("x86"):
         assert max_steps(kernel(t), reference(t, vnni=False, full_output_range=True)) <= 1
 
 
@@ -330,7 +319,7 @@ def test_this_cpu_computes_what_the_reference_says() -> None:
     with this CPU's arithmetic (saturating unless it has VNNI)."""
     model, x = saturating_layer()
     t = integers(calibrated(model, x, spec("generic")), x)
-    with engine("x86"):
+    with use_engine("x86"):
         got = kernel(t)
     assert max_steps(got, reference(t, vnni=VNNI, full_output_range=True)) <= 1
     if not VNNI:
@@ -412,7 +401,7 @@ def test_x86_dynamic_input_is_7_bit_and_matches_the_dynamic_kernel(method: str) 
     qw = torch._make_per_channel_quantized_tensor(wq.to(torch.int8), wfq.scale.double(),
                                                   torch.zeros(32, dtype=torch.long), 0)
     packed = torch.ops.quantized.linear_prepack(qw, layer.bias.detach())
-    with engine("x86"):
+    with use_engine("x86"):
         dyn = torch.ops.quantized.linear_dynamic(x, packed, True).double()
         assert max_steps(dyn, r) <= 1e-4 * scale
         full = torch.ops.quantized.linear_dynamic(x, packed, False).double()
