@@ -7,7 +7,10 @@
 Rank 0 builds and compiles the model; the others build it on the meta device and
 receive the compiled state. The graph is wrapped *after* compiling (DDP or fully_shard),
 and observer statistics are reduced across ranks after every forward, so every rank's
-quantizers stay identical.
+quantizers stay identical. (A hand-written ``DistributedDataParallel(gm)`` loop instead
+calls ``qc.distributed.sync_observers(gm)`` after every forward; without it the scales drift
+apart and qcompile warns once.) With ``--cuda`` each rank sets its GPU (``LOCAL_RANK``)
+before ``init_process_group``; qcompile's collectives run on that device.
 """
 
 from __future__ import annotations
@@ -34,16 +37,22 @@ def main() -> None:
     parser.add_argument("--cuda", action="store_true")
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
-    dist.init_process_group("nccl" if args.cuda else "gloo")
-    rank = dist.get_rank()
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', rank)}" if args.cuda else "cpu")
+    # The rank's device first: NCCL's collectives (compile_once's broadcast, the observer
+    # sync, DDP's all-reduce) run on the current CUDA device, gloo's on the CPU.
     if args.cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
 
     spec = qc.load_spec("int8-qat").model_dump()
     spec["quant"]["rules"].insert(0, {"match": {"name": "4"}, "skip": True})  # float head
     spec["data_parallel"] = {"kind": "fsdp2" if args.fsdp2 else "ddp"}
     spec["train"] = {"accumulate": 2}
+    # every tensor arrives on CPU (sent over the backend's device), then moves to ours
     gm = qc.distributed.compile_once(build, spec, (torch.randn(2, 32),)).to(device)
     model = qc.distributed.wrap(gm, spec)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -55,9 +64,11 @@ def main() -> None:
                                          nn.functional.mse_loss, spec=spec)
         if rank == 0 and step % 10 == 0:
             print(f"step {step}: loss {loss:.4f}", flush=True)
-    scales = torch.cat([q.scale.detach().reshape(-1).cpu() for q in qc.quantizers(gm).values()])
+    # a collective of our own: its tensors live on the rank's device (NCCL: the GPU)
+    scales = torch.cat([q.scale.detach().reshape(-1) for q in qc.quantizers(gm).values()])
+    scales = scales.to(device)
     gathered = [torch.empty_like(scales) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, scales.to(device) if args.cuda else scales)
+    dist.all_gather(gathered, scales)
     if rank == 0:
         same = all(torch.equal(g.cpu(), gathered[0].cpu()) for g in gathered)
         print(f"quantizer scales identical on every rank: {same}")

@@ -5,7 +5,9 @@
 
 Every rank compiles the same model with the same spec (same seed), keeps its own stage
 and drives torch.distributed.pipelining's schedule; qcompile sums the gradients of
-parameters shared between stages on different ranks.
+parameters shared between stages on different ranks. The int8-qat observers stay live
+(QAT): torch's first-step shape inference (a forward on torch.empty) reaches none of them.
+For pipeline x data parallel see examples/hybrid_train.py.
 """
 
 from __future__ import annotations

@@ -217,7 +217,8 @@ def place(gm: GraphModule, ctx: Context) -> GraphModule:
                 p = _packable(gm, v)
                 if p is not None:
                     packed[v] = p
-        ctx.note(f"transfer int8: {len(packed)} value(s) cross cuts as integers")
+        ctx.note(f"transfer int8: {len(packed)} value(s) cross cuts as integers (as floats "
+                 "while their quantizers are off, e.g. during qc.calibrate)")
     for s in range(k):
         live_in = layout.crossing(last_index[s - 1] if s else -1)
         live_out = layout.crossing(last_index[s])
@@ -295,4 +296,9 @@ def place(gm: GraphModule, ctx: Context) -> GraphModule:
             if s < len(ctx.stages) - 1:
                 ctx.stages[s].bytes_out = ctx.stages[s + 1].bytes_in = sent
     ctx.note(f"{k} stage(s) on {', '.join(devices)}")
+    m = ctx.spec.pipeline.microbatches
+    if m > 1:  # the schedules' setting: say what one process does with it
+        ctx.note(f"pipeline.microbatches: {m} applies to qc.distributed.pipeline's schedules; "
+                 "called in one process, this graph runs each stage on the whole batch (to "
+                 f"bound activation memory, call it on torch.tensor_split(x, {m}) chunks)")
     return placed

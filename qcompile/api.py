@@ -79,6 +79,32 @@ def _outputs(value: Any) -> list[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
+_SHARDED_CLASSES = ("FSDPModule", "FullyShardedDataParallel")
+_GATHER_RECIPE = (
+    "gather the full state and convert an unsharded copy on rank 0:\n"
+    "    from torch.distributed.checkpoint.state_dict import StateDictOptions, "
+    "get_model_state_dict\n"
+    "    sd = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True, "
+    "cpu_offload=True))  # every rank\n"
+    "    if rank == 0: gm = qc.qcompile(model, spec, example_inputs=(x,)); "
+    "gm.load_state_dict(sd); int8 = qc.convert(gm)")
+
+
+def sharded_by(gm: nn.Module) -> str | None:
+    """What shards ``gm`` (FSDP2 ``fully_shard``, FSDP1, or DTensor parameters), or None.
+    Duck-typed: this layer does not import torch.distributed."""
+    for name, m in gm.named_modules():
+        for cls in type(m).__mro__:
+            if cls.__name__ in _SHARDED_CLASSES or cls.__module__.startswith(
+                    "torch.distributed.fsdp"):
+                where = f"module {name!r}" if name else "the graph"
+                return f"{where} is a {cls.__name__} (torch.distributed.fsdp)"
+    for name, p in gm.named_parameters():
+        if any(c.__name__ == "DTensor" for c in type(p.data).__mro__ + type(p).__mro__):
+            return f"parameter {name!r} is a sharded DTensor"
+    return None
+
+
 def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
             instruments: Sequence[Instrument] = ()) -> nn.Module:
     """Lower a calibrated static, trained QAT or dynamic graph to integer kernels for
@@ -93,6 +119,11 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
     graph). ``instruments`` (e.g. ``GraphDumps``) see every conversion step, numbered after
     the compile passes, and ``finish`` with the result's report.
 
+    A graph sharded by FSDP (``fully_shard``) is refused with the recipe: gather the full
+    state with ``torch.distributed.checkpoint.state_dict.get_model_state_dict(...,
+    options=StateDictOptions(full_state_dict=True, cpu_offload=True))`` on every rank,
+    then on rank 0 load it into an unsharded compile of the model and convert that.
+
     Example:
         >>> import torch, qcompile as qc
         >>> m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
@@ -103,6 +134,10 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
         ['quantized::linear_dynamic']
     """
 
+    sharded = sharded_by(gm)
+    if sharded is not None:  # FSDP refuses deepcopy; each rank holds only its shard
+        raise QCompileError(f"convert: {sharded}: a sharded graph cannot be converted, each "
+                            "rank holds 1/N of every parameter", fix=_GATHER_RECIPE)
     rep = report(gm)
     if not quantizers(gm):
         raise QCompileError("convert: the graph has no quantizers (quant.mode "

@@ -18,9 +18,11 @@ from typing import Any
 from torch import nn
 from torch.fx import GraphModule
 
-from qcompile.distributed.guards import refuse_wrapped
+from qcompile.distributed.data_parallel import watch_observer_sync
+from qcompile.distributed.guards import refuse_wrapped, unwrap_compiled
 from qcompile.errors import QCompileError
 from qcompile.graph.pipeline import Instrument
+from qcompile.graph.records import report
 from qcompile.passes import compile_model
 from qcompile.specs import CompileSpec, as_spec
 
@@ -41,11 +43,19 @@ def qcompile(
     never modified: passes work on a deep copy — unless ``inplace=True`` (as in torch.ao's
     ``prepare_fx``), which saves the copy's memory and lets the graph take over the model's
     modules and parameters: use it only for a model nothing else will use.
+
+    A ``torch.compile``'d model is compiled from its original module (``model._orig_mod``;
+    names without ``_orig_mod.``, a note in the Report); a model wrapped for data
+    parallelism is refused (compile first, then ``qc.distributed.wrap``).
     """
     if not isinstance(model, nn.Module):
         raise QCompileError(f"qcompile takes an nn.Module, got {type(model).__name__}",
                             fix="pass the model instance (not its class or a function)")
     spec = as_spec(spec)
+    model, note = unwrap_compiled(model)
     refuse_wrapped(model)
-    return compile_model(model, spec, example_inputs, example_kwargs=example_kwargs,
-                         instruments=instruments, inplace=inplace)
+    gm = compile_model(model, spec, example_inputs, example_kwargs=example_kwargs,
+                       instruments=instruments, inplace=inplace)
+    if note is not None:
+        report(gm).passes[0].notes.append(note)
+    return watch_observer_sync(gm)

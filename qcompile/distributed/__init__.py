@@ -28,6 +28,7 @@ _LAZY = {
     "train_step": "data_parallel",
     "pipeline": "pipelining",
     "PipelineSchedule": "pipelining",
+    "mesh": "hybrid",
     "compile_once": "once",
 }
 

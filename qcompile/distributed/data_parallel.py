@@ -1,6 +1,11 @@
 """Data parallelism: wrap a compiled graph in DDP or FSDP2, keep observers in sync across
 ranks, and one optimizer step with gradient accumulation.
 
+``wrap`` synchronises observers after every forward. A hand-written loop around
+``DistributedDataParallel(gm)`` calls ``sync_observers(gm)`` itself after each forward;
+a graph whose observers keep training under a process group of several ranks with nothing
+synchronising them warns once (``watch_observer_sync``).
+
 Example:
     >>> import torch, qcompile as qc
     >>> from qcompile.distributed.data_parallel import sync_observers
@@ -12,13 +17,16 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
+from qcompile.distributed.devices import collective_device, staged
 from qcompile.distributed.guards import refuse_wrapped
 from qcompile.errors import QCompileError
+from qcompile.graph.meta import SYNC_OBSERVERS_KEY
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.runtime.observers import MovingAverageObserver
 from qcompile.specs import as_spec
@@ -28,16 +36,91 @@ def initialised() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
+# The attribute a compiled graph's sync watch reads: "watching" until the graph is
+# synchronised (``sync_observers``) or wrapped (``wrap``), or has warned; then "off".
+_WATCH = "_qc_observer_sync"
+UNSYNCED_WARNING = (
+    "observers of this graph keep updating under a process group of {world} ranks, but "
+    "nothing synchronises them: each rank's scales drift apart. Wrap the graph with "
+    "qc.distributed.wrap(gm, spec) (it syncs after every forward), or in a hand-written "
+    "DistributedDataParallel loop call qc.distributed.sync_observers(gm) after each forward "
+    "(or qc.freeze(gm) to stop the observers)")
+
+
+def _check_observer_sync(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook on a compiled graph (``watch_observer_sync``): one attribute read
+    per forward once decided; before that, a few cheap checks per training forward."""
+    state = module.__dict__.get(_WATCH)
+    if state != "watching" or not module.training or torch.compiler.is_compiling():
+        return
+    if not initialised():
+        return
+    world = torch.distributed.get_world_size()
+    if world < 2:
+        module.__dict__[_WATCH] = "off"
+        return
+    # first training forward under the group: observations made so far (compile time,
+    # freeze) are not drift; from the second on, an observer that updated in an earlier
+    # forward and was not synchronised since is
+    if not module.__dict__.get("_qc_observer_sync_armed", False):
+        module.__dict__["_qc_observer_sync_armed"] = True
+        return
+    if any(isinstance(m, FakeQuantize) and m.observe and m.observed and m.observer is not None
+           for m in module.modules()):
+        module.__dict__[_WATCH] = "off"
+        warnings.warn(UNSYNCED_WARNING.format(world=world), UserWarning, stacklevel=2)
+
+
+def watch_observer_sync(gm: nn.Module) -> nn.Module:
+    """Install the once-only warning for observers nobody synchronises (``qcompile`` does
+    it for every graph whose spec has ``quant.sync_observers``).
+
+    A forward pre-hook on the graph (a module-level function: the graph still pickles): on
+    a training forward under an initialised process group of two or more ranks, from the
+    second such forward on, a quantizer that still observes and updated since the last
+    ``sync_observers`` makes it warn once. ``wrap`` and ``sync_observers`` switch the
+    check off for good (one dict lookup per forward remains); ``FakeQuantize.forward`` is
+    untouched. Evaluation-mode forwards (``qc.calibrate``, which syncs at its end) are not
+    checked."""
+    meta = getattr(gm, "meta", None)
+    if isinstance(meta, dict) and meta.get(SYNC_OBSERVERS_KEY) is False:
+        return gm  # the spec turned synchronisation off: local observers are intended
+    gm.__dict__.setdefault(_WATCH, "watching")
+    if _check_observer_sync not in gm._forward_pre_hooks.values():
+        gm.register_forward_pre_hook(_check_observer_sync)
+    return gm
+
+
+def _mark_synced(gm: nn.Module) -> None:
+    for m in gm.modules():
+        if m.__dict__.get(_WATCH) == "watching":
+            m.__dict__[_WATCH] = "off"
+
+
 def sync_observers(gm: nn.Module, group: Any = None, *, everything: bool = False
                    ) -> dict[str, int]:
     """Reduce observer statistics across the data-parallel group, then recompute qparams.
 
+    ``qc.distributed.wrap`` calls it after every forward. A hand-written loop around
+    ``DistributedDataParallel(gm)`` (or ``fully_shard``) calls it itself, on every rank,
+    after each forward (before ``backward``, or after ``optimizer.step()``)::
+
+        ddp = DistributedDataParallel(gm)
+        for x, y in loader:
+            loss = loss_fn(ddp(x), y)
+            qc.distributed.sync_observers(gm)   # every rank's qparams identical again
+            loss.backward(); opt.step(); opt.zero_grad()
+
     Min-max observers take the min of mins and max of maxes; moving averages the mean.
     All quantizers go in one flattened collective per reduction kind (at most three per
-    call), not one per quantizer. Only quantizers that observed since the last call take
-    part (every rank ran the same forward, so it is the same set), unless ``everything``.
-    Returns the number of collectives and bytes sent."""
+    call), not one per quantizer, on the backend's device (``collective_device``: the
+    rank's GPU for NCCL, CPU for gloo) whatever device the observers are on. Only
+    quantizers that observed since the last call take part (every rank ran the same
+    forward, so it is the same set), unless ``everything``. ``group`` defaults to the
+    world (with pipeline x data parallel: the stage's data-parallel group). Without a
+    process group it does nothing. Returns the number of collectives and bytes sent."""
     stats = {"collectives": 0, "bytes": 0}
+    _mark_synced(gm)
     if not initialised():
         return stats
     qs = [m for _, m in sorted(gm.named_modules(), key=lambda kv: kv[0])
@@ -46,6 +129,7 @@ def sync_observers(gm: nn.Module, group: Any = None, *, everything: bool = False
     if not qs:
         return stats
     world = torch.distributed.get_world_size(group)
+    device = collective_device(group)
     mins = [q.observer.min_val for q in qs if not isinstance(q.observer, MovingAverageObserver)]
     maxs = [q.observer.max_val for q in qs if not isinstance(q.observer, MovingAverageObserver)]
     avgs = [t for q in qs if isinstance(q.observer, MovingAverageObserver)
@@ -55,7 +139,7 @@ def sync_observers(gm: nn.Module, group: Any = None, *, everything: bool = False
         for tensors, op in ((mins, ops.MIN), (maxs, ops.MAX), (avgs, ops.SUM)):
             if not tensors:
                 continue
-            flat = torch.cat([t.reshape(-1) for t in tensors])
+            flat = torch.cat([staged(t.reshape(-1), device) for t in tensors])
             torch.distributed.all_reduce(flat, op=op, group=group)
             if op == ops.SUM:
                 flat /= world
@@ -85,7 +169,8 @@ def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Modul
     - ``none``: ``gm`` itself.
 
     With ``quant.sync_observers`` and an initialised process group, observer statistics
-    are reduced across ranks after every forward (``sync_observers``).
+    are reduced across ranks after every forward (``sync_observers``), and the graph's
+    unsynchronised-observer warning is switched off.
     """
     spec = as_spec(spec)
     kind = spec.data_parallel.kind
@@ -94,6 +179,7 @@ def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Modul
                             fix="launch with torchrun and call "
                             "torch.distributed.init_process_group() first")
     refuse_wrapped(gm)
+    _mark_synced(gm)  # synchronised below, or not by the spec's choice: no warning
     if spec.quant.sync_observers and initialised():
         gm.register_forward_hook(lambda module, args, out: (sync_observers(module, group),
                                                              None)[1])

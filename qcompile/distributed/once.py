@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from qcompile.distributed.cache import CompileCache, cache_key
-from qcompile.distributed.data_parallel import initialised
-from qcompile.distributed.guards import refuse_wrapped
+from qcompile.distributed.data_parallel import initialised, watch_observer_sync
+from qcompile.distributed.devices import collective_device, staged
+from qcompile.distributed.guards import refuse_wrapped, unwrap_compiled
 from qcompile.graph.records import report
 from qcompile.passes import as_inputs, compile_model
 from qcompile.runtime.calibration import check_calibratable, collect_statistics
@@ -38,6 +39,9 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
     The other ranks build the model on the meta device (no memory), compile that, allocate
     the compiled graph once and receive every parameter and buffer from rank 0. All ranks
     end with bit-identical graphs; no rank but 0 ever holds the float model.
+    Tensors travel on the backend's device (``collective_device``: the rank's GPU for
+    NCCL, so call ``torch.cuda.set_device`` first; CPU for gloo), one at a time, and land
+    in the graph on CPU: move it with ``.to(device)`` afterwards.
     Without a process group this is compile (+ calibrate, + cache) in one process.
     """
     spec = as_spec(spec)
@@ -45,7 +49,7 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
     rank = torch.distributed.get_rank(group) if initialised() else 0
     inputs = as_inputs(example_inputs)
     if rank == 0:
-        model = build_model()
+        model, note = unwrap_compiled(build_model())
         refuse_wrapped(model)
         key = None
         batches = list(calibration) if calibration is not None else None
@@ -70,7 +74,7 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
     else:
         meta = torch.device("meta")
         with meta:
-            model = build_model()
+            model, note = unwrap_compiled(build_model())
 
         def to_meta(v: Any) -> Any:
             return v.to(meta) if isinstance(v, torch.Tensor) else v
@@ -79,13 +83,19 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
         meta_kwargs = {k: to_meta(v) for k, v in (example_kwargs or {}).items()} or None
         gm = compile_model(model, spec, meta_inputs, example_kwargs=meta_kwargs, inplace=True)
         gm = gm.to_empty(device="cpu")
+    if note is not None:
+        report(gm).passes[0].notes.append(note)
     if initialised():
         tensors = [t for _, t in sorted([*gm.named_parameters(remove_duplicate=True),
                                          *gm.named_buffers(remove_duplicate=True)],
                                         key=lambda kv: kv[0])]
         src = torch.distributed.get_global_rank(group, 0) if group is not None else 0
+        device = collective_device(group)
         with torch.no_grad():
             for t in tensors:
-                torch.distributed.broadcast(t.data, src=src, group=group)
+                buffer = staged(t.data, device)  # NCCL sends CUDA tensors only
+                torch.distributed.broadcast(buffer, src=src, group=group)
+                if buffer is not t.data and rank != 0:
+                    t.data.copy_(buffer)
         gm.load_state_dict(gm.state_dict())  # quantizer on/off flags follow their buffers
-    return gm
+    return watch_observer_sync(gm)

@@ -3,6 +3,11 @@
 Built on ``torch.distributed.pipelining``; qcompile adds inputs by name, a batch-size check
 before any communication and summing the gradients of parameters tied across ranks.
 
+Observers see real data only: torch's stage infers the shapes it exchanges by running a
+forward of its own on the first step (on ``torch.empty`` tensors). qcompile runs that
+bookkeeping forward with every quantizer of the stage paused (``observe = False``) and puts
+back every buffer it touched (BatchNorm statistics), so no statistic records it.
+
 Example:
     >>> import torch, qcompile as qc
     >>> from qcompile.distributed.pipelining import pipeline
@@ -18,6 +23,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,13 +39,20 @@ from qcompile.specs import as_spec
 
 class PipelineSchedule:
     """A torch.distributed.pipelining schedule plus what qcompile adds around ``step``:
-    inputs by name, a batch-size check, and summing the gradients of parameters shared by
-    stages on different ranks. Every other attribute is the torch schedule's."""
+    inputs by name, a batch-size check, summing the gradients of parameters shared by
+    stages on different ranks, ``train.accumulate`` (the batch in that many schedule steps,
+    gradients averaged, for one optimizer step) and, with pipeline x data parallel, one
+    observer synchronisation over the stage's dp group per step (``last_sync``: its
+    collectives and bytes). Every other attribute is the torch schedule's."""
 
     def __init__(self, schedule: Any, input_names: list[str], microbatches: int,
-                 tied: list[tuple[list[torch.Tensor], Any]], params: list[torch.Tensor]
-                 ) -> None:
+                 tied: list[tuple[list[torch.Tensor], Any]], params: list[torch.Tensor],
+                 sync: Any = None, dp_group: Any = None, accumulate: int = 1) -> None:
         self.schedule = schedule
+        self.accumulate = accumulate  # train.accumulate: schedule steps per optimizer step
+        self.sync = sync  # pipeline x data parallel: observer sync over the dp group
+        self.dp_group = dp_group
+        self.last_sync: dict[str, int] = {"collectives": 0, "bytes": 0}
         self.input_names = input_names
         self.microbatches = microbatches
         self.tied = tied
@@ -61,30 +76,132 @@ class PipelineSchedule:
                                     "schedule feeds every stage-0 input as a tensor",
                                     fix="pass a tensor for every model input")
             args = (*args, *named)
+        n, m = self.accumulate, self.microbatches
         for a in (*args, target):
-            if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] % self.microbatches:
+            if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] % (m * n):
+                what = (f"pipeline.microbatches = {m}" if n == 1 else
+                        f"pipeline.microbatches x train.accumulate = {m} x {n}")
                 raise QCompileError(
-                    f"pipeline step: batch size {a.shape[0]} is not divisible by "
-                    f"pipeline.microbatches = {self.microbatches}",
+                    f"pipeline step: batch size {a.shape[0]} is not divisible by {what}",
                     fix="use a batch size that is a multiple of the micro-batch count")
-        kwargs: dict[str, Any] = {"target": target, "losses": losses}
-        out = self.schedule.step(*args, **kwargs)
-        if getattr(self.schedule, "_has_backward", True):
-            for p in self.params:  # mean over micro-batches, once per parameter
+        backward = getattr(self.schedule, "_has_backward", True)
+        # gradients already there (accumulating over several steps) are left as they are:
+        # only this step's share is averaged and summed over tied holders
+        before = [p.grad.detach().clone() if backward and p.grad is not None else None
+                  for p in self.params]
+
+        def part(a: Any, i: int) -> Any:
+            return a.chunk(n)[i] if n > 1 and isinstance(a, torch.Tensor) and a.dim() else a
+
+        outs = []
+        for i in range(n):  # train.accumulate: n schedule steps, one optimizer step
+            mine: list | None = None if losses is None else []
+            outs.append(self.schedule.step(*(part(a, i) for a in args),
+                                           target=part(target, i), losses=mine))
+            if losses is not None:  # torch's step replaces the list's contents: collect
+                if i == 0:
+                    losses.clear()
+                losses.extend(mine or [])
+        if backward:
+            for p, g0 in zip(self.params, before):  # mean over micro-batches, once each
                 if p.grad is not None:
-                    p.grad.div_(self.microbatches)
+                    if g0 is not None:
+                        p.grad.sub_(g0)
+                    p.grad.div_(m * n)
         for params, group in self.tied:  # one stage's share of a tied gradient each: sum
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 torch.distributed.all_reduce(p.grad, group=group)
+        for p, g0 in zip(self.params, before):
+            if g0 is not None and p.grad is not None:
+                p.grad.add_(g0)
+        out = outs[0]
+        if n > 1 and all(isinstance(o, torch.Tensor) for o in outs):
+            out = torch.cat(outs)
+        if self.sync is not None:  # one fused collective per reduction kind per step
+            self.last_sync = self.sync()
         return out
 
 
-def _tied_groups(gm: nn.Module, stage_rank: dict[int, int], mine: list[int], group: Any
+@contextlib.contextmanager
+def paused_observers(module: nn.Module) -> Iterator[None]:
+    """Nothing run inside reaches a statistic of ``module``: every quantizer's observer is
+    paused (its ``observe`` flag restored after) and every buffer (BatchNorm running
+    statistics, observer state) is put back as it was."""
+    from qcompile.runtime.calibration import quantizers
+
+    qs = list(quantizers(module).values())
+    flags = [(q.observe, q.observed) for q in qs]
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    for q in qs:
+        q.observe = False
+    try:
+        yield
+    finally:
+        for q, (observe, observed) in zip(qs, flags):
+            q.observe, q.observed = observe, observed
+        with torch.no_grad():
+            for b, saved in buffers:
+                if not torch.equal(b, saved):
+                    b.copy_(saved)
+
+
+# torch's per-stage shape inference (2.6+: _forward_metadata_inference; before: _shape_inference)
+_INFERENCE = ("_forward_metadata_inference", "_shape_inference")
+
+
+def protect_observers(stage: Any) -> Any:
+    """Run ``stage``'s shape-inference forward under ``paused_observers``."""
+    for name in _INFERENCE:
+        infer = getattr(stage, name, None)
+        if infer is None:
+            continue
+
+        @functools.wraps(infer)
+        def guarded(*args: Any, _infer: Any = infer, **kwargs: Any) -> Any:
+            wrapper = stage.submod
+            # a DDP-wrapped stage infers through the bare module: DDP's reducer must see
+            # only the schedule's real forwards and backwards
+            inner = getattr(wrapper, "module", wrapper) if hasattr(wrapper, "no_sync") else (
+                wrapper)
+            stage.submod = inner
+            try:
+                with paused_observers(inner):
+                    return _infer(*args, **kwargs)
+            finally:
+                stage.submod = wrapper
+
+        setattr(stage, name, guarded)
+    return stage
+
+
+def _replicate(module: nn.Module, spec: Any, dp_group: Any, dp_mesh: Any) -> nn.Module:
+    """This rank's stage replicated over its data-parallel group: DDP (observer buffers
+    are not broadcast: ``sync_observers`` reduces them once per step) or ``fully_shard``."""
+    if spec.data_parallel.kind == "ddp":
+        import inspect
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        # buffers are broadcast once at construction (every replica starts equal), never
+        # per forward: that would overwrite each replica's observations with rank 0's
+        params = inspect.signature(DistributedDataParallel).parameters
+        no_forward_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in params
+                           else {"broadcast_buffers": False})
+        return DistributedDataParallel(module, process_group=dp_group, **no_forward_sync)
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(module, mesh=dp_mesh)
+
+
+def _tied_groups(gm: nn.Module, stage_rank: dict[int, int], mine: list[int], group: Any,
+                 columns: list[list[int]] | None = None
                  ) -> list[tuple[list[torch.Tensor], Any]]:
     """Process groups among the ranks holding each tied parameter (created on every rank
-    in the same order, as new_group requires), with this rank's copies."""
+    in the same order, as new_group requires), with this rank's copies. ``columns``
+    (pipeline x data parallel): the global ranks of every pp group, one per dp index; each
+    gets its own groups, created by every rank in the same order."""
 
     def stage_of(key: str) -> int:
         return int(key.split(".", 1)[0].removeprefix("stage_"))
@@ -98,10 +215,15 @@ def _tied_groups(gm: nn.Module, stage_rank: dict[int, int], mine: list[int], gro
     me = torch.distributed.get_rank()
     for ranks, tied_keys in sorted(groups.items()):
         # stage ranks count within `group`; new_group takes global ranks
-        global_ranks = [r if group is None else torch.distributed.get_global_rank(group, r)
-                        for r in ranks]
-        sub_group = torch.distributed.new_group(global_ranks)
-        if me in global_ranks:
+        if columns is None:
+            candidates = [[r if group is None else torch.distributed.get_global_rank(group, r)
+                           for r in ranks]]
+        else:
+            candidates = [[col[r] for r in ranks] for col in columns]
+        for global_ranks in candidates:
+            sub_group = torch.distributed.new_group(global_ranks)
+            if me not in global_ranks:
+                continue
             tensors = []
             for keys in tied_keys:
                 for key in keys:
@@ -119,6 +241,13 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
 
     ``gpipe`` and ``1f1b`` put stage ``r`` on rank ``r`` (stages == world size);
     ``interleaved_1f1b`` puts stages ``r, r + W, r + 2W, ...`` on rank ``r``.
+
+    With ``data_parallel.kind`` ``ddp`` or ``fsdp2`` (pipeline x data parallel) the ranks
+    form the ``("pp", "dp")`` mesh of ``qc.distributed.mesh``: this rank's stage is wrapped
+    in DDP over its dp group (or ``fully_shard`` over the dp sub-mesh) and the PipelineStage
+    drives the wrapped module (``stage.submod``); stage ranks count within the pp group;
+    observers are synchronised over the dp group once per ``step``; tied parameters are
+    summed over the pp ranks holding them.
     """
     from torch.distributed import pipelining as pp
 
@@ -135,6 +264,20 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
     if missing:
         raise QCompileError(f"qc.distributed.pipeline: the graph has no {missing[0]}",
                             fix="pass the GraphModule qc.qcompile returned for this spec")
+    hybrid = spec.data_parallel.kind != "none"
+    dp_group = dp_mesh = None
+    columns: list[list[int]] | None = None
+    if hybrid:  # pipeline x data parallel: validated before any communication
+        from qcompile.distributed.hybrid import mesh
+
+        if group is not None:
+            raise QCompileError("qc.distributed.pipeline: pipeline x data parallel builds "
+                                "its own 2-D mesh over the world; group= is not supported",
+                                fix="drop group=, or set data_parallel.kind: none")
+        device_mesh = mesh(spec)
+        group, dp_group = device_mesh.get_group("pp"), device_mesh.get_group("dp")
+        dp_mesh = device_mesh["dp"]
+        columns = [[int(r) for r in col] for col in device_mesh.mesh.t().tolist()]
     world = torch.distributed.get_world_size(group)
     rank = torch.distributed.get_rank(group)
     kind = spec.pipeline.schedule
@@ -154,7 +297,10 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
         mine = [rank]
     devices = [torch.device(d) for d in stage_devices(spec.pipeline)]
     stage_rank = {s: s % world for s in range(k)}
-    stages = [pp.PipelineStage(gm.get_submodule(f"stage_{s}"), s, k, devices[s], group=group)
+    modules = {s: gm.get_submodule(f"stage_{s}") for s in mine}
+    wrapped = ({s: _replicate(mod, spec, dp_group, dp_mesh) for s, mod in modules.items()}
+               if hybrid else modules)
+    stages = [protect_observers(pp.PipelineStage(wrapped[s], s, k, devices[s], group=group))
               for s in mine]
     m = spec.pipeline.microbatches
     # Gradients are averaged over micro-batches here, once per distinct parameter: torch's
@@ -167,6 +313,17 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
         schedule = pp.ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn, scale_grads=False)
     params = list({id(p): p for st in stages for p in st.submod.parameters()}.values())
     inputs = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
-    tied = _tied_groups(gm, stage_rank, mine, group)
+    tied = _tied_groups(gm, stage_rank, mine, group, columns)
+    sync = None
+    if hybrid and spec.quant.sync_observers:
+        from qcompile.distributed.data_parallel import sync_observers
+
+        def sync() -> dict[str, int]:  # once per step, over this stage's dp group only
+            stats = {"collectives": 0, "bytes": 0}
+            for mod in modules.values():
+                for key, value in sync_observers(mod, dp_group).items():
+                    stats[key] += value
+            return stats
     return (stages if kind == "interleaved_1f1b" else stages[0],
-            PipelineSchedule(schedule, inputs, m, tied, params))
+            PipelineSchedule(schedule, inputs, m, tied, params, sync=sync, dp_group=dp_group,
+                             accumulate=spec.train.accumulate))

@@ -328,9 +328,33 @@ class FakeQuantize(nn.Module):
 
     # The weight cache is runtime state of this instance only: moved or converted tensors
     # start without it, and copies and pickles never carry it.
+    # Casting the graph (``gm.to(torch.bfloat16)``, ``.half()``) moves qparams and observer
+    # statistics but keeps their dtypes: float32 scales and ranges, float64 histograms.
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         weight_cache.clear(self)
-        return super()._apply(fn, recurse)
+        dtypes = {name: t.dtype for name, t in self._state_tensors()}
+        out = super()._apply(fn, recurse)
+        self._restore_dtypes(dtypes)
+        return out
+
+    def _state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [*self.named_parameters(recurse=True), *self.named_buffers(recurse=True)]
+
+    @torch.no_grad()
+    def _restore_dtypes(self, dtypes: dict[str, torch.dtype]) -> None:
+        for name, t in self._state_tensors():
+            want = dtypes.get(name)
+            if want is None or t.dtype == want or not (t.is_floating_point()
+                                                        and want.is_floating_point):
+                continue
+            parent, _, leaf = name.rpartition(".")
+            owner = self.get_submodule(parent) if parent else self
+            if isinstance(t, nn.Parameter):
+                t.data = t.data.to(want)
+                if t.grad is not None:
+                    t.grad = t.grad.to(want)
+            else:
+                owner._buffers[leaf] = t.to(want)
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()  # a copy of __dict__

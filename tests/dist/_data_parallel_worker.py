@@ -542,6 +542,40 @@ def case_wrong_order() -> dict[str, Any]:
             "fully_shard": error_of(lambda: qc.qcompile(sharded, "int8-qat"))}
 
 
+# -- 9. hand-written DDP loops -------------------------------------------------------------------
+def hand_written_run(how: str, steps: int = 5) -> dict[str, Any]:
+    """QAT with observers on, different data per rank, driven by ``how``: ``"ddp"`` (a bare
+    ``DistributedDataParallel(gm)``, nothing syncing), ``"ddp+sync"`` (the same, calling
+    ``qc.distributed.sync_observers(gm)`` after every forward) or ``"wrap"``."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    spec = qat_spec("ddp")
+    gm = compiled(spec)
+    model = qc.distributed.wrap(gm, spec) if how == "wrap" else DistributedDataParallel(gm)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            x, y = global_batch(step, scale_rank1=3.0)
+            opt.zero_grad()
+            loss = mse(model(local(x)), local(y))
+            if how == "ddp+sync":
+                qc.distributed.sync_observers(gm)
+            loss.backward()
+            opt.step()
+    unsynced = [str(w.message) for w in seen if "nothing synchronises" in str(w.message)]
+    qparams = {f"{n}.{k}": full(getattr(q, k)) for n, q in qc.quantizers(gm).items()
+               for k in ("scale", "zero_point")}
+    return {"warnings": unsynced, "differing": gather_bad(differing_from_rank0(qparams)),
+            "quantizers": len(qc.quantizers(gm))}
+
+
+def case_hand_written_ddp() -> dict[str, Any]:
+    return {how: hand_written_run(how) for how in ("ddp", "ddp+sync", "wrap")}
+
+
 # -- known failures (SOFT: recorded, run last) ------------------------------------------------
 def from_scratch(kind: str) -> dict[str, Any]:
     """Compile with learnable scales, wrap, train 2 steps on different data per rank —

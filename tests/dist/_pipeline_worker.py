@@ -7,8 +7,9 @@ Run as a script, never imported from the tests folder::
 with ``RANK``, ``WORLD_SIZE`` and either ``QC_DIST_INIT`` (an ``init_method`` URL, e.g.
 ``file:///tmp/x/store``) or torchrun's ``MASTER_ADDR``/``MASTER_PORT`` in the environment,
 so ``torchrun --standalone --nproc_per_node=2 tests/dist/_pipeline_worker.py OUT gpipe``
-works too when debugging. Every case runs on an int8-qat model with fixed scales (one
-forward over the batch, then ``qc.freeze``); the reference is the unsplit compiled graph
+works too when debugging. Most cases run on an int8-qat model with fixed scales (one
+forward over the batch, then ``qc.freeze``); the ``live_*`` cases keep the observers live
+(QAT as a user runs it). The reference is the unsplit compiled graph
 with the same state_dict: per-micro-batch losses of a mean-reduced loss and the gradients of
 their mean. Each rank writes ``OUTDIR/rank<r>.json`` (``{case: result}``) after every case;
 the test asserts on those. An unexpected exception is recorded (``{"crash": traceback}``)
@@ -288,6 +289,61 @@ def case_tied_interleaved_cross_rank() -> dict[str, Any]:
 
 def case_tied_interleaved_same_rank() -> dict[str, Any]:
     return tied_interleaved([["emb"], ["fc1"], ["fc2", "head"], ["post"]])
+
+
+def live_case(pipeline: dict[str, Any], steps: int = 20) -> dict[str, Any]:
+    """Int8 QAT with live observers (never frozen): the first step against the unsplit graph
+    run micro-batch by micro-batch (same state_dict, so every quantizer sees the same inputs
+    in the same order), then ``steps`` Adam steps of the pipeline."""
+    x, y = dense_data()
+    spec = qc.load_spec("int8-qat").model_dump()
+    spec["pipeline"] = pipeline
+    gm = qc.qcompile(build(Residual), spec, example_inputs=(x[:2],))
+    ref = qc.qcompile(build(Residual), {**spec, "pipeline": None}, example_inputs=(x[:2],))
+    ref.load_state_dict(gm.state_dict())
+    ref_losses = reference(ref, mse, x, y)
+    stage, schedule = qc.distributed.pipeline(gm, spec, loss_fn=mse)
+    stages = as_list(stage)
+    ref_buffers = dict(ref.named_buffers())
+    history: list[list[float]] = []
+    out: dict[str, Any] = {"ref_losses": ref_losses}
+    params = [p for s in stages for p in s.submod.parameters()]
+    opt = torch.optim.Adam(list({id(p): p for p in params}.values()), lr=3e-3)
+    for step in range(steps):
+        opt.zero_grad()
+        losses: list[torch.Tensor] = []
+        args = (x,) if any(s.is_first for s in stages) else ()
+        if any(s.is_last for s in stages):
+            schedule.step(*args, target=y, losses=losses)
+        else:
+            schedule.step(*args)
+        history.append([v.detach().item() for v in losses])
+        if step == 0:  # statistics and gradients of the first step against the reference
+            out.update(grad_report(stages, ref))
+            diff, compared = 0.0, 0
+            for s in stages:
+                for name, b in s.submod.named_buffers():
+                    if name in ref_buffers and b.is_floating_point():
+                        d = (b - ref_buffers[name]).abs().nan_to_num(posinf=1e30)
+                        diff = max(diff, d.max().item() if d.numel() else 0.0)
+                        compared += 1
+            out["buffer_diff"], out["buffers_compared"] = diff, compared
+        opt.step()
+    out["losses"] = history[0]
+    out["history"] = [sum(h) / len(h) for h in history if h]
+    return out
+
+
+def case_live_gpipe() -> dict[str, Any]:
+    return live_case({"stages": 2, "microbatches": MICRO, "schedule": "gpipe"})
+
+
+def case_live_1f1b() -> dict[str, Any]:
+    return live_case({"stages": 2, "microbatches": MICRO, "schedule": "1f1b"})
+
+
+def case_live_interleaved() -> dict[str, Any]:
+    return live_case({"stages": 4, "microbatches": MICRO, "schedule": "interleaved_1f1b"})
 
 
 def case_bad_batch() -> dict[str, Any]:

@@ -1,9 +1,9 @@
-"""Launching the two-rank workers of the multi-process tests.
+"""Launching the workers of the multi-process tests (two ranks unless told otherwise).
 
-``dist_launcher(worker, cases, outdir, deadline)`` starts two worker processes (a FileStore
-rendezvous in ``outdir``: no port to find), supervises them — when one rank fails the other
-is killed after a short grace period, and the whole launch has a deadline — and returns a
-``Launch`` with both ranks' JSON results and logs.
+``dist_launcher(worker, cases, outdir, deadline, world=2)`` starts ``world`` worker
+processes (a FileStore rendezvous in ``outdir``: no port to find), supervises them — when
+one rank fails the others are killed after a short grace period, and the whole launch has a
+deadline — and returns a ``Launch`` with every rank's JSON results and logs.
 """
 
 from __future__ import annotations
@@ -35,17 +35,18 @@ class Launch:
     timed_out: bool
     deadline: float
     results: list[dict[str, Any]] = field(default_factory=list)
+    world: int = WORLD
 
     def logs(self) -> str:
         text = []
-        for rank in range(WORLD):
+        for rank in range(self.world):
             log = self.outdir / f"rank{rank}.log"
             body = log.read_text(errors="replace") if log.exists() else "(no log)"
             text.append(f"--- rank {rank} (exit {self.codes[rank]}) ---\n{body[-6000:]}")
         return "\n".join(text)
 
-    def case(self, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Both ranks' results for ``name``; fails with the workers' output otherwise."""
+    def case(self, name: str) -> tuple[dict[str, Any], ...]:
+        """Every rank's results for ``name``; fails with the workers' output otherwise."""
         got = [r.get(name) for r in self.results]
         where = (f"launch of {self.cases} timed out after {self.deadline:.0f} s"
                  if self.timed_out else f"exit codes {self.codes}")
@@ -56,7 +57,7 @@ class Launch:
         if crashed:
             pytest.fail(f"case {name!r} crashed on rank(s) {crashed} ({where})\n"
                         + "\n".join(got[i]["crash"] for i in crashed))
-        return got[0], got[1]
+        return tuple(got)
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -66,13 +67,14 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def launch(worker: Path, cases: list[str], outdir: Path, deadline_s: float) -> Launch:
-    """Run ``cases`` in two worker processes; never blocks past the deadline."""
-    env = {**os.environ, "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1",
+def launch(worker: Path, cases: list[str], outdir: Path, deadline_s: float,
+           world: int = WORLD) -> Launch:
+    """Run ``cases`` in ``world`` worker processes; never blocks past the deadline."""
+    env = {**os.environ, "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
            "PYTHONUNBUFFERED": "1", "QC_DIST_INIT": (outdir / "store").as_uri()}
     procs = []
     try:
-        for rank in range(WORLD):
+        for rank in range(world):
             with open(outdir / f"rank{rank}.log", "w") as log:
                 procs.append(subprocess.Popen(
                     [sys.executable, str(worker), str(outdir), *cases],
@@ -94,14 +96,15 @@ def launch(worker: Path, cases: list[str], outdir: Path, deadline_s: float) -> L
     finally:
         for p in procs:
             _kill(p)
-    result = Launch(outdir, cases, [p.returncode for p in procs], timed_out, deadline_s)
-    for rank in range(WORLD):
+    result = Launch(outdir, cases, [p.returncode for p in procs], timed_out, deadline_s,
+                    world=world)
+    for rank in range(world):
         path = outdir / f"rank{rank}.json"
         result.results.append(json.loads(path.read_text()) if path.exists() else {})
     return result
 
 
 @pytest.fixture(scope="session")
-def dist_launcher() -> Callable[[Path, list[str], Path, float], Launch]:
+def dist_launcher() -> Callable[..., Launch]:
     """The launcher, for the test modules' own (module-scoped) fixtures."""
     return launch

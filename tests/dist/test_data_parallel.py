@@ -38,7 +38,8 @@ GRACE = 5.0  # seconds a rank may outlive its failed peer before it is killed
 ORDER = ["ddp_qat_observers", "ddp_fixed_scales", "static_calibration", "fused_sync",
          "fsdp2_fixed_scales", "fsdp2_learnable_grads", "fsdp2_bf16", "fsdp2_state_dict",
          "compile_once_qat", "compile_once_static", "cache_shared", "cache_concurrent",
-         "wrong_order", "ddp_learnable_from_scratch", "fsdp2_learnable_from_scratch",
+         "hand_written_ddp", "wrong_order", "ddp_learnable_from_scratch",
+         "fsdp2_learnable_from_scratch",
          "fsdp2_bf16_learnable", "compile_once_static_synced"]
 
 
@@ -305,9 +306,35 @@ def test_compiling_a_wrapped_model_is_refused(dist_run: Any) -> None:
         ddp, sharded = r["ddp"], r["fully_shard"]
         assert ddp["raised"] == "QCompileError", f"rank {rank}: {ddp}"
         assert "DistributedDataParallel" in ddp["message"]
-        assert ".module" in ddp["fix"], ddp["fix"]
+        assert ".module" in ddp["fix"] and "qc.distributed.wrap(gm, spec)" in ddp["fix"], ddp["fix"]
         assert sharded["raised"] == "QCompileError", f"rank {rank}: {sharded}"
         assert "fully_shard" in sharded["message"] and "fsdp2" in sharded["fix"]
+
+
+# -- 9. hand-written DDP loops ------------------------------------------------------------------
+@uses("hand_written_ddp")
+def test_hand_written_ddp_without_sync_warns_once(dist_run: Any) -> None:
+    """A bare ``DistributedDataParallel(gm)`` with observers on and different data per rank:
+    the scales drift apart, and each rank is told once, naming the two remedies."""
+    for rank, r in enumerate(dist_run.case("hand_written_ddp")):
+        run = r["ddp"]
+        assert len(run["warnings"]) == 1, f"rank {rank}: {run['warnings']}"
+        assert "qc.distributed.wrap(gm, spec)" in run["warnings"][0]
+        assert "qc.distributed.sync_observers(gm)" in run["warnings"][0]
+        assert run["differing"], "the unsynchronised scales did not drift (a weak test)"
+
+
+@pytest.mark.parametrize("how", ["ddp+sync", "wrap"])
+def test_synced_ddp_loops_do_not_warn_and_agree(dist_run: Any, how: str) -> None:
+    """Calling ``qc.distributed.sync_observers(gm)`` by hand after every forward, or
+    ``qc.distributed.wrap``: no warning, every scale and zero point bit-identical."""
+    for rank, r in enumerate(dist_run.case("hand_written_ddp")):
+        run = r[how]
+        assert run["warnings"] == [], f"rank {rank}: {run['warnings']}"
+        assert run["quantizers"] == 6 and run["differing"] == [], run["differing"]
+
+
+test_synced_ddp_loops_do_not_warn_and_agree.dist_cases = ("hand_written_ddp",)
 
 
 # -- learnable scales from the first step --------------------------------------------------------

@@ -7,13 +7,15 @@ the JSON both ranks wrote. The launch is supervised: when one rank fails the oth
 killed after a short grace period, and the whole launch has a deadline; both ranks use a
 process-group timeout, so a crashed peer never leaves a test hanging.
 
-Models are int8-qat with fixed scales (one forward over the batch, then ``qc.freeze``); the
-reference is the unsplit compiled graph with the same state_dict: per-micro-batch losses of
-a mean-reduced loss, gradients of the mean of those losses.
+Models are int8-qat with fixed scales (one forward over the batch, then ``qc.freeze``),
+except the ``live_*`` cases (observers live, as QAT runs); the reference is the unsplit
+compiled graph with the same state_dict: per-micro-batch losses of a mean-reduced loss,
+gradients of the mean of those losses.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,7 @@ GRACE = 5.0  # seconds a rank may outlive its failed peer before it is killed
 # every case the worker knows, in the order one launch runs them
 ORDER = ["gpipe", "1f1b", "global_skip_gpipe", "global_skip_1f1b", "inputs_by_name", "tied",
          "bad_batch", "gpipe_3_stages", "interleaved", "tied_interleaved_cross_rank",
-         "tied_interleaved_same_rank"]
+         "tied_interleaved_same_rank", "live_gpipe", "live_1f1b", "live_interleaved"]
 
 
 
@@ -131,6 +133,23 @@ def test_tied_weight_interleaved_on_one_rank(dist_run: Any) -> None:
     r0, r1 = dist_run.case("tied_interleaved_same_rank")
     assert "emb.weight" in r0["stages"]["0"] and "emb.weight" in r0["stages"]["2"]
     check_step(r0, r1)
+
+
+# -- live observers: torch's shape-inference forward reaches no observer --------------------
+@pytest.mark.parametrize("case", ["live_gpipe", "live_1f1b", "live_interleaved"])
+def test_live_observers_see_real_data_only(dist_run: Any, case: str) -> None:
+    """Int8 QAT, observers live (not frozen): the first step equals the unsplit graph run
+    micro-batch by micro-batch (losses, gradients, every observer statistic and qparam),
+    which it cannot if the stage's shape inference (a forward on ``torch.empty``) were
+    observed; then 20 Adam steps: finite losses that fall."""
+    r0, r1 = dist_run.case(case)
+    check_step(r0, r1)
+    for rank, r in enumerate((r0, r1)):
+        assert r["buffers_compared"] > 0
+        assert r["buffer_diff"] <= TOL, f"rank {rank}: observer state differs by {r['buffer_diff']}"
+    history = r1["history"]
+    assert len(history) == 20 and all(math.isfinite(v) for v in history), history
+    assert history[-1] < 0.8 * history[0], f"loss does not fall: {history}"
 
 
 # -- bad input: a clear QCompileError on every rank, nothing left hanging -------------------

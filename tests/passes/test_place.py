@@ -437,6 +437,71 @@ def test_export_tied_weights_keep_every_original_name():
     pipe.load_state_dict(model.state_dict())
 
 
+# -- transfer: int8 -------------------------------------------------------------------
+
+
+def static(**extra) -> dict:
+    spec = qc.load_spec("int8-static").model_dump()
+    spec.update(extra)
+    return spec
+
+
+def cut_quantizers(gm: GraphModule) -> list[str]:
+    """The quantizers whose integers stage_0 sends (``pack`` nodes' scale targets)."""
+    from qcompile.runtime.transfer import pack
+
+    return [str(n.args[1].target).rsplit(".", 1)[0] for n in gm.stage_0.graph.nodes
+            if n.op == "call_function" and n.target is pack]
+
+
+def test_static_int8_transfer_calibrates_then_sends_integers_matching_fp32():
+    torch.manual_seed(0)
+    model = ResidualMLP(d=8, depth=4)
+    x = torch.randn(16, 8)
+    batches = [(torch.randn(16, 8),) for _ in range(4)]
+    graphs = {t: qc.qcompile(model, static(pipeline={"stages": 2, "transfer": t}),
+                             example_inputs=(x,)) for t in ("fp32", "int8")}
+    int8 = graphs["int8"]
+    cut = cut_quantizers(int8)
+    assert cut, "a quantizer output crosses the cut"
+    with torch.no_grad():  # before calibration the quantizers are off: floats cross
+        sent = int8.stage_0(x)
+        assert sent[0].is_floating_point()
+        assert torch.equal(int8(x), graphs["fp32"](x))
+    for gm in graphs.values():
+        qc.calibrate(gm, batches, progress=False)
+    qs = {t: qc.quantizers(gm) for t, gm in graphs.items()}
+    assert qs["fp32"].keys() == qs["int8"].keys()
+    for name, q in qs["int8"].items():  # calibration saw the same values
+        assert torch.equal(q.scale, qs["fp32"][name].scale), name
+        assert torch.equal(q.zero_point, qs["fp32"][name].zero_point), name
+    with torch.no_grad():
+        sent = int8.stage_0(x)
+        assert sent[0].dtype == torch.uint8  # (integers, scale, zero_point) per packed value
+        got, ref = int8(x), graphs["fp32"](x)
+    step = float(int8.stage_0.get_submodule(cut[0]).scale.max())
+    assert float((got - ref).abs().max()) <= step
+    rep = qc.report(int8)
+    assert rep.stages[0].bytes_out < qc.report(graphs["fp32"]).stages[0].bytes_out
+    assert any("as floats while their quantizers are off" in n for p in rep.passes
+               for n in p.notes)
+    converted = qc.convert(int8, example_inputs=(x,))  # integers still cross the cut
+    head_step = float(int8.stage_1.get_submodule("head.output_fake_quant").scale.max())
+    assert qc.report(converted).max_deviation["output0"] <= head_step
+
+
+def test_int8_transfer_refuses_to_send_integers_that_need_a_gradient():
+    torch.manual_seed(0)
+    model = ResidualMLP(d=8, depth=2)
+    x = torch.randn(4, 8)
+    gm = qc.qcompile(model, static(pipeline={"stages": 2, "transfer": "int8"}),
+                     example_inputs=(x,))
+    gm(x).sum().backward()  # uncalibrated: floats cross, gradients flow
+    qc.calibrate(gm, [(x,)], progress=False)
+    with pytest.raises(qc.QCompileError, match="carry no gradient"):
+        gm(x.requires_grad_())
+
+
 # -- devices --------------------------------------------------------------------------
 
 

@@ -319,6 +319,25 @@ def test_fsdp1_model_is_refused(gloo: None) -> None:
     assert "FullyShardedDataParallel" in e.message and "FSDP2" in e.fix
 
 
+def test_data_parallel_model_is_refused_with_the_ddp_recipe() -> None:
+    e = user_error(lambda: qc.qcompile(nn.DataParallel(mlp()), "int8-qat", (X,)))
+    assert "DataParallel" in e.message and "replicas" in e.message
+    assert "qc.distributed.wrap(gm, spec)" in e.fix and "torchrun" in e.fix
+
+
+def test_ddp_refusal_points_to_wrap_not_a_hand_written_ddp(gloo: None) -> None:
+    e = user_error(lambda: qc.qcompile(nn.parallel.DistributedDataParallel(mlp()),
+                                       "int8-qat", (X,)))
+    assert "qc.distributed.wrap(gm, spec)" in e.fix and "sync_observers" in e.fix
+
+
+def test_compiled_submodule_is_refused() -> None:
+    model = mlp()
+    model[0] = torch.compile(model[0])
+    e = user_error(lambda: qc.qcompile(model, "int8-qat", (X,)))
+    assert "'0'" in e.message and "0._orig_mod" in e.fix
+
+
 def test_unwrapped_model_passes_the_guard() -> None:
     assert qcd.wrapper_kind(mlp()) is None
     qcd.refuse_wrapped(mlp())  # no error
