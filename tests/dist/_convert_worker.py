@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import datetime
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _worker_main import run_cases
+from _worker_main import cases_in, run_cases
 from torch import nn
 
 import qcompile as qc
@@ -77,10 +76,7 @@ def case_convert_fsdp2() -> dict[str, Any]:
     return out
 
 
-CASES: dict[str, Callable[[], dict[str, Any]]] = {
-    name.removeprefix("case_"): fn for name, fn in globals().items()
-    if name.startswith("case_") and callable(fn)
-}
+CASES = cases_in(globals())
 
 
 def main(argv: list[str]) -> int:

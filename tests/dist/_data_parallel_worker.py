@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _worker_main import run_cases
+from _worker_main import cases_in, run_cases
 from torch import nn
 
 import qcompile as qc
@@ -636,10 +636,7 @@ def case_compile_once_static_synced() -> dict[str, Any]:
 
 BREAKS_PG = {"compile_once_static_synced"}
 
-CASES: dict[str, Callable[[], dict[str, Any]]] = {
-    name.removeprefix("case_"): fn for name, fn in globals().items()
-    if name.startswith("case_") and callable(fn)
-}
+CASES = cases_in(globals())
 
 
 # -- main -----------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _worker_main import run_cases
+from _worker_main import cases_in, run_cases
 from torch import nn
 
 import qcompile as qc
@@ -235,10 +235,7 @@ def case_bad_shapes() -> dict[str, Any]:
     return out
 
 
-CASES: dict[str, Callable[[], dict[str, Any]]] = {
-    name.removeprefix("case_"): fn for name, fn in globals().items()
-    if name.startswith("case_") and callable(fn)
-}
+CASES = cases_in(globals())
 
 
 def main(argv: list[str]) -> int:

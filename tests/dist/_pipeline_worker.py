@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _worker_main import run_cases
+from _worker_main import cases_in, run_cases
 from torch import nn
 
 import qcompile as qc
@@ -381,10 +381,7 @@ def case_interleaved() -> dict[str, Any]:
                                  "schedule": "interleaved_1f1b"})
 
 
-CASES: dict[str, Callable[[], dict[str, Any]]] = {
-    name.removeprefix("case_"): fn for name, fn in globals().items()
-    if name.startswith("case_") and callable(fn)
-}
+CASES = cases_in(globals())
 
 
 # -- main -----------------------------------------------------------------------------------

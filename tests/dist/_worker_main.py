@@ -29,6 +29,13 @@ def write(path: Path, results: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def cases_in(namespace: dict[str, Any]) -> dict[str, Callable[[], dict[str, Any]]]:
+    """A worker module's ``case_*`` functions by name without the prefix
+    (``CASES = cases_in(globals())`` at the end of the module)."""
+    return {name.removeprefix("case_"): fn for name, fn in namespace.items()
+            if name.startswith("case_") and callable(fn)}
+
+
 def run_cases(outdir: Path, names: list[str], cases: dict[str, Callable[[], dict[str, Any]]],
               timeout: datetime.timedelta, breaks_pg: Collection[str] = ()) -> int:
     unknown = [c for c in names if c not in cases]
