@@ -68,3 +68,18 @@ def test_text_and_json_come_from_one_sink(capsys: pytest.CaptureFixture[str],
         "mlp: qcompile_s 0.0123, kernels 4", "ratio: 2.5", "note: torchao not installed"]
     assert main(["step", "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out) == result
+
+
+def test_hybrid_counts_traffic_per_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    """4 ranks per layout: gradient buckets only with replicas, observer sync in one fused
+    collective per reduction kind (3 per rank) over each stage's replicas, sends only
+    between stages; 2 x 2 replicas hold half the model each, so half dp4's gradients."""
+    assert main(["hybrid", "--quick", "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    hybrid, dp4, pp4 = data["2x2"], data["dp4"], data["pp4"]
+    assert hybrid["all_reduce"] == dp4["all_reduce"] == 3 * 4
+    assert pp4["all_reduce"] == 0 and pp4["grad_buckets"] == 0
+    assert dp4["p2p_sends"] == 0 and hybrid["p2p_sends"] > 0 and pp4["p2p_sends"] > 0
+    assert 0 < hybrid["grad_bytes"] < dp4["grad_bytes"]
+    assert hybrid["all_reduce_bytes"] < dp4["all_reduce_bytes"]
+    assert all(row["step_s"] > 0 for row in data.values())

@@ -9,6 +9,9 @@ Subcommands:
   model (``qc.distributed.compile_once``: rank 1 builds on the meta device).
 - ``observer-sync``: collectives and bytes per step that keep observers identical on 2
   DDP ranks (one flattened collective per reduction kind, whatever the quantizer count).
+- ``hybrid``: traffic per training step (gradient buckets, observer all-reduces,
+  pipeline sends) of one int8-QAT MLP on 4 ranks as 2 stages x 2 DDP replicas, 4 DDP
+  replicas and 4 GPipe stages.
 - ``compile``: compile time of qcompile int8-qat and torch.ao ``prepare_qat_fx`` relative
   to ``torch.fx.symbolic_trace`` (MLP, ResNet-18-style CNN, 12-layer transformer), and
   compile time of 50..400-block MLPs (scaling).

@@ -6,6 +6,8 @@ a JSON file the parent reads; none prints.
 - ``pipeline_rank``: a 2-stage GPipe training step (4 micro-batches), median step time;
 - ``compile_once_rank``: ``qc.distributed.compile_once`` of ``big_model``, peak RSS;
 - ``observer_sync_rank``: collectives and bytes of ``qc.distributed.sync_observers``;
+- ``hybrid_rank``: one of 4 ranks training 2 stages x 2 replicas, 4 replicas or 4 stages:
+  collectives, gradient buckets and pipeline sends per step;
 - ``memory_worker``: peak RSS of compile + 2 QAT steps of the transformer, one way.
 
 Example:
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import torch
@@ -144,3 +147,123 @@ def memory_worker(how: str, quick: bool, out: str) -> None:
     stages["weights_mb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     with open(out, "w") as f:
         json.dump(stages, f)
+
+
+class _Traffic:
+    """Counts what one training step sends: Python-level all_reduce calls (observer sync),
+    gradient buckets (a DDP communication hook: DDP's reducer all-reduces in C++, out of
+    Python's sight) and point-to-point sends between pipeline stages."""
+
+    def __init__(self) -> None:
+        self.in_grad_hook = False  # the hook's own all_reduce is a bucket, counted there
+        self.counts = {"all_reduce": 0, "all_reduce_bytes": 0, "grad_buckets": 0,
+                       "grad_bytes": 0, "p2p_sends": 0, "p2p_bytes": 0}
+
+    def reset(self) -> None:
+        for k in self.counts:
+            self.counts[k] = 0
+
+    def all_reduce(self, original: Any) -> Any:
+        def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not self.in_grad_hook:
+                self.counts["all_reduce"] += 1
+                self.counts["all_reduce_bytes"] += tensor.numel() * tensor.element_size()
+            return original(tensor, *args, **kwargs)
+        return counting
+
+    def p2p(self, original: Any) -> Any:
+        import torch.distributed as dist
+
+        def counting(ops: list[Any], *args: Any, **kwargs: Any) -> Any:
+            for op in ops:
+                if op.op is dist.isend:
+                    self.counts["p2p_sends"] += 1
+                    self.counts["p2p_bytes"] += op.tensor.numel() * op.tensor.element_size()
+            return original(ops, *args, **kwargs)
+        return counting
+
+    def grad_hook(self, state: Any, bucket: Any) -> Any:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        buffer = bucket.buffer()
+        self.counts["grad_buckets"] += 1
+        self.counts["grad_bytes"] += buffer.numel() * buffer.element_size()
+        self.in_grad_hook = True
+        try:
+            return default_hooks.allreduce_hook(state, bucket)
+        finally:
+            self.in_grad_hook = False
+
+
+def hybrid_rank(rank: int, store: str, layout: str, steps: int, out_dir: str) -> None:
+    """One of 4 ranks training the same int8-QAT MLP (global batch 32, 4 micro-batches)
+    laid out as ``2x2`` (2 stages x 2 DDP replicas), ``dp4`` (4 DDP replicas) or ``pp4``
+    (4 GPipe stages): traffic per step (the last of ``steps``) and the median step time."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
+    torch.manual_seed(0)
+    model = deep_mlp(8, 64)
+    x, y = torch.randn(32, 64), torch.randn(32, 64)
+    spec = qc.load_spec("int8-qat").model_dump()
+    traffic = _Traffic()
+    loss_fn = nn.functional.mse_loss
+    if layout == "dp4":
+        spec["data_parallel"] = {"kind": "ddp"}
+        gm = qc.qcompile(model, spec, example_inputs=(x[:8],))
+        module = qc.distributed.wrap(gm, spec)
+        # DDP checks hook annotations against dist.GradBucket: an unannotated lambda passes
+        module.register_comm_hook(dist.group.WORLD,
+                                  lambda state, bucket: traffic.grad_hook(state, bucket))
+        mine = slice(8 * rank, 8 * rank + 8)
+        params = module.parameters()
+
+        def run() -> None:
+            loss_fn(module(x[mine]), y[mine]).backward()
+    else:
+        stages, dp = (2, 2) if layout == "2x2" else (4, 1)
+        spec["pipeline"] = {"stages": stages, "microbatches": 4, "schedule": "gpipe"}
+        if dp > 1:
+            spec["data_parallel"] = {"kind": "ddp"}
+        gm = qc.qcompile(model, spec, example_inputs=(x[:8],))
+        stage, schedule = qc.distributed.pipeline(gm, spec, loss_fn=loss_fn)
+        if isinstance(stage.submod, DistributedDataParallel):
+            stage.submod.register_comm_hook(schedule.dp_group,
+                                           lambda state, bucket: traffic.grad_hook(state, bucket))
+        per = 32 // dp
+        replica = rank % dp
+        mine = slice(per * replica, per * replica + per)
+        params = stage.submod.parameters()
+
+        def run() -> None:
+            if stage.is_first:
+                schedule.step(x[mine], target=y[mine] if stage.is_last else None)
+            elif stage.is_last:
+                schedule.step(target=y[mine])
+            else:
+                schedule.step()
+    opt = torch.optim.SGD(params, lr=1e-3)
+    # Counting only (a benchmark, not the library): the schedules send every micro-batch's
+    # activations and gradients through their module's _batch_p2p
+    original_ar, original_p2p = dist.all_reduce, schedules._batch_p2p
+    dist.all_reduce = traffic.all_reduce(original_ar)
+    schedules._batch_p2p = traffic.p2p(original_p2p)
+    times = []
+    try:
+        for _ in range(steps):
+            traffic.reset()
+            opt.zero_grad()
+            t0 = time.perf_counter()
+            run()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+    finally:
+        dist.all_reduce, schedules._batch_p2p = original_ar, original_p2p
+    counts = dict(traffic.counts)
+    counts["step_s"] = sorted(times)[len(times) // 2]
+    with open(os.path.join(out_dir, f"{layout}-rank{rank}.json"), "w") as f:
+        json.dump(counts, f)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -21,9 +21,11 @@ from qcompile.tools.bench.suites.compile import bench_compile, bench_memory
 from qcompile.tools.bench.suites.convert import bench_convert
 from qcompile.tools.bench.suites.distributed import (
     compile_once_text,
+    hybrid_text,
     observer_sync_text,
     pipeline_text,
     run_compile_once,
+    run_hybrid,
     run_observer_sync,
     run_pipeline,
 )
@@ -43,6 +45,7 @@ SUITES: dict[str, Suite] = {
     "pipeline": Suite(run_pipeline, pipeline_text),
     "compile-once": Suite(run_compile_once, compile_once_text),
     "observer-sync": Suite(run_observer_sync, observer_sync_text),
+    "hybrid": Suite(run_hybrid, hybrid_text),
     "compile": Suite(bench_compile, threads=2),
     "memory": Suite(bench_memory, threads=2),
     "step": Suite(bench_step, threads=2),

@@ -6,7 +6,9 @@
 - ``compile-once``: peak RSS of each of 2 ranks sharing one compile of a ~400 MB model
   (``quick``: ~100 MB);
 - ``observer-sync``: collectives and bytes per step keeping observers identical on 2 DDP
-  ranks.
+  ranks;
+- ``hybrid``: traffic per training step of one int8-QAT MLP on 4 ranks laid out as 2
+  stages x 2 DDP replicas, 4 DDP replicas, or 4 GPipe stages.
 
 Each has a ``run_*(quick)`` giving its result dict and a ``*_text(result)`` saying it in
 sentences.
@@ -31,7 +33,12 @@ from torch import nn
 import qcompile as qc
 from qcompile.tools.bench.measure import median_seconds
 from qcompile.tools.bench.models import deep_mlp
-from qcompile.tools.bench.workers import compile_once_rank, observer_sync_rank, pipeline_rank
+from qcompile.tools.bench.workers import (
+    compile_once_rank,
+    hybrid_rank,
+    observer_sync_rank,
+    pipeline_rank,
+)
 
 
 def bench_partition(blocks: int, stages: int) -> dict[str, Any]:
@@ -157,3 +164,39 @@ def observer_sync_text(r: dict[str, Any]) -> str:
     return (f"observer sync on 2 DDP ranks: {r['quantizers']} quantizers, "
             f"{r['collectives']} collective(s) and {r['bytes']} bytes per step "
             f"({r['all_reduce_calls']} all_reduce call(s) from qcompile in the step)")
+
+
+HYBRID_LAYOUTS = {"2x2": "2 stages x 2 DDP replicas", "dp4": "4 DDP replicas",
+                  "pp4": "4 GPipe stages"}
+
+
+def run_hybrid(quick: bool) -> dict[str, Any]:
+    """Per layout, rank 0's traffic per step and the slowest rank's median step time."""
+    steps = 3 if quick else 10
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout in HYBRID_LAYOUTS:
+            store = os.path.join(tmp, f"store-{layout}")
+            torch.multiprocessing.spawn(hybrid_rank, args=(store, layout, steps, tmp),
+                                        nprocs=4, join=True)
+            ranks = []
+            for r in range(4):
+                with open(os.path.join(tmp, f"{layout}-rank{r}.json")) as f:
+                    ranks.append(json.load(f))
+            row = {k: sum(r[k] for r in ranks) for k in ranks[0] if k != "step_s"}
+            row["step_s"] = max(r["step_s"] for r in ranks)
+            out[layout] = row
+    return out
+
+
+def hybrid_text(r: dict[str, Any]) -> str:
+    lines = ["traffic per training step on 4 ranks, summed over ranks (int8-QAT MLP, "
+             "global batch 32):"]
+    for layout, what in HYBRID_LAYOUTS.items():
+        row = r[layout]
+        lines.append(
+            f"  {layout} ({what}): {row['grad_buckets']} gradient bucket(s) "
+            f"{row['grad_bytes']} B, {row['all_reduce']} observer all_reduce(s) "
+            f"{row['all_reduce_bytes']} B, {row['p2p_sends']} pipeline send(s) "
+            f"{row['p2p_bytes']} B; step {row['step_s'] * 1e3:.1f} ms")
+    return "\n".join(lines)
