@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _worker_main import cases_in, run_cases
+from _worker_main import cases_in, error_of, run_cases
 from torch import nn
 
 import qcompile as qc
@@ -522,16 +522,6 @@ def case_cache_concurrent() -> dict[str, Any]:
 
 
 # -- 8. wrong order ---------------------------------------------------------------------------
-def error_of(fn: Callable[[], Any]) -> dict[str, Any]:
-    try:
-        fn()
-    except qc.QCompileError as e:
-        return {"raised": "QCompileError", "message": e.message, "fix": e.fix or ""}
-    except Exception as e:  # recorded: the test reports which other type was raised
-        return {"raised": type(e).__name__, "message": str(e), "fix": ""}
-    return {"raised": None, "message": "", "fix": ""}
-
-
 def case_wrong_order() -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel

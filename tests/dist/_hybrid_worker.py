@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _worker_main import cases_in, run_cases
+from _worker_main import cases_in, error_of, run_cases
 from torch import nn
 
 import qcompile as qc
@@ -209,16 +209,6 @@ def case_qat_ddp() -> dict[str, Any]:
 
 def case_qat_fsdp2() -> dict[str, Any]:
     return qat_case("fsdp2", 5)
-
-
-def error_of(fn: Callable[[], Any]) -> dict[str, Any]:
-    try:
-        fn()
-    except qc.QCompileError as e:
-        return {"raised": "QCompileError", "message": e.message, "fix": e.fix or ""}
-    except Exception as e:  # recorded: the test reports which other type was raised
-        return {"raised": type(e).__name__, "message": str(e), "fix": ""}
-    return {"raised": None, "message": "", "fix": ""}
 
 
 def case_bad_shapes() -> dict[str, Any]:

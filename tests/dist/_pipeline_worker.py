@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _worker_main import cases_in, run_cases
+from _worker_main import cases_in, error_of, run_cases
 from torch import nn
 
 import qcompile as qc
@@ -214,16 +214,6 @@ def train_case(cls: type[nn.Module], pipeline: dict[str, Any], loss_fn: Callable
     ref_losses = reference(ref, loss_fn, x, y)
     stages, _, losses = pipeline_step(spec, gm, loss_fn, x, y, by_name)
     return {"losses": losses, "ref_losses": ref_losses, **grad_report(stages, ref)}
-
-
-def error_of(fn: Callable[[], Any]) -> dict[str, Any]:
-    try:
-        fn()
-    except qc.QCompileError as e:
-        return {"raised": "QCompileError", "message": e.message, "fix": e.fix or ""}
-    except Exception as e:  # recorded: the test reports which other type was raised
-        return {"raised": type(e).__name__, "message": str(e), "fix": ""}
-    return {"raised": None, "message": "", "fix": ""}
 
 
 # -- cases ----------------------------------------------------------------------------------

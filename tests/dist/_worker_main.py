@@ -29,6 +29,20 @@ def write(path: Path, results: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def error_of(fn: Callable[[], Any]) -> dict[str, Any]:
+    """What calling ``fn`` raised: a ``QCompileError`` with its message and fix, another
+    type by name (the test reports which), or nothing."""
+    from qcompile.errors import QCompileError
+
+    try:
+        fn()
+    except QCompileError as e:
+        return {"raised": "QCompileError", "message": e.message, "fix": e.fix or ""}
+    except Exception as e:  # recorded: the test reports which other type was raised
+        return {"raised": type(e).__name__, "message": str(e), "fix": ""}
+    return {"raised": None, "message": "", "fix": ""}
+
+
 def cases_in(namespace: dict[str, Any]) -> dict[str, Callable[[], dict[str, Any]]]:
     """A worker module's ``case_*`` functions by name without the prefix
     (``CASES = cases_in(globals())`` at the end of the module)."""

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dist_cases import uses, wanted_cases
 
 pytestmark = pytest.mark.dist
 
@@ -43,30 +44,11 @@ ORDER = ["ddp_qat_observers", "ddp_fixed_scales", "static_calibration", "fused_s
          "fsdp2_bf16_learnable", "compile_once_static_synced"]
 
 
-
-
-def _cases_of(item: pytest.Item) -> set[str]:
-    callspec = getattr(item, "callspec", None)
-    if callspec is not None and "case" in callspec.params:
-        return {str(callspec.params["case"])}
-    return set(getattr(getattr(item, "function", None), "dist_cases", ()))
-
-
-def uses(*cases: str):
-    """Mark a test as reading ``cases`` from the launch (the fixture runs only those)."""
-    def mark(fn):
-        fn.dist_cases = cases
-        return fn
-    return mark
-
-
 @pytest.fixture(scope="module")
 def dist_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
              dist_launcher: Any
              ) -> Any:
-    wanted = set().union(*(_cases_of(item) for item in request.session.items
-                           if item.path == request.path))
-    cases = [c for c in ORDER if c in wanted] or ORDER
+    cases = wanted_cases(request, ORDER)
     return dist_launcher(WORKER, cases, tmp_path_factory.mktemp("data_parallel"), LAUNCH_DEADLINE)
 
 

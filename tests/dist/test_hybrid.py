@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from dist_cases import uses, wanted_cases
 from torch import nn
 
 import qcompile as qc
@@ -27,21 +28,10 @@ LAUNCH_DEADLINE = 150.0  # seconds for every case together (about 20 s normally)
 ORDER = ["none_ddp", "none_ddp_accumulate", "none_ddp_tied", "qat_ddp", "qat_fsdp2", "bad_shapes"]
 
 
-def uses(case: str):
-    def mark(fn):
-        fn.dist_case = case
-        return fn
-    return mark
-
-
 @pytest.fixture(scope="module")
 def dist_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
              dist_launcher: Any) -> Any:
-    wanted = {getattr(getattr(item, "function", None), "dist_case", None)
-              for item in request.session.items if item.path == request.path}
-    wanted |= {str(item.callspec.params["case"]) for item in request.session.items
-               if item.path == request.path and hasattr(item, "callspec")}
-    cases = [c for c in ORDER if c in wanted] or ORDER
+    cases = wanted_cases(request, ORDER)
     return dist_launcher(WORKER, cases, tmp_path_factory.mktemp("hybrid"), LAUNCH_DEADLINE,
                          world=WORLD)
 

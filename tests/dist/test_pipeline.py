@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from dist_cases import uses, wanted_cases
 from torch import nn
 
 import qcompile as qc
@@ -42,30 +43,11 @@ ORDER = ["gpipe", "1f1b", "global_skip_gpipe", "global_skip_1f1b", "inputs_by_na
          "tied_interleaved_same_rank", "live_gpipe", "live_1f1b", "live_interleaved"]
 
 
-
-
-def _case_of(item: pytest.Item) -> str | None:
-    callspec = getattr(item, "callspec", None)
-    if callspec is not None and "case" in callspec.params:
-        return str(callspec.params["case"])
-    return getattr(getattr(item, "function", None), "dist_case", None)
-
-
-def uses(case: str):
-    """Mark a test as reading ``case`` from the launch (the fixture runs only those)."""
-    def mark(fn):
-        fn.dist_case = case
-        return fn
-    return mark
-
-
 @pytest.fixture(scope="module")
 def dist_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
              dist_launcher: Any
              ) -> Any:
-    wanted = {_case_of(item) for item in request.session.items
-              if item.path == request.path}
-    cases = [c for c in ORDER if c in wanted] or ORDER
+    cases = wanted_cases(request, ORDER)
     return dist_launcher(WORKER, cases, tmp_path_factory.mktemp("pipeline"), LAUNCH_DEADLINE)
 
 
