@@ -11,7 +11,7 @@ Example:
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -23,12 +23,15 @@ from qcompile.errors import QCompileError
 from qcompile.graph.meta import REPORT_KEY, SPEC_KEY, STAGE_NAMES_KEY, SYNC_OBSERVERS_KEY
 from qcompile.graph.pipeline import Instrument
 from qcompile.graph.records import Report, report
+from qcompile.graph.signature import graph_inputs
 from qcompile.passes.convert import convert_graph
 from qcompile.runtime.calibration import (
     check_calibratable,
     collect_statistics,
+    describe,
     freeze,
     quantizers,
+    uncalibrated,
     weight_quantizers,
 )
 from qcompile.runtime.fake_quant import FakeQuantize
@@ -44,9 +47,12 @@ def _mode(gm: nn.Module) -> str | None:
 
 
 def calibrate(gm: nn.Module, batches: Iterable[Any], *, sync: bool | None = None,
-              progress: bool = True) -> nn.Module:
-    """Static PTQ: run ``batches`` (tuples of inputs, or single tensors) through ``gm``
-    with observers on, then freeze qparams and turn fake-quant on. With a process group
+              progress: bool = True, inputs: Callable[[Any], Any] | None = None) -> nn.Module:
+    """Static PTQ: run ``batches`` (tuples of positional inputs, dicts of keyword inputs,
+    or single tensors) through ``gm`` with observers on, then freeze qparams and turn
+    fake-quant on. ``inputs`` maps each batch to those first: ``inputs=lambda b: b[0]``
+    calibrates on a DataLoader of ``(x, y)`` pairs. A batch that does not fit the graph is
+    a ``QCompileError`` naming it, and the quantizers stay as they were. With a process group
     and ``quant.sync_observers`` (or ``sync=True``) the statistics are reduced across
     ranks at the end, so every rank must call it; ``sync=False`` keeps them local.
     ``progress`` shows a tqdm bar when stderr is a terminal.
@@ -58,21 +64,8 @@ def calibrate(gm: nn.Module, batches: Iterable[Any], *, sync: bool | None = None
         sync = bool(getattr(gm, "meta", {}).get(SYNC_OBSERVERS_KEY, False))
     # every rank ends with the same qparams
     reduce = (lambda m: sync_observers(m, everything=True)) if sync else None
-    return collect_statistics(gm, batches, sync=reduce, progress=progress)
-
-
-def _uncalibrated(gm: nn.Module, mode: str | None) -> list[str]:
-    """Activation quantizers whose observer never saw data (their qparams are defaults)."""
-    out = []
-    for name, q in quantizers(gm).items():
-        if q.dynamic or q.observer is None or q.granularity == "per_token":
-            continue
-        if not q.per_example:  # a weight quantizer: observed its weight at compile time
-            continue
-        never = bool((q.observer.min_val > q.observer.max_val).all())
-        if never or (mode == "static" and not q.enabled):
-            out.append(name)
-    return out
+    return collect_statistics(gm, batches, sync=reduce, progress=progress, inputs=inputs,
+                              signature=graph_inputs(gm))
 
 
 def _outputs(value: Any) -> list[torch.Tensor]:
@@ -143,7 +136,7 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
         raise QCompileError("convert: the graph has no quantizers (quant.mode "
                             f"{rep.mode!r})", fix="compile with quant.mode static, qat or "
                             "dynamic; a float graph needs no conversion")
-    missing = _uncalibrated(gm, rep.mode)
+    missing = uncalibrated(gm, rep.mode)
     if missing:
         fix = ("run qc.calibrate(gm, batches) first" if rep.mode == "static" else
                "train it for some steps first (observers learn ranges in train mode)")
@@ -154,8 +147,18 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
     out.eval()
     ref = None
     if example_inputs is not None:
-        with torch.no_grad():
-            ref = _outputs(out(*example_inputs))
+        try:
+            with torch.no_grad():
+                ref = _outputs(out(*example_inputs))
+        except Exception as e:  # the user's inputs, not a bug of ours: say what misfit
+            sig = graph_inputs(out)
+            given = describe(tuple(example_inputs), {}, [i.name for i in sig])
+            raise QCompileError(
+                f"convert: example_inputs ({given}) do not fit the graph, compiled for "
+                f"({', '.join(map(str, sig))}): {type(e).__name__}: "
+                f"{(str(e).strip().splitlines() or [''])[0]}",
+                fix="pass example inputs shaped like those the graph was compiled with, or "
+                    "leave example_inputs out") from e
     # a pipeline-placed graph: each stage_<i> child is a graph of its own
     targets = [("", out)] if STAGE_NAMES_KEY not in out.meta else [
         (f"{n}.", m) for n, m in out.named_children() if n.startswith("stage_")]

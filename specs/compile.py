@@ -54,7 +54,7 @@ class PipelineSpec(Frozen):
     stages: StrictInt | list[StageSpec] = Field(1)
     devices: list[str] | None = None
     balance: Literal["params", "flops", "time"] = "params"
-    microbatches: int = Field(1, ge=1)
+    microbatches: StrictInt = Field(1, ge=1)
     schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "gpipe"
     transfer: Literal["fp32", "int8"] = "fp32"
     allow_tied: bool = Field(True, description="parameters shared between stages are allowed")
@@ -90,7 +90,7 @@ class PipelineSpec(Frozen):
 class InputSpec(Frozen):
     """An example input described by shape and dtype (zeros are fed when tracing)."""
 
-    shape: list[int] = Field(min_length=0)
+    shape: list[StrictInt] = Field(min_length=0)
     dtype: Literal[TORCH_DTYPES] = "float32"  # type: ignore[valid-type]
 
     @field_validator("shape")
@@ -105,8 +105,8 @@ class DynamicDim(Frozen):
     """A named dynamic dimension with optional bounds (``{name: seq, max: 512}``)."""
 
     name: str
-    min: int | None = Field(None, ge=0)
-    max: int | None = Field(None, ge=1)
+    min: StrictInt | None = Field(None, ge=0)
+    max: StrictInt | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _ordered(self) -> DynamicDim:
@@ -132,6 +132,18 @@ class TraceSpec(Frozen):
         "dims with the same name are equal, e.g. {input_ids: {0: batch, 1: seq}}",
     )
 
+    @field_validator("dynamic_dims", mode="before")
+    @classmethod
+    def _dim_indices(cls, v: object) -> object:
+        # Lax pydantic would read a `true:` key as dim 1 and `1.0:` as dim 1; JSON keys are
+        # strings ("0"), which stay allowed.
+        for arg, dims in (v.items() if isinstance(v, dict) else ()):
+            for d in dims if isinstance(dims, dict) else ():
+                if isinstance(d, (bool, float)):
+                    raise ValueError(f"dynamic_dims.{arg}: dim index {d!r} is not an integer; "
+                                     "give dims by index, e.g. {0: batch, 1: seq}")
+        return v
+
     @field_validator("dynamic_dims")
     @classmethod
     def _dim_names(cls, v: dict[str, dict[int, str | DynamicDim]]
@@ -148,8 +160,8 @@ class TraceSpec(Frozen):
 class TrainSpec(Frozen):
     """How ``qcompile.distributed.train_step`` runs an optimizer step."""
 
-    accumulate: int = Field(1, ge=1, description="micro-batches per optimizer step; with "
-                            "DDP, gradients are all-reduced on the last one only")
+    accumulate: StrictInt = Field(1, ge=1, description="micro-batches per optimizer step; "
+                                  "with DDP, gradients are all-reduced on the last one only")
 
 
 class CompileSpec(Frozen):
@@ -162,3 +174,11 @@ class CompileSpec(Frozen):
     cache_dir: str | None = None
     trace: TraceSpec = Field(default_factory=TraceSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version(cls, v: object) -> object:
+        # Literal[1] alone accepts `version: true` (True == 1) and 1.0.
+        if type(v) is not int:
+            raise ValueError(f"version must be the integer 1, got {v!r}")
+        return v

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 INT_DTYPES = tuple(f"int{b}" for b in range(2, 17))
 UINT_DTYPES = tuple(f"uint{b}" for b in range(2, 17))
@@ -55,7 +55,12 @@ def reduces_activation_range(target: str) -> bool:
 
 
 class Frozen(BaseModel):
-    """Base of every spec model: immutable, and unknown keys are errors."""
+    """Base of every spec model: immutable, and unknown keys are errors.
+
+    Every int field is strict (``StrictInt`` or ``strict=True``): lax pydantic reads
+    ``true`` as 1 and ``2.0`` as 2, so ``microbatches: true`` would silently run one
+    micro-batch. Float fields are strict too (ints are still floats, ``true`` is not).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -70,28 +75,30 @@ class MovingAverageObserver(Frozen):
     """Exponential moving average of each batch's min and max (torch.ao's MovingAverage...)."""
 
     kind: Literal["moving_average"] = "moving_average"
-    momentum: float = Field(0.01, gt=0.0, le=1.0, description="weight of the newest batch")
+    momentum: float = Field(0.01, gt=0.0, le=1.0, strict=True,
+                            description="weight of the newest batch")
 
 
 class HistogramObserver(Frozen):
     """Histogram of values; the range minimising L2 quantization error is chosen."""
 
     kind: Literal["histogram"] = "histogram"
-    bins: int = Field(2048, ge=16, le=65536)
+    bins: int = Field(2048, ge=16, le=65536, strict=True)
 
 
 class PercentileObserver(Frozen):
     """Range clipped to the given percentile of |x| (or of x at each end, asymmetric)."""
 
     kind: Literal["percentile"] = "percentile"
-    percentile: float = Field(99.99, gt=50.0, le=100.0)
+    percentile: float = Field(99.99, gt=50.0, le=100.0, strict=True)
 
 
 class MseObserver(Frozen):
     """Clip search minimising the mean squared quantization error."""
 
     kind: Literal["mse"] = "mse"
-    steps: int = Field(100, ge=2, le=10000, description="candidate clip ratios searched")
+    steps: int = Field(100, ge=2, le=10000, strict=True,
+                       description="candidate clip ratios searched")
 
 
 ObserverSpec = Annotated[
@@ -106,12 +113,13 @@ class Scheme(Frozen):
     dtype: QDtype = "int8"
     symmetric: bool = True
     granularity: Granularity = "per_tensor"
-    axis: int | None = Field(
+    axis: StrictInt | None = Field(
         None,
         description="per_channel only: the channel dimension "
         "(default 0 for weights, 1 for activations)",
     )
-    group_size: int | None = Field(None, ge=1, description="per_group only: elements per group")
+    group_size: StrictInt | None = Field(None, ge=1,
+                                         description="per_group only: elements per group")
     observer: ObserverSpec = Field(default_factory=MinMaxObserver)
     learnable: bool = Field(False, description="LSQ: the scale is a trained parameter (QAT)")
 
@@ -248,6 +256,14 @@ class QuantSpec(Frozen):
                     f"{where}.learnable: learnable scales train only in QAT; "
                     f"set mode: qat or learnable: false (mode is {self.mode})"
                 )
+        # Without a mode nothing is quantized: rules or inputs would be ignored unsaid.
+        if self.mode == "none" and (self.rules or self.inputs is not None):
+            given = "rules" if self.rules else "inputs"
+            raise ValueError(
+                f"quant.{given}: quant.mode is none (no quantization, the default), so "
+                f"quant.{given} would be ignored; set quant.mode to static, qat or dynamic, "
+                f"or remove quant.{given}"
+            )
         return self
 
     @property

@@ -202,6 +202,9 @@ def _timed(gm: GraphModule, ctx: Context) -> dict[Node, float]:
     # is timed as a training step pays it (the reuse cache would make repeats free).
     quantizers = [m for m in gm.modules() if isinstance(m, FakeQuantize)]
     saved = [(q.observe, q.reuse_weight) for q in quantizers]
+    # a model that writes its inputs or buffers in place (x.add_(1), a step counter) must
+    # not change the caller's example inputs, nor carry three timing runs in its state
+    buffers = {name: b.clone() for name, b in gm.named_buffers()}
     gm.eval()
     timer = _Timer(gm)
     try:
@@ -210,8 +213,14 @@ def _timed(gm: GraphModule, ctx: Context) -> dict[Node, float]:
             q.reuse_weight = False
         with torch.no_grad():
             for _ in range(3):
-                timer.run(*args, enable_io_processing=False)
+                fresh = torch.utils._pytree.tree_map(
+                    lambda v: v.clone() if isinstance(v, torch.Tensor) else v, args)
+                timer.run(*fresh, enable_io_processing=False)
     finally:
+        with torch.no_grad():
+            for name, b in gm.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
         for name, m in gm.named_modules():
             m.training = modes.get(name, m.training)
         for q, (observe, reuse) in zip(quantizers, saved):

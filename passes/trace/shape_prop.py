@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from qcompile.errors import QCompileError
 from qcompile.graph.context import Context
 from qcompile.graph.meta import TENSOR_META, TYPE
 from qcompile.passes.trace.model_copy import PLAIN_TENSORS, SCALAR_TYPES, meta_copy
+from qcompile.runtime.calibration import describe
 
 # the formats torch's _extract_tensor_metadata asks about, in its order (the first wins)
 _FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
@@ -210,16 +212,39 @@ class _MixedDtypes(Exception):
     calls (``linear`` on float64 input and float32 weight) that meta kernels accept."""
 
 
-def _check_dtypes(args: tuple, kwargs: dict, module: nn.Module | None) -> None:
+# Calls whose real kernels want every tensor input floating when the weights are (meta
+# kernels accept ``linear(int64 input, float weight)``); an embedding's integer indices are
+# fine and are not listed.
+_FLOAT_ONLY_MODULES = (nn.Linear, nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase,
+                       nn.LayerNorm, nn.GroupNorm)
+_FLOAT_ONLY_FUNCTIONS = frozenset({
+    torch.nn.functional.linear, torch.nn.functional.conv1d, torch.nn.functional.conv2d,
+    torch.nn.functional.conv3d, torch.nn.functional.layer_norm,
+    torch.nn.functional.batch_norm, torch.matmul, torch.mm, torch.bmm, operator.matmul})
+
+
+def _check_dtypes(args: tuple, kwargs: dict, module: nn.Module | None,
+                  target: Any = None) -> None:
     """Raise ``_MixedDtypes`` when a call mixes floating-point dtypes among its tensor
-    inputs (and, for a module, its parameters); 0-dim tensors promote like scalars."""
+    inputs (and, for a module, its parameters), or gives an integer tensor to a call that
+    computes in floating point; 0-dim tensors promote like scalars."""
     dtypes = set()
+    integral = set()
     for a in (*args, *kwargs.values()):
         for t in (a if isinstance(a, (tuple, list)) else (a,)):  # torch.cat([...]) and the like
-            if isinstance(t, torch.Tensor) and t.dim() and t.is_floating_point():
-                dtypes.add(t.dtype)
+            if isinstance(t, torch.Tensor) and t.dim():
+                if t.is_floating_point():
+                    dtypes.add(t.dtype)
+                elif not t.is_complex() and t.dtype != torch.bool:
+                    integral.add(t.dtype)
     if module is not None:
         dtypes.update(p.dtype for p in module.parameters() if p.is_floating_point())
+    float_only = (isinstance(module, _FLOAT_ONLY_MODULES) if module is not None
+                  else target in _FLOAT_ONLY_FUNCTIONS)
+    if float_only and dtypes and integral:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes | integral))
+        raise _MixedDtypes(f"computes in floating point but gets an integer tensor ({names}): "
+                           "real kernels reject that where meta kernels do not")
     if len(dtypes) > 1:
         names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
         raise _MixedDtypes(f"mixes floating-point dtypes ({names}): real kernels may reject "
@@ -297,7 +322,7 @@ class _MetaShapeProp(_ShapeProp):
             # a leaf module of the user's: its body is not in the graph, so nothing here
             # can check what it does with dtypes that meta kernels would accept
             raise _UserLeaf(f"is a leaf module with its own forward ({type(module).__name__})")
-        _check_dtypes(args, kwargs, module)
+        _check_dtypes(args, kwargs, module, n.target)
         stock = _stock_output(module, args, kwargs) if module is not None and key else None
         if stock is not None:
             result = stock
@@ -360,6 +385,7 @@ def _real_shapes(gm: GraphModule, args: list[Any]) -> None:
     """Run ``gm`` on the example inputs in eval mode under ``no_grad`` (BatchNorm statistics
     and the RNG are left as they were), recording shapes."""
     modes = {name: m.training for name, m in gm.named_modules()}
+    names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
     gm.eval()
     prop = _ShapeProp(gm)
     try:
@@ -370,7 +396,8 @@ def _real_shapes(gm: GraphModule, args: list[Any]) -> None:
         where = f"node {node.name!r} ({node.format_node()})" if node is not None else "the model"
         raise QCompileError(
             f"running {where} on the example inputs failed: {_first_line(e)}",
-            fix="check the shapes and dtypes of example_inputs / trace.inputs",
+            fix="check the shapes and dtypes of example_inputs / trace.inputs (given: "
+                f"{describe(tuple(args), {}, names)})",
         ) from e
     finally:
         for name, m in gm.named_modules():

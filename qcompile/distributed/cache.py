@@ -11,7 +11,9 @@ On disk: ``<cache_dir>/<key>/manifest.json`` (versions, file hashes, the Report)
 runs). Entries are written to a temporary folder and renamed into place, so a crash never
 leaves a half-written entry and concurrent writers of one key cannot corrupt it. A
 missing, truncated or tampered entry fails its hash check, is reported, and is rebuilt —
-never trusted.
+never trusted; so is an entry whose tensors do not fit the graph (``misfit``). The hash
+detects corruption, not a hostile writer (who can rewrite the manifest too): trust a
+cache folder as you trust a checkpoint folder.
 
 Example:
     >>> import tempfile, torch, qcompile as qc
@@ -71,6 +73,25 @@ def cache_key(graph_code: str, spec_json: str, model: nn.Module,
             if isinstance(t, torch.Tensor):
                 _hash_tensor(h, t)
     return h.hexdigest()
+
+
+def misfit(state: dict[str, torch.Tensor], gm: nn.Module) -> str | None:
+    """Why ``state`` cannot be loaded into ``gm`` (a missing, extra, misshaped or retyped
+    entry), or None when it fits. A well-formed entry can still misfit: written by another
+    qcompile build whose graph differs, or rehashed by hand."""
+    want = gm.state_dict()
+    missing = sorted(set(want) - set(state))
+    extra = sorted(set(state) - set(want))
+    if missing or extra:
+        name, what = (missing[0], "lacks") if missing else (extra[0], "has an extra")
+        return f"does not fit the graph: it {what} entry {name!r}"
+    for name, t in want.items():
+        got = state[name]
+        if tuple(got.shape) != tuple(t.shape) or got.dtype != t.dtype:
+            return (f"does not fit the graph: {name!r} is {str(got.dtype).removeprefix('torch.')}"
+                    f"{list(got.shape)}, the graph has {str(t.dtype).removeprefix('torch.')}"
+                    f"{list(t.shape)}")
+    return None
 
 
 def _file_hash(path: Path) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qcompile.distributed.cache import CompileCache, cache_key
+from qcompile.distributed.cache import CompileCache, cache_key, misfit
 from qcompile.distributed.data_parallel import initialised, watch_observer_sync
 from qcompile.distributed.devices import collective_device, staged
 from qcompile.distributed.guards import refuse_wrapped, unwrap_compiled
@@ -61,6 +61,8 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
             # calibration; where the cache lives is not part of what is cached.
             key = cache_key(gm.code, spec.model_dump_json(exclude={"cache_dir"}), gm, batches)
             state, why = CompileCache(directory).load(key)
+            if state is not None and (bad := misfit(state, gm)) is not None:
+                state, why = None, f"entry {bad}; rebuilt"
         if state is not None:
             gm.load_state_dict(state)
         else:

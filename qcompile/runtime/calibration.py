@@ -15,7 +15,8 @@ Example:
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,9 +27,40 @@ from qcompile.errors import QCompileError
 from qcompile.runtime.fake_quant import FakeQuantize
 
 
+@dataclass(frozen=True)
+class GraphInput:
+    """One input of a compiled graph, as its example input was: for error messages."""
+
+    name: str
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+    variadic: bool = False  # *args: any number of values
+
+    def __str__(self) -> str:
+        if self.shape is None or self.dtype is None:
+            return self.name
+        return f"{self.name}: {str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+
+
 def quantizers(gm: nn.Module) -> dict[str, FakeQuantize]:
     """Every ``FakeQuantize`` in ``gm`` by qualified name."""
     return {name: m for name, m in gm.named_modules() if isinstance(m, FakeQuantize)}
+
+
+def uncalibrated(gm: nn.Module, mode: str | None) -> list[str]:
+    """Activation quantizers whose observer never saw data (their qparams are defaults),
+    or, in a static graph, were never switched on by calibration: what ``qc.convert``
+    and ``qc.export_encodings`` refuse."""
+    out = []
+    for name, q in quantizers(gm).items():
+        if q.dynamic or q.observer is None or q.granularity == "per_token":
+            continue
+        if not q.per_example:  # a weight quantizer: observed its weight at compile time
+            continue
+        never = bool((q.observer.min_val > q.observer.max_val).all())
+        if never or (mode == "static" and not q.enabled):
+            out.append(name)
+    return out
 
 
 def freeze(gm: nn.Module) -> nn.Module:
@@ -89,15 +121,27 @@ def check_calibratable(mode: str | None) -> None:
 
 def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
                        sync: Callable[[nn.Module], Any] | None = None,
-                       progress: bool = True) -> nn.Module:
+                       progress: bool = True,
+                       inputs: Callable[[Any], Any] | None = None,
+                       signature: Sequence[GraphInput] = ()) -> nn.Module:
     """What ``qc.calibrate`` does, for any mode: observe ``batches``, then ``sync(gm)``
     (when given), then freeze. (The inspect tool's per-layer error uses it to give QAT
-    graphs data-derived ranges.)"""
+    graphs data-derived ranges.)
+
+    A batch is a tuple or list of positional inputs, a dict of keyword inputs, or one
+    tensor; ``inputs`` maps each batch to one of those first (``lambda b: b[0]`` for a
+    DataLoader of ``(x, y)`` pairs). A batch that does not fit the graph, or that puts NaN
+    into an observer, is a ``QCompileError`` and every quantizer is restored to its state
+    before the call: a refused calibration changes nothing. ``signature`` (the graph's
+    inputs, ``qcompile.graph.signature.graph_inputs``) lets errors say what the graph
+    takes."""
     qs = quantizers(gm)
     if not qs:
         raise QCompileError("calibrate: the graph has no quantizers",
                             fix="compile with a spec whose quant.mode is static")
     was_training = gm.training
+    saved = {n: ({k: v.clone() for k, v in q.state_dict().items()}, q.enabled, q.observe)
+             for n, q in qs.items()}
     gm.eval()
     for q in qs.values():
         if q.observer is not None and not q.learnable:
@@ -107,10 +151,24 @@ def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
         from tqdm import tqdm
 
         batches = tqdm(batches, desc="calibrate", unit="batch", leave=False)
+    names = [i.name for i in signature if not i.variadic]
     try:
         with torch.no_grad():
             for batch in batches:
-                gm(*batch) if isinstance(batch, (tuple, list)) else gm(batch)
+                args, kwargs = _call_args(inputs(batch) if inputs is not None else batch,
+                                          seen, signature, selected=inputs is not None)
+                try:
+                    gm(*args, **kwargs)
+                except QCompileError:
+                    raise
+                except Exception as e:  # a user's data, not a bug of ours: say what misfit
+                    raise QCompileError(
+                        f"calibration batch {seen} ({describe(args, kwargs, names)}) does not fit "
+                        f"the graph, compiled for ({_compiled_for(signature)}): "
+                        f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}",
+                        fix="give batches shaped like example_inputs (same dtypes, same "
+                            "non-batch dimensions), or pass inputs=<batch -> model inputs>",
+                    ) from e
                 seen += 1
                 bad = [n for n, q in qs.items() if q.observer is not None
                        and not _finite_stats(q.observer.min_val, q.observer.max_val)]
@@ -118,13 +176,56 @@ def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
                     raise QCompileError(f"calibration batch {seen - 1} put NaN or Inf into "
                                         f"the observer of {bad[0]}",
                                         fix="remove NaN/Inf values from the calibration data")
+        if seen == 0:
+            raise QCompileError("calibrate: no batches were given",
+                                fix="pass a non-empty iterable")
+    except BaseException:
+        for n, q in qs.items():  # a refused calibration leaves the graph as it was
+            state, q.enabled, q.observe = saved[n]
+            q.load_state_dict(state)
+        raise
     finally:
         gm.train(was_training)
-    if seen == 0:
-        raise QCompileError("calibrate: no batches were given", fix="pass a non-empty iterable")
     if sync is not None:
         sync(gm)  # e.g. reduce across data-parallel ranks: every rank ends with the same qparams
     for q in qs.values():
         q.observe = False
         q.enabled = True
     return gm
+
+
+def _call_args(batch: Any, index: int, signature: Sequence[GraphInput],
+               selected: bool) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` for one batch; refuses a batch with more values than the graph
+    has inputs (the commonest mistake: a DataLoader of ``(input, target)`` pairs)."""
+    if isinstance(batch, dict):
+        args, kwargs = (), dict(batch)
+    elif isinstance(batch, (tuple, list)):
+        args, kwargs = tuple(batch), {}
+    else:
+        args, kwargs = (batch,), {}
+    if signature and not any(i.variadic for i in signature) and len(args) > len(signature):
+        names = ", ".join(i.name for i in signature)
+        where = "inputs=... returned" if selected else "is a"
+        fix = ("return only the model's inputs from inputs=..." if selected else
+               "pass inputs=lambda batch: batch[0] to qc.calibrate to select the model's "
+               "inputs (e.g. from a DataLoader of (input, target) pairs)")
+        raise QCompileError(f"calibration batch {index} {where} tuple of {len(args)} values, "
+                            f"but the graph takes {len(signature)} input(s): {names}", fix=fix)
+    return args, kwargs
+
+
+def describe(args: tuple, kwargs: dict, names: Sequence[str] = ()) -> str:
+    """``x: float32[4, 8], mask: int64[4]``: ``args`` (named by ``names`` where given) and
+    ``kwargs``."""
+    def one(v: Any) -> str:
+        if isinstance(v, torch.Tensor):
+            return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+        return type(v).__name__
+    parts = [f"{names[i]}: {one(a)}" if i < len(names) else one(a) for i, a in enumerate(args)]
+    parts += [f"{k}: {one(v)}" for k, v in kwargs.items()]
+    return ", ".join(parts) or "no inputs"
+
+
+def _compiled_for(signature: Sequence[GraphInput]) -> str:
+    return ", ".join(str(i) for i in signature) or "inputs it was compiled for"

@@ -172,8 +172,10 @@ def spec_dicts(draw: st.DrawFn, kinds: tuple[str, ...] = OBSERVER_KINDS) -> dict
         d["version"] = 1
     mode = draw(st.sampled_from(["none", "dynamic", "static", "qat"]))
     quant: dict = {"mode": mode}
-    quant["rules"] = draw(st.lists(rules(mode, kinds), max_size=4))
-    if draw(st.booleans()):
+    # mode none quantizes nothing: rules or inputs with it are an error (tests/specs/
+    # test_strict.py), so only a quantizing mode gets them.
+    quant["rules"] = draw(st.lists(rules(mode, kinds), max_size=4)) if mode != "none" else []
+    if mode != "none" and draw(st.booleans()):
         quant["inputs"] = draw(schemes("inputs", mode, kinds))
     if draw(st.booleans()):
         quant["fold_bn"] = draw(st.booleans())
@@ -448,10 +450,14 @@ def test_json_top_level_list(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("text", ["", "\n", "# only a comment\n", "---\n", "null\n"])
-def test_empty_yaml_is_default_spec(tmp_path: Path, text: str) -> None:
+def test_empty_yaml_is_an_error(tmp_path: Path, text: str) -> None:
+    # An empty file used to load as the default spec (mode none: a float graph), silently.
     path = tmp_path / "empty.yaml"
     path.write_text(text, encoding="utf-8")
-    assert load_spec(path) == CompileSpec()
+    with pytest.raises(QCompileError) as excinfo:
+        load_spec(path)
+    assert f"spec file {str(path)!r} is empty" in str(excinfo.value)
+    assert "preset" in excinfo.value.fix and "int8-qat" in excinfo.value.fix
 
 
 def test_json_file(tmp_path: Path) -> None:

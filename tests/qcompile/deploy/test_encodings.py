@@ -121,3 +121,120 @@ def test_sqnr_is_infinite_where_nothing_changed_and_refuses_bad_input() -> None:
     piped = qc.qcompile(model(), {"quant": {"mode": "none"}, "pipeline": {"stages": 2}}, (X,))
     with pytest.raises(qc.QCompileError, match="unsplit"):
         qc.sqnr(piped, model(), BATCHES)
+
+
+# -- refused files change nothing; uncalibrated graphs are not exported ------------------
+def _exported(tmp_path: Path) -> tuple[Path, dict]:
+    path = tmp_path / "a.encodings"
+    qc.export_encodings(calibrated(), path)
+    return path, json.loads(path.read_text())
+
+
+def _state(gm: torch.fx.GraphModule) -> tuple[dict, dict]:
+    flags = {n: (q.observe, q.enabled) for n, q in qc.quantizers(gm).items()}
+    return {k: v.clone() for k, v in gm.state_dict().items()}, flags
+
+
+def _assert_refused_unchanged(path: Path, data: dict, match: str) -> str:
+    """Write ``data``, load it into a fresh graph: refused with ``match``, graph unchanged."""
+    path.write_text(json.dumps(data))  # NaN/Infinity literals as Python's json writes them
+    fresh = qc.qcompile(model(), "int8-static", (X,))
+    before, flags = _state(fresh)
+    with pytest.raises(qc.QCompileError, match=match) as excinfo:
+        qc.load_encodings(fresh, path)
+    after, flags_after = _state(fresh)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before), "a refused file changed qparams"
+    assert flags == flags_after
+    assert str(path) in str(excinfo.value)
+    return str(excinfo.value)
+
+
+# "add" is the last quantizer applied: a load that is not atomic would already have
+# changed every other one.
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), float("-inf"), 0.0, -0.01,
+                                   1e-50, 1e39])
+def test_bad_scales_are_refused_and_nothing_is_loaded(tmp_path: Path, scale: float) -> None:
+    path, data = _exported(tmp_path)
+    data["activation_encodings"]["add"][0]["scale"] = scale
+    msg = _assert_refused_unchanged(path, data, r"activation_encodings\['add'\]")
+    assert "quantizer add_fake_quant" in msg and f"scale {scale!r}" in msg
+    assert "finite number > 0" in msg
+
+
+@pytest.mark.parametrize("scale", ["abc", "0.1", None, True, [0.1]])
+def test_non_numeric_scales_are_refused(tmp_path: Path, scale: object) -> None:
+    path, data = _exported(tmp_path)
+    data["param_encodings"]["fc.weight"][2]["scale"] = scale
+    msg = _assert_refused_unchanged(path, data, r"param_encodings\['fc\.weight'\]")
+    assert f"entry [2] scale {scale!r} is not a number" in msg
+    assert "quantizer fc.weight_fake_quant" in msg
+
+
+@pytest.mark.parametrize(("key", "zero_point", "problem"), [
+    ("add", 128, r"outside the quantizer's range \[0, 127\]"),
+    ("add", -1, r"outside the quantizer's range \[0, 127\]"),
+    ("fc.weight", 200, r"outside the quantizer's range \[-128, 127\]"),
+    ("add", 1.5, "is not an integer"),
+    ("add", "3", "is not an integer"),
+])
+def test_bad_zero_points_are_refused(tmp_path: Path, key: str, zero_point: object,
+                                     problem: str) -> None:
+    path, data = _exported(tmp_path)
+    section = "param_encodings" if key.endswith("weight") else "activation_encodings"
+    data[section][key][-1]["zero_point"] = zero_point
+    msg = _assert_refused_unchanged(path, data, problem)
+    assert f"{section}[{key!r}]" in msg and f"zero_point {zero_point!r}" in msg
+
+
+def test_malformed_entries_are_refused(tmp_path: Path) -> None:
+    path, data = _exported(tmp_path)
+    del data["activation_encodings"]["add"][0]["scale"]
+    _assert_refused_unchanged(path, data, r"entry \[0\] has no 'scale'")
+    _, data = _exported(tmp_path)
+    data["activation_encodings"]["add"] = {"scale": 0.1}
+    _assert_refused_unchanged(path, data, "expected a list of encoding objects")
+    _assert_refused_unchanged(path, [1, 2], "expected a JSON object")  # type: ignore[arg-type]
+
+
+def test_integral_float_zero_point_is_accepted(tmp_path: Path) -> None:
+    path, data = _exported(tmp_path)
+    z = data["activation_encodings"]["add"][0]["zero_point"]
+    data["activation_encodings"]["add"][0]["zero_point"] = float(z)
+    path.write_text(json.dumps(data))
+    gm = qc.load_encodings(qc.qcompile(model(), "int8-static", (X,)), path)
+    assert int(qc.quantizers(gm)["add_fake_quant"].zero_point) == z
+
+
+def test_uncalibrated_static_graph_is_not_exported(tmp_path: Path) -> None:
+    gm = qc.qcompile(model(), "int8-static", (X,))
+    path = tmp_path / "u.encodings"
+    with pytest.raises(qc.QCompileError, match="no ranges yet") as excinfo:
+        qc.export_encodings(gm, path)
+    assert excinfo.value.fix == "run qc.calibrate(gm, batches) first"
+    assert list(tmp_path.iterdir()) == []  # no file, no temporary left behind
+    path.write_text("old")  # an existing file is left as it was
+    with pytest.raises(qc.QCompileError):
+        qc.export_encodings(gm, path)
+    assert path.read_text() == "old" and list(tmp_path.iterdir()) == [path]
+
+
+def test_untrained_qat_graph_is_not_exported(tmp_path: Path) -> None:
+    gm = qc.qcompile(model(), "int8-qat", (X,))
+    with pytest.raises(qc.QCompileError, match="no ranges yet") as excinfo:
+        qc.export_encodings(gm, tmp_path / "q.encodings")
+    assert "train it" in excinfo.value.fix
+    gm.train()
+    gm(X)  # one training-mode forward: the observers have ranges
+    qc.export_encodings(gm, tmp_path / "q.encodings")
+    assert (tmp_path / "q.encodings").is_file()
+
+
+def test_export_replaces_the_file_atomically(tmp_path: Path) -> None:
+    path = tmp_path / "a.encodings"
+    path.write_text("old")
+    qc.export_encodings(calibrated(), path)
+    assert json.loads(path.read_text())["version"] == "1.0.0"
+    assert list(tmp_path.iterdir()) == [path]  # the temporary file was renamed over it
+    with pytest.raises(qc.QCompileError, match="does not exist"):
+        qc.export_encodings(calibrated(), tmp_path / "missing" / "a.encodings")

@@ -496,6 +496,32 @@ def test_pickled_object_with_forged_manifest_is_recompiled(tmp_path: Path) -> No
     assert cache_note(compile_cached(cache_dir)) == "compile cache: hit"
 
 
+@pytest.mark.parametrize("edit", ["drop", "extra", "reshape", "retype"])
+def test_entry_that_does_not_fit_the_graph_is_rebuilt(tmp_path: Path, edit: str) -> None:
+    """A well-formed entry (hash recomputed) whose tensors do not fit the graph is a miss
+    that says why, is rebuilt and rewritten, not an error on every call."""
+    compile_cached(tmp_path)
+    entry = only_entry(tmp_path)
+    state = torch.load(entry / STATE, weights_only=True)
+    name = next(k for k in state if k.endswith("weight"))
+    if edit == "drop":
+        del state[name]
+    elif edit == "extra":
+        state["stray.tensor"] = torch.zeros(2)
+    elif edit == "reshape":
+        state[name] = torch.zeros(3, 3)
+    else:
+        state[name] = state[name].double()
+    torch.save(state, entry / STATE)
+    _forge_manifest(entry)
+    gm = compile_cached(tmp_path)
+    note = cache_note(gm)
+    assert "does not fit the graph" in note and "rebuilt" in note, note
+    assert (name in note) or ("stray.tensor" in note), note
+    assert_identical(gm, fresh())
+    assert cache_note(compile_cached(tmp_path)) == "compile cache: hit"
+
+
 # -- atomic writes ------------------------------------------------------------------------
 def _crash_in_torch_save(monkeypatch: pytest.MonkeyPatch) -> None:
     real_save = torch.save
