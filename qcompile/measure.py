@@ -1,5 +1,11 @@
 """Measuring a compiled graph against its float model: per-layer SQNR (``qc.sqnr``).
 
+Measuring never changes what it measures: ``unchanged`` runs the graph in eval mode with
+every observer off and afterwards puts back each module's training flag, each
+quantizer's ``enabled`` / ``observe`` flags and every buffer (observer statistics,
+BatchNorm running statistics), so the state_dict is bit-identical and an uncalibrated
+graph is not calibrated by the batches it was measured on.
+
 Example:
     >>> import torch, qcompile as qc
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
@@ -12,7 +18,8 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -34,12 +41,52 @@ def _sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
     return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
 
 
+@contextmanager
+def unchanged(*modules: nn.Module) -> Iterator[None]:
+    """Run the body with ``modules`` in eval mode and their observers off, then restore
+    them exactly: training flags, quantizer flags, and every buffer's tensor and value."""
+    training: list[tuple[nn.Module, bool]] = []
+    flags: list[tuple[FakeQuantize, bool, bool]] = []
+    buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
+    seen: set[int] = set()
+    for root in modules:
+        for m in root.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            training.append((m, m.training))
+            if isinstance(m, FakeQuantize):
+                flags.append((m, m.enabled, m.observe))
+            for name, b in m._buffers.items():
+                if b is not None:
+                    buffers.append((m, name, b, b.detach().clone()))
+    try:
+        for root in modules:
+            root.eval()
+        for q, _, observe in flags:
+            if observe:
+                q.observe = False
+        yield
+    finally:
+        for m, was in training:
+            m.training = was
+        for q, enabled, observe in flags:
+            if (q.enabled, q.observe) != (enabled, observe):  # (setting clears its cache)
+                q.enabled, q.observe = enabled, observe
+        with torch.no_grad():  # a module that swapped or updated a buffer gets it back
+            for m, name, b, value in buffers:
+                m._buffers[name] = b
+                b.copy_(value)
+
+
 def sqnr(gm: nn.Module, reference_model: nn.Module, batches: Iterable[Any]
          ) -> list[dict[str, Any]]:
     """Per quantized activation, SQNR (dB) of the node's output against the float
     model's, averaged over ``batches``, worst first: ``[{"node": ..., "sqnr_db": ...}]``.
 
-    ``gm`` is used as it is (qparams as they are; freeze or calibrate it first)."""
+    ``gm`` is used as it is (qparams as they are; freeze or calibrate it first), in eval
+    mode with its observers off; afterwards it (and ``reference_model``, which is only
+    copied) is exactly as before: measuring never calibrates or trains anything."""
     if any(name.startswith("stage_") for name, _ in gm.named_children()):
         raise QCompileError("qc.sqnr measures unsplit graphs",
                             fix="compile without the pipeline section for the error report")
@@ -71,7 +118,7 @@ def sqnr(gm: nn.Module, reference_model: nn.Module, batches: Iterable[Any]
             return out
 
     results: dict[str, list[float]] = {}
-    with torch.no_grad():
+    with torch.no_grad(), unchanged(gm):
         for batch in batches:
             q, f = Record(gm), Record(float_gm)
             q.run(*batch)

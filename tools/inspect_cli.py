@@ -17,7 +17,9 @@ stdout and diagnostics on stderr):
 ``REF`` is ``package.module:factory`` or ``path/to/file.py:factory`` (a callable returning
 the model). ``--format json`` gives stable, documented JSON; ``--graph dot|svg|html``
 writes a picture with quantizers and stage colours. Exit codes: 0 ok, 1 invalid spec or
-model error, 2 usage. ``--debug`` shows tracebacks.
+model error (``explain`` too, after explaining, when a rule matches nothing), 2 usage
+(bad arguments or ``--calib`` data). ``--debug`` shows tracebacks. Measuring (``sqnr``)
+leaves the model as the factory built it.
 
 Example:
     >>> from qcompile.tools.inspect_cli import main
@@ -101,6 +103,11 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, tuple[Any, ...] | None]:
     factory = load_factory(args.model)
     try:
         model = factory()
+    except SystemExit as e:  # sys.exit() in the factory: say so instead of exiting silently
+        raise QCompileError(f"--model: {args.model} exited with code {e.code} (SystemExit) "
+                            "instead of returning a model",
+                            fix="return the model from the factory; do not call sys.exit()"
+                            ) from e
     except Exception as e:
         raise QCompileError(f"--model: {args.model} raised {type(e).__name__}: {e}",
                             fix="fix the factory, or run with --debug for the traceback") from e
@@ -388,11 +395,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
     annotated, _ = Pipeline([trace, fold_bn]).run(ctx)
     matches = assign_rules(annotated, list(spec.quant.rules)).won
     graphs = [annotated]
+    status = 0
     try:  # the compiled graph too: `show` prints its node names
         Pipeline([trace, fold_bn, annotate]).run(ctx)  # an unmatched rule raises here
         graphs.insert(0, qc.qcompile(model, spec, inputs))
-    except QCompileError as e:  # an unmatched rule: explain the rest anyway
-        note(f"note: {e.message}")
+    except QCompileError as e:  # an unmatched rule: explain the rest anyway, then exit 1
+        note(f"note: {e.message}")  # as `show` does: the spec does not compile this model
+        status = 1
     rules = [{"rule": i, "match": _rule_text(spec, i), "skip": r.skip,
               "nodes": matches.get(i, [])} for i, r in enumerate(spec.quant.rules)]
     if args.node is None:
@@ -400,7 +409,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
                          f"{len(r['nodes'])} node(s): {', '.join(r['nodes']) or '-'}"
                          for r in rules)
         emit(args, {"rules": rules}, text or "the spec has no rules")
-        return 0
+        return status
     found = [(g, n) for g in graphs for n in g.graph.nodes if n.name == args.node]
     if not found:
         names = ", ".join(n.name for n in list(graphs[0].graph.nodes)[:20])
@@ -418,7 +427,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
                      + [f"  {'*' if t['rule'] == chosen else ' '} {t['match']}: {t['why']}"
                         for t in tried])
     emit(args, {"node": node.name, "chosen_rule": chosen, "rules": tried}, text)
-    return 0
+    return status
 
 
 def cmd_passes(args: argparse.Namespace) -> int:
@@ -472,6 +481,45 @@ def cmd_passes(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_calib(path: str, inputs: tuple[Any, ...] | None) -> list[tuple[Any, ...]]:
+    """The ``--calib`` file as a list of input tuples, or a ``UsageError`` (exit 2) saying
+    what is wrong with it: missing, not a torch.save'd list of tensors (or of tuples of
+    tensors), empty, not finite, or not matching ``--input-shape``."""
+    import torch
+
+    where = f"--calib {path}"
+    expected = "a torch.save'd list of input tensors (or of tuples of tensors)"
+    if not Path(path).is_file():
+        raise UsageError(f"{where}: no such file")
+    try:
+        loaded = torch.load(path, weights_only=True)
+    except Exception as e:  # not a torch file, or one that needs pickle: both are bad data
+        raise UsageError(f"{where}: torch.load(weights_only=True) cannot read it "
+                         f"({type(e).__name__}); expected {expected}") from None
+    items = loaded if isinstance(loaded, (list, tuple)) else [loaded]
+    if not items:
+        raise UsageError(f"{where}: holds no batches; expected {expected}")
+    batches = []
+    for i, item in enumerate(items):
+        batch = tuple(item) if isinstance(item, (tuple, list)) else (item,)
+        for j, x in enumerate(batch):
+            if not isinstance(x, torch.Tensor):
+                raise UsageError(f"{where}: batch {i} input {j} is a {type(x).__name__}, not a "
+                                 f"tensor; expected {expected}")
+            if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+                raise UsageError(f"{where}: batch {i} input {j} contains NaN or Inf")
+        if inputs is not None:
+            if len(batch) != len(inputs):
+                raise UsageError(f"{where}: batch {i} has {len(batch)} input(s), --input-shape "
+                                 f"gives {len(inputs)}")
+            for j, (x, ref) in enumerate(zip(batch, inputs)):
+                if x.shape[1:] != ref.shape[1:]:
+                    raise UsageError(f"{where}: batch {i} input {j} has shape "
+                                     f"{list(x.shape)}, --input-shape gives {list(ref.shape)}")
+        batches.append(batch)
+    return batches
+
+
 def cmd_sqnr(args: argparse.Namespace) -> int:
     import torch
 
@@ -480,9 +528,7 @@ def cmd_sqnr(args: argparse.Namespace) -> int:
 
     model, spec, inputs = build(args)
     if args.calib:
-        loaded = torch.load(args.calib, weights_only=True)
-        batches = [b if isinstance(b, (tuple, list)) else (b,) for b in (
-            loaded if isinstance(loaded, (list, tuple)) else [loaded])]
+        batches = load_calib(args.calib, inputs)
     else:
         if inputs is None:
             raise UsageError("sqnr needs --input-shape (for --random) or --calib FILE.pt")
@@ -491,12 +537,24 @@ def cmd_sqnr(args: argparse.Namespace) -> int:
                    for _ in range(args.random)]
     # Per-layer error does not depend on how stages split the graph: measure unsplit.
     spec = spec.model_copy(update={"pipeline": None})
-    gm = qc.qcompile(model, spec, inputs or batches[0])
+    try:
+        gm = qc.qcompile(model, spec, inputs or batches[0])
+    except QCompileError as e:
+        if inputs is not None or not e.message.startswith("running node"):
+            raise
+        # the first --calib batch was the example input, and the model cannot run it
+        raise UsageError(f"--calib {args.calib}: batch 0 does not fit the model: "
+                         f"{e.message.splitlines()[0]}") from e
     if qc.quantizers(gm):  # qparams from these batches, whatever the mode (QAT too)
-        collect_statistics(gm, batches)
+        try:
+            collect_statistics(gm, batches)
+        except QCompileError as e:
+            if not args.calib:
+                raise
+            raise UsageError(f"--calib {args.calib}: {e.message.splitlines()[0]}") from e
     qc.freeze(gm)
     gm.eval()
-    rows = qc.sqnr(gm, model.eval(), batches)
+    rows = qc.sqnr(gm, model, batches)  # measures a copy of the model, in eval mode
     text = table([{**r, "sqnr_db": f"{r['sqnr_db']:.2f}"} for r in rows], ["node", "sqnr_db"])
     emit(args, {"layers": rows, "batches": len(batches)},
          text if rows else "no quantized activations")
@@ -504,6 +562,17 @@ def cmd_sqnr(args: argparse.Namespace) -> int:
 
 
 # -- the command line ------------------------------------------------------------------------
+def _positive(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse turns the error into a usage message)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", help="spec file (.yaml/.json) or preset name")
     p.add_argument("--model", required=True, help="package.module:factory or file.py:factory")
@@ -546,7 +615,8 @@ def parser() -> argparse.ArgumentParser:
     _model_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--calib", help="a .pt file: a list of input tuples (or tensors)")
-    src.add_argument("--random", type=int, default=4, help="N random batches (default 4)")
+    src.add_argument("--random", type=_positive, default=4,
+                     help="N random batches (default 4, at least 1)")
     p.set_defaults(fn=cmd_sqnr)
     return root
 

@@ -8,10 +8,11 @@ export when symbolic tracing fails; the Report notes why). Both work on a copy
 (the argument, or ``spec.trace.inputs``), ``node.meta[TENSOR_META]`` (torch.fx
 ``TensorMetadata``) comes from running the graph on meta tensors, or on the example inputs
 when meta tensors cannot run it (``shape_prop``; ``Report.shapes`` says which). Export
-graphs take their shapes from export's own fake values.
+graphs take their shapes from export's own fake values. The traced graph is marked as
+qcompile's (``gm.meta[COMPILED_KEY]``) and saved whole by ``torch.save`` (``saving``).
 
 Inside the package imports run one way: this pass -> ``capture_symbolic``, ``shape_prop``,
-``capture_export``; ``capture_symbolic`` and ``shape_prop`` -> ``model_copy``.
+``capture_export``, ``saving``; ``capture_symbolic`` and ``shape_prop`` -> ``model_copy``.
 
 Example:
     >>> import torch, qcompile as qc
@@ -35,14 +36,17 @@ from torch.fx import GraphModule
 
 from qcompile.errors import QCompileError
 from qcompile.graph.context import Context
-from qcompile.graph.meta import ROOT_CLASS_KEY
+from qcompile.graph.meta import COMPILED_KEY, REPORT_KEY, ROOT_CLASS_KEY
 from qcompile.graph.pipeline import graph_pass, mark_compiled
 from qcompile.passes.trace import capture_export, capture_symbolic
 from qcompile.passes.trace.model_copy import copy_model
+from qcompile.passes.trace.saving import keep_whole
 from qcompile.passes.trace.shape_prop import propagate_shapes
+from qcompile.runtime.fake_quant import FakeQuantize
+from qcompile.version import __version__
 
 # copy_model is re-exported: it lived here before the package was split by concern
-__all__ = ["copy_model", "example_args", "trace"]
+__all__ = ["copy_model", "example_args", "refuse_compiled", "trace"]
 
 
 def example_args(gm: GraphModule, ctx: Context) -> list[Any] | None:
@@ -100,17 +104,73 @@ def _inputs(ctx: Context) -> tuple[Any, ...] | None:
     return () if ctx.example_kwargs else None
 
 
+def _refuse_meta_weights(model: nn.Module, ctx: Context) -> None:
+    """A model on the meta device has no values: with real example inputs it would compile
+    and fail on its first call, so say it now. (Meta inputs, or none, compile the structure
+    only, which is what a sharded ``compile_once`` wants.)"""
+    devices = {t.device.type for t in torch.utils._pytree.tree_leaves(
+        (ctx.example_inputs, ctx.example_kwargs)) if isinstance(t, torch.Tensor)}
+    if not devices - {"meta"}:
+        return
+    for kind, items in (("parameter", model.named_parameters()),
+                        ("buffer", model.named_buffers())):
+        for name, t in items:
+            if t.device.type == "meta":
+                raise QCompileError(
+                    f"{kind} {name!r} of the model is on the meta device (it has no values), "
+                    f"but example_inputs are on {sorted(devices - {'meta'})[0]}",
+                    fix="materialize the model first (model.to_empty(device=...) and load "
+                        "its weights), or compile a sharded model with "
+                        "qc.distributed.compile_once(build, spec, inputs, checkpoint=...)")
+
+
+_RECOMPILE_FIX = ("compile the original float model instead; to change the scheme, compile the "
+                  "float model with the new spec and load the trained state "
+                  "(model.load_state_dict(gm.state_dict(), strict=False) before compiling)")
+
+
+def refuse_compiled(model: nn.Module) -> None:
+    """Refuse a graph ``qcompile`` returned (or a model holding one, or holding quantizers
+    because an ``inplace=True`` compile took it over): compiling it again would insert
+    quantizers around quantizers, and its rules would match nothing. ``qc.qcompile`` calls
+    it first (before the wrapped-model checks); the trace pass again, for every other
+    caller of the pass pipeline."""
+    for name, m in model.named_modules():
+        meta = getattr(m, "meta", None) if isinstance(m, GraphModule) else None
+        if isinstance(meta, dict) and (COMPILED_KEY in meta or REPORT_KEY in meta):
+            rep = meta.get(REPORT_KEY)
+            mode = f" (quant.mode {rep.mode!r})" if rep is not None else ""
+            what = "the model is" if not name else f"module {name!r} of the model is"
+            raise QCompileError(f"qcompile: {what} already a graph returned by qcompile{mode}; "
+                                "compiling it again would quantize its quantizers",
+                                fix=_RECOMPILE_FIX)
+        if isinstance(m, FakeQuantize):
+            raise QCompileError(
+                f"qcompile: module {name!r} of the model is a qcompile quantizer "
+                "(FakeQuantize): the model was already compiled (an inplace=True compile "
+                "hands the model's modules to the graph)",
+                fix="compile a fresh instance of the float model; " + _RECOMPILE_FIX)
+
+
+def _mark(gm: GraphModule, model: nn.Module) -> None:
+    gm.meta[ROOT_CLASS_KEY] = type(model)
+    gm.meta[COMPILED_KEY] = __version__  # qc.qcompile refuses to compile it again
+    keep_whole(gm)
+
+
 @graph_pass(requires=("model",), provides=("graph",))
 def trace(gm: GraphModule | None, ctx: Context) -> GraphModule:
     """Capture ``ctx.model`` (a copy of it) as a GraphModule: symbolic tracing, torch.export,
     or symbolic first and export when it fails (``trace.method: auto``)."""
     model = ctx.model
+    refuse_compiled(model)
     params = _forward_params(model)
     unknown = sorted(set(ctx.spec.trace.concrete_args) - set(params)) if params else []
     if unknown:
         raise QCompileError(f"trace.concrete_args names {unknown}, which forward() does not "
                             f"take (it takes {', '.join(params)})",
                             fix="use the names of forward()'s parameters")
+    _refuse_meta_weights(model, ctx)
     method = ctx.spec.trace.method
     failure: capture_symbolic.TraceFailure | None = None
     if method in ("auto", "symbolic"):
@@ -121,7 +181,7 @@ def trace(gm: GraphModule | None, ctx: Context) -> GraphModule:
                 raise QCompileError(e.message, fix=e.fix) from e.__cause__
             failure = e
         else:
-            gm.meta[ROOT_CLASS_KEY] = type(model)
+            _mark(gm, model)
             ctx.trace_method = "symbolic"
             args = example_args(gm, ctx)
             if args is not None:
@@ -133,7 +193,7 @@ def trace(gm: GraphModule | None, ctx: Context) -> GraphModule:
             mark_compiled(gm, ctx)  # GraphModule() generated the code of this very graph
             return gm
     gm = capture_export.capture(ctx, _inputs(ctx), failure)
-    gm.meta[ROOT_CLASS_KEY] = type(model)
+    _mark(gm, model)
     ctx.trace_method = "export"
     ctx.has_shapes = True
     ctx.shapes = "torch.export"

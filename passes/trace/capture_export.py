@@ -14,6 +14,9 @@ be a ready-to-train qcompile graph:
   parameters keep their qualified names and whose submodules keep their classes.
 - Shapes: ``node.meta[TENSOR_META]`` is filled from export's fake values, so passes read
   shapes the same way on both front ends.
+- Saving: export's input-guard module (``_guards_fn``) runs a function generated at export
+  time, which pickle cannot save; its forward becomes a ``GuardCode`` that saves that
+  function's code, so the graph still checks its inputs after ``torch.save`` / ``torch.load``.
 
 Module ownership comes from ``node.meta[NN_MODULE_STACK]`` (recorded by export).
 ``capture`` is the front end the ``trace`` pass calls: ``export_graph`` with every failure
@@ -34,6 +37,10 @@ from __future__ import annotations
 
 import copy
 import inspect
+import marshal
+import math
+import sys
+import types
 from typing import Any
 
 import torch
@@ -50,6 +57,59 @@ from qcompile.runtime.modes import ModeAwareBatchNorm, ModeAwareSDPA
 aten = torch.ops.aten
 _DROPOUTS = {aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
              aten.feature_alpha_dropout.default}
+
+
+class GuardCode:
+    """The function torch.export generates to check a graph's inputs (the ``forward`` of
+    its ``_guards_fn`` module), as a callable pickle can save.
+
+    Export builds the function from source it does not keep, so its code object is saved
+    (``marshal``): a saved graph loads on the Python version it was saved with (the
+    state_dict recipe loads anywhere). The module stays torch's own ``GuardsFn``."""
+
+    def __init__(self, fn: types.FunctionType) -> None:
+        self.fn = fn
+        self._call = _traceable(fn)
+
+    def __call__(self, *args: Any) -> None:
+        return self._call(*args)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"fn": (tuple(sys.version_info[:2]), marshal.dumps(self.fn.__code__))}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        version, code = state["fn"]
+        if tuple(version) != tuple(sys.version_info[:2]):
+            raise QCompileError(
+                f"this graph was saved with Python {version[0]}.{version[1]}; its torch.export "
+                "input guards load only on that version",
+                fix="load it with the same Python, or rebuild it: compile the model again and "
+                "load_state_dict(torch.load(f, weights_only=True)) of a saved state_dict")
+        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+        # the namespace export runs the generated guards in (torch/export/_unlift.py)
+        namespace = {**SYMPY_INTERP, "math": math, "inf": float("inf"), "torch": torch}
+        self.__init__(types.FunctionType(marshal.loads(code), namespace, "_"))
+
+
+def _traceable(fn: Any) -> Any:
+    # as export wraps it: dynamo traces into the guards (re-exporting keeps them)
+    dont_skip = getattr(getattr(torch, "_dynamo", None), "dont_skip_tracing", None)
+    return dont_skip(fn) if dont_skip is not None else fn
+
+
+def _picklable_guards(module: Any) -> Any:
+    """Give export's ``_guards_fn`` module a ``GuardCode`` forward (its generated function,
+    found in the wrapper torch puts around it); anything else stays as it is."""
+    forward = module.__dict__.get("forward") if isinstance(module, nn.Module) else None
+    if forward is None or isinstance(forward, GuardCode):
+        return module
+    cells = [c.cell_contents for c in getattr(forward, "__closure__", None) or ()]
+    fns = [f for f in [forward, *cells] if isinstance(f, types.FunctionType)
+           and f.__code__.co_name == "_" and "<locals>" not in f.__qualname__]
+    if fns:
+        module.forward = GuardCode(fns[0])
+    return module
 
 
 def _innermost(node: Node) -> str:
@@ -204,8 +264,14 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict,
     graph = copy.deepcopy(exported.graph)
     for node in graph.nodes:  # constants and the input guard live on the exported module
         if node.op in ("get_attr", "call_module") and _lookup(root, str(node.target)) is None:
-            _assign(root, str(node.target), _lookup(exported, str(node.target)))
+            value = _lookup(exported, str(node.target))
+            if node.op == "call_module":
+                value = _picklable_guards(value)
+            _assign(root, str(node.target), value)
     _restore_modes(graph, root, notes)
+    # export's tracer class (kept on the graph, then on the GraphModule) takes arguments,
+    # and torch.load re-traces a saved graph with it built without any: use fx's Tracer
+    graph._tracer_cls = None
     gm = GraphModule(root, graph, type(model).__name__)
     keep_state_layout(gm, root)
     for name, m in gm.named_modules():

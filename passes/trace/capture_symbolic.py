@@ -28,9 +28,10 @@ Example:
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 
 from torch import nn
-from torch.fx import GraphModule, Tracer
+from torch.fx import Graph, GraphModule, Tracer
 
 from qcompile.errors import QCompileError
 from qcompile.graph.context import Context
@@ -40,11 +41,14 @@ from qcompile.passes.trace.model_copy import copy_model
 
 class _Tracer(Tracer):
     """symbolic tracing with spec-given leaf modules; remembers which module it was in
-    when tracing fails, so the error can name it."""
+    when tracing fails, so the error can name it.
 
-    def __init__(self, leaf_patterns: list[str]) -> None:
+    Its class is recorded on the GraphModule (``_tracer_cls``), and torch.load re-traces a
+    saved graph with a subclass built without arguments: hence the default."""
+
+    def __init__(self, leaf_patterns: Sequence[str] = ()) -> None:
         super().__init__()
-        self.leaf_patterns = leaf_patterns
+        self.leaf_patterns = list(leaf_patterns)
         self.used_patterns: set[str] = set()
         self.path: list[tuple[str, str]] = []
 
@@ -92,6 +96,23 @@ def capture(ctx: Context) -> GraphModule:
                            fix=fix) from e
     for p in sorted(set(ctx.spec.trace.leaf_modules) - tracer.used_patterns):
         ctx.note(f"trace.leaf_modules entry {p!r} matched no module")
+    _resolve_annotations(graph, model)
     gm = GraphModule(tracer.root, graph, type(model).__name__)
     keep_state_layout(gm, tracer.root)
     return gm
+
+
+def _resolve_annotations(graph: Graph, model: nn.Module) -> None:
+    """Turn string annotations (``from __future__ import annotations`` in the model's
+    file) into the types they name, or drop them: fx puts a string type into the
+    generated code's globals, where torch.save cannot name it."""
+    namespace = dict(getattr(type(model).forward, "__globals__", {}))
+    for node in graph.nodes:
+        if isinstance(node.type, str):
+            try:
+                node.type = eval(node.type, namespace)
+            except Exception:  # an annotation that does not evaluate here: no annotation
+                node.type = None
+            if not isinstance(node.type, type) and node.type is not None and not hasattr(
+                    node.type, "__origin__"):
+                node.type = None

@@ -65,6 +65,10 @@ MODELS = textwrap.dedent('''
 
     def not_a_module():
         return 3
+
+
+    def exits():
+        raise SystemExit(3)
 ''')
 
 SPECS = {
@@ -593,7 +597,7 @@ def test_explain_accepts_names_from_show(capsys: pytest.CaptureFixture[str],
 def test_explain_with_unmatched_rule(capsys: pytest.CaptureFixture[str], work: Path) -> None:
     rc, out, err = run(capsys, "explain", str(work / "nomatch.yaml"), "--model",
                        ref(work, "net"), *NET_SHAPE, "--format", "json")
-    assert rc == 0
+    assert rc == 1  # as `show`: the spec does not compile this model (explained anyway)
     assert err.startswith("note: quant.rules[1] (module: LSTM) matched no node")
     data = json.loads(out)
     assert [r["rule"] for r in data["rules"]] == [0, 1]
@@ -601,7 +605,7 @@ def test_explain_with_unmatched_rule(capsys: pytest.CaptureFixture[str], work: P
     # a single node is still explained against every rule
     rc, out, err = run(capsys, "explain", str(work / "nomatch.yaml"), "--model",
                        ref(work, "net"), *NET_SHAPE, "--node", "fc", "--format", "json")
-    assert rc == 0 and "matched no node" in err
+    assert rc == 1 and "matched no node" in err
     data = json.loads(out)
     assert [r["matched"] for r in data["rules"]] == [True, False]
     assert "LSTM" in data["rules"][1]["why"]
@@ -945,3 +949,100 @@ def test_errors_subprocess(work: Path) -> None:
     p = cli("show", "int8-qat", "--model", "inspect_models.py:net", "--input-shape", "2xfoo",
             cwd=work)
     assert p.returncode == 2 and "Traceback" not in p.stderr
+
+
+# -- bad input and everyday use (issue 15) -----------------------------------------------------
+def test_factory_exiting_is_reported(capsys: pytest.CaptureFixture[str], work: Path) -> None:
+    rc, out, err = run(capsys, "show", "int8-static", "--model", ref(work, "exits"),
+                       *NET_SHAPE)
+    assert_user_error(rc, out, err, "--model", "exited with code 3")
+
+
+def test_factory_exiting_subprocess(work: Path) -> None:
+    p = cli("show", "int8-static", "--model", "inspect_models.py:exits", *NET_SHAPE, cwd=work)
+    assert p.returncode == 1 and p.stdout == ""
+    assert "exited with code 3" in p.stderr.splitlines()[0]
+
+
+def test_explain_and_show_agree_on_unmatched_rules(capsys: pytest.CaptureFixture[str],
+                                                   work: Path) -> None:
+    argv = [str(work / "nomatch.yaml"), "--model", ref(work, "net"), *NET_SHAPE]
+    show_rc, _, _ = run(capsys, "show", *argv)
+    explain_rc, out, _ = run(capsys, "explain", *argv)
+    assert show_rc == explain_rc == 1
+    assert "rule #1 module=LSTM" in out  # still explained
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_random_must_be_positive(capsys: pytest.CaptureFixture[str], work: Path,
+                                 value: str) -> None:
+    rc, out, err = run(capsys, "sqnr", "int8-static", "--model", ref(work, "net"), *NET_SHAPE,
+                       "--random", value)
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert "argument --random" in err
+    assert ("must be >= 1" in err) == (value != "two")
+
+
+def _calib(tmp_path: Path, name: str, data: Any) -> str:
+    path = tmp_path / name
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        torch.save(data, path)
+    return str(path)
+
+
+@pytest.mark.parametrize(("data", "shape", "needle"), [
+    (None, False, "no such file"),
+    (b"not a torch file", False, "torch.load(weights_only=True) cannot read it"),
+    ([], False, "holds no batches"),
+    ({"x": torch.randn(1, 3, 8, 8)}, False, "batch 0 input 0 is a dict, not a tensor"),
+    (["text"], False, "batch 0 input 0 is a str"),
+    ([torch.full((1, 3, 8, 8), float("nan"))], False, "contains NaN or Inf"),
+    ([torch.randn(1, 5, 8, 8)], False, "batch 0 does not fit the model"),
+    ([torch.randn(1, 5, 8, 8)], True, "batch 0 input 0 has shape [1, 5, 8, 8], "
+                                      "--input-shape gives [1, 3, 8, 8]"),
+    ([(torch.randn(1, 3, 8, 8), torch.randn(1, 3, 8, 8))], True, "has 2 input(s)"),
+], ids=["missing", "garbage", "empty", "dict", "str", "nan", "wrong-shape",
+        "wrong-shape-vs-input-shape", "wrong-arity"])
+def test_bad_calib_data_is_a_usage_error(capsys: pytest.CaptureFixture[str], work: Path,
+                                         tmp_path: Path, data: Any, shape: bool,
+                                         needle: str) -> None:
+    path = str(tmp_path / "missing.pt") if data is None else _calib(tmp_path, "c.pt", data)
+    rc, out, err = run(capsys, "sqnr", "int8-static", "--model", ref(work, "net"),
+                       *(NET_SHAPE if shape else []), "--calib", path)
+    assert rc == 2 and out == ""
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"usage error: --calib {path}: "), err
+    assert needle in lines[0]
+
+
+def test_bad_calib_data_subprocess(work: Path, tmp_path: Path) -> None:
+    path = _calib(tmp_path, "c.pt", b"garbage")
+    p = cli("sqnr", "int8-static", "--model", "inspect_models.py:net", "--calib", path,
+            cwd=work)
+    assert p.returncode == 2 and p.stdout == "" and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_sqnr_leaves_the_float_model_alone(work: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """The measuring path does not switch the user's model to eval mode (qc.sqnr measures
+    a copy)."""
+    import qcompile.tools.inspect_cli as inspect_cli
+
+    built: list[torch.nn.Module] = []
+    real_build = inspect_cli.build
+
+    def spy(args: Any) -> Any:
+        model, spec, inputs = real_build(args)
+        built.append(model.train())
+        return model, spec, inputs
+
+    monkeypatch.setattr(inspect_cli, "build", spy)
+    rc, _, err = run(capsys, "sqnr", "int8-static", "--model", ref(work, "net"), *NET_SHAPE,
+                     "--random", "1")
+    assert rc == 0, err
+    assert built and all(m.training for m in built[0].modules())
+
