@@ -79,29 +79,37 @@ def test_converted_cnn_within_one_step_of_fake_quant(preset: str, method: str) -
     torch.manual_seed(0)
     gm = ready(CNN(), spec(preset, trace={"method": method}), (4, 3, 8, 8))
     ref = qc.freeze(copy.deepcopy(gm)).eval()
-    out = qc.convert(gm, example_inputs=data((4, 3, 8, 8), 1, seed=9)[0])
+    example = data((4, 3, 8, 8), 1, seed=9)[0]
+    out = qc.convert(gm, example_inputs=example)
     rep = qc.report(out)
-    assert rep.max_deviation["output0_steps"] <= 1.0 + 1e-6
+    step = last_step(ref)
+    with torch.no_grad():  # the check qc.convert ran on itself, redone here
+        assert float((out(*example) - ref(*example)).abs().max()) <= step * (1 + 1e-5)
+    assert rep.max_deviation["output0_steps"] <= 1.0 + 1e-6  # and the report says so
     kinds = {c.op for c in rep.conversions}
     assert {"quantized::conv_relu", "quantized::add", "quantized::linear"} <= kinds
     if method == "symbolic":  # (export spells padding='same' out as numbers)
         assert any(c.path == "int_storage" for c in rep.conversions), "padding='same' conv"
-    step = last_step(ref)
     with torch.no_grad():
         for (x,) in data((4, 3, 8, 8), 3, seed=5):  # other data than the check's
             assert float((out(x) - ref(x)).abs().max()) <= step * (1 + 1e-5)
 
 
 @pytest.mark.parametrize("preset", ["int8-static", "int8-qat"])
-def test_converted_mlp_is_exact(preset: str) -> None:
-    """Same integers, same requantization: the MLP's kernels reproduce fake-quant exactly
-    (recorded as 0 steps), not just within a step."""
+def test_converted_mlp_is_all_kernels_within_one_step(preset: str) -> None:
+    """Every Linear becomes an integer kernel, and the output is within one output step
+    of the fake-quant graph (not exact: the float32 fake-quant and the integer kernel may
+    round a near-tie apart; test_convert_reference.py checks the integers themselves)."""
     torch.manual_seed(0)
     gm = ready(mlp(), spec(preset), (8, 16))
+    ref = qc.freeze(copy.deepcopy(gm)).eval()
     out = qc.convert(gm, example_inputs=data((64, 16), 1, seed=3)[0])
-    assert qc.report(out).max_deviation["output0_steps"] <= 1.0
     assert all(isinstance(m, (torch.ao.nn.quantized.Linear,))
                for name, m in out.named_children())
+    step = last_step(ref)
+    with torch.no_grad():
+        for (x,) in data((64, 16), 4, seed=3):  # the example input first, then others
+            assert float((out(x) - ref(x)).abs().max()) <= step * (1 + 1e-5)
 
 
 def test_dynamic_linear_matches_dynamic_fake_quant() -> None:
@@ -173,8 +181,12 @@ def test_state_dict_round_trips_and_loads_without_pickle_code() -> None:
 def test_pipeline_stages_convert_and_keep_their_names() -> None:
     torch.manual_seed(0)
     gm = ready(mlp(), spec("int8-static", pipeline={"stages": 2}), (8, 16))
+    ref = qc.freeze(copy.deepcopy(gm)).eval()
     out = qc.convert(gm, example_inputs=(torch.randn(8, 16),))
-    assert qc.report(out).max_deviation["output0"] == 0.0
+    step = float(qc.quantizers(ref)["stage_1.4.output_fake_quant"].scale[0])  # the output's
+    with torch.no_grad():
+        for (x,) in data((8, 16), 3, seed=4):
+            assert float((out(x) - ref(x)).abs().max()) <= step * (1 + 1e-5)
     state = out.state_dict()
     assert {k.split(".")[0] for k in state} >= {"stage_0", "stage_1"}
     again = qc.convert(gm)
@@ -257,9 +269,12 @@ def test_weights_without_a_kernel_fall_back_with_a_note(weight: dict, path: str)
         "rules": [{"match": {"module": "Linear"}, "weight": weight,
                    "activation": {"dtype": "uint8", "symmetric": False}}]}})
     gm = ready(mlp(), s, (8, 16))
+    ref = qc.freeze(copy.deepcopy(gm)).eval()
     out = qc.convert(gm, example_inputs=(torch.randn(8, 16),))
     rep = qc.report(out)
     layer = [c for c in rep.conversions if c.path in ("kernel", "int_storage")]
     assert {c.path for c in layer} <= ({"kernel", "int_storage"} if path == "either" else {path})
     assert all("no integer kernel" in c.note for c in layer if c.path == "int_storage")
-    assert rep.max_deviation["output0_steps"] <= 1.0 + 1e-6
+    with torch.no_grad():
+        for (x,) in data((8, 16), 3, seed=6):
+            assert float((out(x) - ref(x)).abs().max()) <= last_step(ref) * (1 + 1e-5)
