@@ -29,6 +29,7 @@ _LAZY = {
     "convert": "qcompile.api",
     "export_encodings": "qcompile.deploy.encodings",
     "load_encodings": "qcompile.deploy.encodings",
+    "export_onnx": "qcompile.deploy.onnx",
     "sqnr": "qcompile.measure",
     "Report": "qcompile.graph.records",
     "FakeQuantize": "qcompile.runtime.fake_quant",

@@ -156,7 +156,38 @@ def run(*, spec: str = "int8-qat", epochs: int = 6, finetune: int = 2, seed: int
     echo(f"  state dict {sizes[1] / 1e3:.0f} kB vs fp32 {sizes[0] / 1e3:.0f} kB, max |converted "
          f"- fake-quant| {conv.max_deviation.get('output0', 0.0):.2g}, test accuracy "
          f"{result['converted_accuracy']:.2%}")
+    result["onnx_accuracy"] = onnx_accuracy(gm, x_test, y_test, echo)
+    accs = {"fp32": result["fp32_accuracy"], "QAT": result["qat_accuracy"],
+            "converted": result["converted_accuracy"], "onnxruntime": result["onnx_accuracy"]}
+    echo("\ntest accuracy: " + "   ".join(f"{k} {v:.2%}" for k, v in accs.items()
+                                          if v is not None))
     return result
+
+
+def onnx_accuracy(gm: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                  echo: Callable[..., Any]) -> float | None:
+    """Export ``gm`` as QDQ ONNX and return onnxruntime's test accuracy; None (and a
+    one-line hint) without the ``[onnx]`` extra."""
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    if any(importlib.util.find_spec(m) is None for m in ("onnx", "onnxscript", "onnxruntime")):
+        echo("\nONNX export skipped: pip install qcompile[onnx] to run the model in onnxruntime")
+        return None
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = qc.export_onnx(gm, Path(tmp) / "digits.onnx", example_inputs=(x[:2],))
+        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        logits = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0])
+        size = path.stat().st_size
+    acc = (logits.argmax(1) == y).float().mean().item()
+    with torch.no_grad():
+        dev = float((logits - gm.eval()(x)).abs().max())
+    echo(f"\nexported to ONNX (QDQ, opset 21): {size / 1e3:.0f} kB, onnxruntime (CPU) on "
+         f"{len(x)} digits: max |onnxruntime - fake-quant| {dev:.2g}, test accuracy {acc:.2%}")
+    return acc
 
 
 def main(argv: list[str] | None = None) -> int:

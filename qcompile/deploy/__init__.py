@@ -1,1 +1,3 @@
-"""Leaving the training world: quantization encodings (AIMET-style JSON) and, later, ONNX."""
+"""Leaving the training world: quantization encodings (AIMET-style JSON,
+``qcompile.deploy.encodings``) and QDQ ONNX export (``qcompile.deploy.onnx``, the
+``[onnx]`` extra); ``qc.export_encodings`` / ``qc.export_onnx`` are the public names."""

@@ -33,6 +33,37 @@ def test_quick_suite_prints_json(capsys: pytest.CaptureFixture[str], suite: str)
         assert set(data["scaling_s"]) == {"50", "100"}
 
 
+def test_quick_onnx_suite(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    assert main(["onnx", "--quick", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    for case in ("mlp_b64", "mlp_b1", "cnn_b32"):
+        row = data[case]
+        assert row["qdq_onnx_ms"] > 0 and row["fp32_onnx_ms"] > 0 and row["qc_convert_ms"] > 0
+        assert row["integer_kernels"] >= 4, "onnxruntime fused the QDQ groups"
+        assert row["size_vs_fp32"] <= 0.30
+        # onnxruntime requantizes per layer with its own rounding: a 1-step difference in
+        # one layer can become 2 a few layers on (rarely); a broken export is off by many
+        assert row["max_dev_output_steps"] <= 3.001
+
+
+def test_onnx_suite_without_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    from qcompile.tools.bench.suites.onnx import bench_onnx
+
+    real = importlib.import_module
+
+    def no_onnxruntime(name: str, *args: object) -> object:
+        if name == "onnxruntime":
+            raise ImportError(name)
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", no_onnxruntime)
+    assert "pip install qcompile[onnx]" in bench_onnx(quick=True)["note"]
+
+
 def test_unknown_suite_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["nope"])
@@ -83,3 +114,23 @@ def test_hybrid_counts_traffic_per_layout(capsys: pytest.CaptureFixture[str]) ->
     assert 0 < hybrid["grad_bytes"] < dp4["grad_bytes"]
     assert hybrid["all_reduce_bytes"] < dp4["all_reduce_bytes"]
     assert all(row["step_s"] > 0 for row in data.values())
+
+
+def test_compile_once_shards_every_variant(capsys: pytest.CaptureFixture[str]) -> None:
+    """1 and 2 ranks, tiny model: every rank's peak is recorded and every variant ends
+    FSDP2-sharded (each rank holds 1/N of the parameters); in the stream variant only
+    rank 0 builds the real model (every other rank builds on meta, once)."""
+    assert main(["compile-once", "--quick", "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = {(row["world"], row["variant"]): row for row in data["rows"]}
+    assert set(rows) == {(n, v) for n in (1, 2) for v in ("checkpoint", "stream", "naive")}
+    for (world, variant), row in rows.items():
+        assert len(row["peaks_mb"]) == world and all(p > 0 for p in row["peaks_mb"])
+        assert row["bound_mb"] > data["model_mb"] / world
+        for local in row["local_param_mb"]:
+            assert abs(local - data["model_mb"] / world) <= 0.01 * data["model_mb"], (
+                world, variant, local)
+    builds = [[p[0] for p in rank].count("built") for rank in rows[2, "stream"]["phases"]]
+    assert builds == [2, 1], builds  # rank 0: meta + real; rank 1: meta only
+    for rank in rows[2, "checkpoint"]["phases"]:
+        assert [p[0] for p in rank].count("built") == 1  # meta only, on every rank

@@ -22,6 +22,8 @@ Subcommands:
   ``prepare_qat_fx``, same models.
 - ``convert``: int8 inference latency after ``qc.convert`` vs fp32, next to torch.ao
   ``convert_fx`` (MLP at batch 64 and 1, ResNet-style CNN at batch 32).
+- ``onnx``: onnxruntime latency of the QDQ model from ``qc.export_onnx`` (fused into
+  integer kernels) vs the fp32 ONNX model vs ``qc.convert``, and its file size vs fp32.
 - ``fakequant``: fake-quant throughput (GB/s, forward and forward+backward) per-tensor /
   per-channel / per-group / LSQ next to ``y.copy_(x)`` and torch's built-in ops.
 

@@ -30,6 +30,7 @@ from qcompile.tools.bench.suites.distributed import (
     run_pipeline,
 )
 from qcompile.tools.bench.suites.fakequant import bench_fakequant
+from qcompile.tools.bench.suites.onnx import bench_onnx
 from qcompile.tools.bench.suites.step import bench_step
 from qcompile.tools.output import records
 
@@ -51,4 +52,5 @@ SUITES: dict[str, Suite] = {
     "step": Suite(bench_step, threads=2),
     "fakequant": Suite(bench_fakequant, threads=2),
     "convert": Suite(bench_convert, threads=2),
+    "onnx": Suite(bench_onnx, threads=2),
 }

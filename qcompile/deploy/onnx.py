@@ -1,0 +1,574 @@
+"""QDQ ONNX export: ``export_onnx(gm, path, example_inputs)``.
+
+A compiled graph (QAT, static after ``qc.calibrate``, or dynamic; either front end; a
+pipeline graph exports whole) becomes an ONNX model (opset 21) that onnxruntime runs and,
+after its graph optimisations, fuses into QLinear* / integer kernels. The route is
+``torch.onnx.export`` (the dynamo exporter): a deep copy of the graph (the *twin*; ``gm``
+itself is never touched) has every ``FakeQuantize`` replaced by a call to one of three
+small torch ops (``qcompile_onnx::qdq``, ``::dq``, ``::dynamic_qdq``), and a
+``custom_translation_table`` gives each op its ONNX form:
+
+- activations (per-tensor, per-channel ``axis``): ``QuantizeLinear -> DequantizeLinear``;
+  when the quantizer's range is narrower than its container (the x86 target's 7-bit
+  activations, int2..int7) a ``Clip`` on the integers sits between them, so onnxruntime
+  computes exactly ``clamp(round(x / scale) + zero_point, quant_min, quant_max)``;
+- weights: the integers are computed once and stored as initializers (INT8/UINT8, INT4/
+  UINT4 for 4 bits or less, INT16/UINT16, FLOAT8E4M3FN/FLOAT8E5M2) feeding a
+  ``DequantizeLinear`` (per-group: blocked, ``block_size``), so the file is small;
+- fp8 (``fp8_e4m3``, ``fp8_e5m2``): the saturating fp8 QuantizeLinear / DequantizeLinear;
+- dynamic per-tensor activations: ``DynamicQuantizeLinear`` for the full uint8 range, else
+  the same qparam formula in ONNX ops (ReduceMin/ReduceMax, Div, Round) feeding
+  QuantizeLinear; per-token quantizers: that formula with float arithmetic (their scales
+  have one value per row, which QuantizeLinear has no form for).
+
+The batch dimension (dim 0 of every input tensor) is dynamic unless ``dynamic_batch=False``;
+a graph from the torch.export front end that baked its example batch into a shape (a
+``reshape(4, -1)``) is refused with the fix (compile with ``trace.dynamic_dims``).
+Activation quantizers export their current qparams, so freeze or calibrate first.
+
+Numerics: the file computes the fake-quant graph's values (onnxruntime with basic
+optimisations: exact on the tests' models). With all optimisations onnxruntime runs
+integer kernels that round each requantization their own way: within one output step per
+layer, occasionally two after several layers. Full-range 8-bit activations (targets
+``onednn_vnni``, ``generic``) saturate in its u8 x s8 kernels on CPUs without VNNI, which is
+what the ``x86`` target's 7-bit activations avoid.
+
+Needs the ``[onnx]`` extra (onnx, onnxscript, onnxruntime).
+
+Example:
+    >>> import os, tempfile, torch, onnx, qcompile as qc
+    >>> gm = qc.qcompile(torch.nn.Sequential(torch.nn.Linear(8, 4)), "int8-qat",
+    ...                  example_inputs=(torch.randn(2, 8),))
+    >>> _ = gm(torch.randn(2, 8)); _ = qc.freeze(gm)
+    >>> path = qc.export_onnx(gm, os.path.join(tempfile.mkdtemp(), "m.onnx"),
+    ...                       example_inputs=(torch.randn(2, 8),))
+    >>> sorted({n.op_type for n in onnx.load(path).graph.node})
+    ['Clip', 'DequantizeLinear', 'Gemm', 'QuantizeLinear']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import inspect
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule, Node
+
+from qcompile.errors import QCompileError
+from qcompile.runtime.fake_quant import FakeQuantize
+from qcompile.specs.quant import FP8_MAX
+
+__all__ = ["export_onnx"]
+
+OPSET = 21
+NAMESPACE = "qcompile_onnx"
+_EXTRA = "pip install qcompile[onnx]"
+_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+# -- the carrier ops -----------------------------------------------------------------------
+def _shaped(t: torch.Tensor, ndim: int, axis: int) -> torch.Tensor:
+    """A per-axis qparam shaped to broadcast along ``axis`` of an ``ndim``-D tensor (a 0-D
+    qparam is per-tensor and broadcasts as is)."""
+    if t.dim() == 0:
+        return t
+    shape = [1] * ndim
+    shape[axis] = -1
+    return t.reshape(shape)
+
+
+def _blocked(t: torch.Tensor, like: torch.Tensor, axis: int, block: int) -> torch.Tensor:
+    """Blocked qparams (ONNX's ``block_size``) repeated to ``like``'s shape."""
+    return t.repeat_interleave(block, dim=axis)[tuple(slice(0, n) for n in like.shape)]
+
+
+def _qdq_eager(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+               quant_min: int, quant_max: int, axis: int, fmt: str) -> torch.Tensor:
+    s = _shaped(scale, x.dim(), axis)
+    z = _shaped(zero_point, x.dim(), axis).float()
+    if fmt in _FP8:
+        xs = torch.clamp(x.float() / s, -FP8_MAX[fmt], FP8_MAX[fmt])
+        return (xs.to(_FP8[fmt]).float() * s).to(x.dtype)
+    q = torch.clamp(torch.round(x.float() / s) + z, quant_min, quant_max)
+    return ((q - z) * s).to(x.dtype)
+
+
+def _dq_eager(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+              axis: int, block: int, fmt: str) -> torch.Tensor:
+    if block:
+        s, z = _blocked(scale, q, axis, block), _blocked(zero_point, q, axis, block)
+    else:
+        s, z = _shaped(scale, q.dim(), axis), _shaped(zero_point, q.dim(), axis)
+    return (q.float() - z.float()) * s
+
+
+def _dynamic_eager(x: torch.Tensor, quant_min: int, quant_max: int, symmetric: bool,
+                   per_token: bool) -> torch.Tensor:
+    scale, zp = _dynamic_qparams(x.float(), quant_min, quant_max, symmetric, per_token)
+    q = torch.clamp(torch.round(x.float() / scale) + zp, quant_min, quant_max)
+    return ((q - zp) * scale).to(x.dtype)
+
+
+def _dynamic_qparams(x: torch.Tensor, quant_min: int, quant_max: int, symmetric: bool,
+                     per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """qcompile's ``qparams_from_minmax`` over the whole tensor or each row."""
+    if per_token:
+        mn, mx = torch.aminmax(x, dim=-1, keepdim=True)
+    else:
+        mn, mx = torch.aminmax(x)
+    mn, mx = torch.clamp(mn, max=0.0), torch.clamp(mx, min=0.0)
+    eps = torch.finfo(torch.float32).eps
+    if symmetric:
+        zp = 0 if quant_min < 0 else (quant_min + quant_max + 1) // 2
+        steps = min(quant_max - zp, zp - quant_min)
+        scale = torch.clamp(torch.maximum(-mn, mx) / steps, min=eps)
+        return scale, torch.full_like(scale, zp)
+    scale = torch.clamp((mx - mn) / (quant_max - quant_min), min=eps)
+    return scale, torch.clamp(quant_min - torch.round(mn / scale), quant_min, quant_max)
+
+
+def _ops() -> Any:
+    """``torch.ops.qcompile_onnx``, defining its three ops on first use (not at import:
+    importing qcompile registers nothing with torch)."""
+    lib = getattr(torch.ops, NAMESPACE)
+    if hasattr(lib, "qdq"):
+        return lib
+    qdq = torch.library.custom_op(f"{NAMESPACE}::qdq", mutates_args=())(_qdq_sig)
+    qdq.register_fake(lambda x, *args: torch.empty_like(x))
+    dq = torch.library.custom_op(f"{NAMESPACE}::dq", mutates_args=())(_dq_sig)
+    dq.register_fake(lambda q, *args: torch.empty(q.shape, dtype=torch.float32,
+                                                  device=q.device))
+    dyn = torch.library.custom_op(f"{NAMESPACE}::dynamic_qdq", mutates_args=())(_dynamic_sig)
+    dyn.register_fake(lambda x, *args: torch.empty_like(x))
+    return getattr(torch.ops, NAMESPACE)
+
+
+# torch.library reads the schema from these annotations, so they are spelled out in full
+def _qdq_sig(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, quant_min: int,
+             quant_max: int, axis: int, fmt: str) -> torch.Tensor:
+    return _qdq_eager(x, scale, zero_point, quant_min, quant_max, axis, fmt)
+
+
+def _dq_sig(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int,
+            block: int, fmt: str) -> torch.Tensor:
+    return _dq_eager(q, scale, zero_point, axis, block, fmt)
+
+
+def _dynamic_sig(x: torch.Tensor, quant_min: int, quant_max: int, symmetric: bool,
+                 per_token: bool) -> torch.Tensor:
+    return _dynamic_eager(x, quant_min, quant_max, symmetric, per_token)
+
+
+# -- the twin's stand-ins for FakeQuantize -------------------------------------------------
+def _container(fq: FakeQuantize, *, weight: bool) -> str:
+    """The ONNX element type holding ``fq``'s values: fp8 as is; integers in 8 bits when
+    they fit (the QLinear kernels' type), weights of 4 bits or less in INT4/UINT4."""
+    if fq.dtype in _FP8:
+        return fq.dtype
+    sign = "int" if fq.quant_min < 0 else "uint"
+    lo, hi = (-8, 7) if sign == "int" else (0, 15)
+    if weight and lo <= fq.quant_min and fq.quant_max <= hi:
+        return f"{sign}4"
+    lo, hi = (-128, 127) if sign == "int" else (0, 255)
+    return f"{sign}8" if lo <= fq.quant_min and fq.quant_max <= hi else f"{sign}16"
+
+
+class _QDQ(nn.Module):
+    """A static activation quantizer as ``qcompile_onnx::qdq``."""
+
+    def __init__(self, fq: FakeQuantize) -> None:
+        super().__init__()
+        per_tensor = fq.axis is None
+        scale = fq.scale.detach().float().clone()
+        zp = fq.zero_point.detach().clone()
+        # 0-D qparams: what QuantizeLinear calls per-tensor (and ORT's fusions look for)
+        self.register_buffer("scale", scale.reshape(()) if per_tensor else scale)
+        self.register_buffer("zero_point", zp.reshape(()) if per_tensor else zp)
+        self.qrange = (fq.quant_min, fq.quant_max)
+        self.axis = 1 if per_tensor else int(fq.axis)
+        self.fmt = _container(fq, weight=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return x
+        return _ops().qdq(x, self.scale, self.zero_point, *self.qrange, self.axis, self.fmt)
+
+
+class _DynamicQDQ(nn.Module):
+    """A dynamic or per-token quantizer as ``qcompile_onnx::dynamic_qdq``."""
+
+    def __init__(self, fq: FakeQuantize) -> None:
+        super().__init__()
+        self.qrange = (fq.quant_min, fq.quant_max)
+        self.symmetric = fq.symmetric
+        self.per_token = fq.granularity == "per_token"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return x
+        return _ops().dynamic_qdq(x, *self.qrange, self.symmetric, self.per_token)
+
+
+class _WeightDQ(nn.Module):
+    """A weight quantizer with its weight: the stored integers (fp8 values), dequantized by
+    ``qcompile_onnx::dq``. Takes no input: the float weight leaves the graph."""
+
+    def __init__(self, fq: FakeQuantize, weight: torch.Tensor) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        self.shape = tuple(w.shape)
+        self.fmt = _container(fq, weight=True)
+        scale, zp = fq.scale.detach().float(), fq.zero_point.detach()
+        self.axis, self.block = 1, 0
+        if fq.granularity == "per_group":
+            # qcompile groups run along the flattened trailing dims: a 2-D [rows, row]
+            # tensor blocked along axis 1 (reshaped back after dequantizing)
+            w = w.reshape(w.shape[0], -1)
+            scale, zp = scale.reshape(w.shape[0], -1), zp.reshape(w.shape[0], -1)
+            self.block = int(fq.group_size)
+        elif fq.axis is not None:
+            self.axis = int(fq.axis) % w.dim()
+        else:
+            scale, zp = scale.reshape(()), zp.reshape(())
+        self.register_buffer("scale", scale.clone())
+        self.register_buffer("zero_point", zp.clone())
+        self.register_buffer("q", self._quantize(w, fq))
+
+    def _quantize(self, w: torch.Tensor, fq: FakeQuantize) -> torch.Tensor:
+        if self.block:
+            s, z = (_blocked(t, w, 1, self.block) for t in (self.scale, self.zero_point))
+        else:
+            s, z = (_shaped(t, w.dim(), self.axis) for t in (self.scale, self.zero_point))
+        if self.fmt in _FP8:
+            xs = torch.clamp(w / s, -FP8_MAX[self.fmt], FP8_MAX[self.fmt])
+            return xs.to(_FP8[self.fmt])
+        q = torch.clamp(torch.round(w / s) + z.float(), fq.quant_min, fq.quant_max)
+        # the narrowest torch integer type holding the values; ONNX casts to the container
+        storage = torch.int8 if self.fmt in ("int8", "int4", "uint4") else torch.int32
+        if self.fmt == "uint8":
+            storage = torch.uint8
+        elif self.fmt == "int16":
+            storage = torch.int16
+        return q.to(storage)
+
+    def forward(self) -> torch.Tensor:
+        w = _ops().dq(self.q, self.scale, self.zero_point, self.axis, self.block, self.fmt)
+        return w.reshape(self.shape) if self.block else w
+
+
+# -- building the twin ---------------------------------------------------------------------
+def _weight_input(gm: GraphModule, node: Node) -> torch.Tensor | None:
+    """The tensor a quantizer node reads when it is a ``get_attr`` (a weight), else None."""
+    arg = node.args[0] if node.args else None
+    if not isinstance(arg, Node) or arg.op != "get_attr":
+        return None
+    value = gm
+    for part in str(arg.target).split("."):
+        value = getattr(value, part, None)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _stand_in(gm: GraphModule, node: Node, fq: FakeQuantize) -> nn.Module | None:
+    """What replaces ``fq`` at ``node``: None for the identity (a disabled quantizer)."""
+    if not fq.enabled:
+        return None
+    if fq.dynamic or fq.granularity == "per_token":
+        return _DynamicQDQ(fq)
+    weight = _weight_input(gm, node)
+    if weight is not None and weight.is_floating_point():
+        if fq.observe:  # what the graph's next forward would do, on the twin's copy
+            fq.observe_tensor(weight)
+        return _WeightDQ(fq, weight)
+    if fq.granularity == "per_group":
+        raise QCompileError(
+            f"graph node {node.name!r} ({node.target}): a per-group activation quantizer "
+            "has scales tied to the example batch size and no ONNX form",
+            fix="quantize this activation per_tensor or per_channel in the spec")
+    return _QDQ(fq)
+
+
+def _rewrite(gm: GraphModule, observing: list[str]) -> None:
+    """Replace every quantizer node of ``gm``'s own graph by its stand-in."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module":
+            continue
+        fq = gm.get_submodule(str(node.target))
+        if not isinstance(fq, FakeQuantize):
+            continue
+        if fq.observe and fq.observer is not None and _weight_input(gm, node) is None:
+            observing.append(str(node.target))
+        module = _stand_in(gm, node, fq)
+        if module is None:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            gm.delete_submodule(str(node.target))
+            continue
+        owner, _, leaf = str(node.target).rpartition(".")
+        setattr(gm.get_submodule(owner) if owner else gm, leaf, module)
+        if isinstance(module, _WeightDQ):
+            weight = node.args[0]
+            node.args = ()
+            if not weight.users:
+                gm.graph.erase_node(weight)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
+def _twin(gm: nn.Module) -> nn.Module:
+    """A copy of ``gm`` whose quantizers are the carrier ops (every GraphModule in it, so
+    pipeline stages too), in eval mode."""
+    twin = copy.deepcopy(gm).eval()
+    observing: list[str] = []
+    with torch.no_grad():
+        for module in list(twin.modules()):
+            if isinstance(module, GraphModule):
+                _rewrite(module, observing)
+    for name, module in twin.named_modules():
+        if isinstance(module, FakeQuantize):
+            raise QCompileError(
+                f"quantizer {name!r} is not called from a graph node, so it has no ONNX form",
+                fix="compile the model with qcompile so that quantizers are graph nodes")
+    if observing:
+        warnings.warn(f"export_onnx: {len(observing)} activation quantizer(s) still observe "
+                      f"(e.g. {observing[0]}); the file holds their current qparams. Call "
+                      "qc.freeze(gm) (QAT) or qc.calibrate(gm, batches) (static) first.",
+                      stacklevel=3)
+    return twin
+
+
+# -- ONNX translations ---------------------------------------------------------------------
+def _require_onnx() -> tuple[Any, Any]:
+    """``(onnxscript, onnxscript.ir)``, or the error naming the extra."""
+    try:
+        importlib.import_module("onnx")
+        onnxscript = importlib.import_module("onnxscript")
+        return onnxscript, importlib.import_module("onnxscript.ir")
+    except ImportError as e:
+        raise QCompileError(f"ONNX export needs the onnx and onnxscript packages ({e})",
+                            fix=f"{_EXTRA} (onnx, onnxscript, onnxruntime)") from None
+
+
+def _translations(onnxscript: Any, ir: Any) -> dict[Callable, Callable]:
+    """The custom_translation_table: each carrier op as opset-21 ONNX ops."""
+    op = onnxscript.opset21
+    types = {"int8": ir.DataType.INT8, "uint8": ir.DataType.UINT8,
+             "int4": ir.DataType.INT4, "uint4": ir.DataType.UINT4,
+             "int16": ir.DataType.INT16, "uint16": ir.DataType.UINT16,
+             "fp8_e4m3": ir.DataType.FLOAT8E4M3FN, "fp8_e5m2": ir.DataType.FLOAT8E5M2}
+    full = {"int8": (-128, 127), "uint8": (0, 255), "int16": (-32768, 32767),
+            "uint16": (0, 65535)}
+
+    def const(value: float, to: Any) -> Any:
+        return op.Cast(op.Constant(value_float=float(value)), to=to)
+
+    def clip(q: Any, quant_min: int, quant_max: int, fmt: str) -> Any:
+        # QuantizeLinear saturates to the container's range; a narrower quantizer range
+        # (x86's 7-bit activations, int2..int7) is the same clamp on the integers
+        if fmt not in full or full[fmt] == (quant_min, quant_max):
+            return q
+        return op.Clip(q, const(quant_min, types[fmt]), const(quant_max, types[fmt]))
+
+    def broadcastable(t, x, axis: int):
+        if len(t.shape) == 0:
+            return t
+        shape = [1] * len(x.shape)
+        shape[axis] = -1
+        return op.Reshape(t, op.Constant(value_ints=shape))
+
+    def qdq(x, scale, zero_point, quant_min: int, quant_max: int, axis: int, fmt: str):
+        shaped = op.CastLike(broadcastable(scale, x, axis), x)  # before CastLike: known shape
+        scale = op.CastLike(scale, x)
+        zp = op.Cast(zero_point, to=types[fmt])
+        if fmt.startswith("fp8"):
+            # onnxruntime's ReluQuantFusion deletes a Relu feeding a QuantizeLinear whose
+            # zero point is 0, which is wrong for fp8 (negatives are representable): so fp8
+            # divides first (the same IEEE division) and quantizes with a unit scale
+            zero = op.Cast(op.Constant(value_float=0.0), to=types[fmt])
+            one = op.CastLike(op.Constant(value_float=1.0), x)
+            q = op.QuantizeLinear(op.Div(x, shaped), one, zero)
+            return op.DequantizeLinear(q, scale, axis=axis)
+        q = clip(op.QuantizeLinear(x, scale, zp, axis=axis), quant_min, quant_max, fmt)
+        return op.DequantizeLinear(q, scale, zp, axis=axis)
+
+    def dq(q, scale, zero_point, axis: int, block: int, fmt: str):
+        t = types[fmt]
+        return op.DequantizeLinear(op.Cast(q, to=t), scale, op.Cast(zero_point, to=t),
+                                   axis=axis, block_size=block)
+
+    def dynamic_qdq(x, quant_min: int, quant_max: int, symmetric: bool, per_token: bool):
+        if (quant_min, quant_max) == (0, 255) and not symmetric and not per_token:
+            y, scale, zp = op.DynamicQuantizeLinear(x)
+            return op.DequantizeLinear(y, scale, zp)
+        xf = op.Cast(x, to=ir.DataType.FLOAT)
+        scale, zp = dynamic_qparams(xf, quant_min, quant_max, symmetric, per_token)
+        if per_token:  # one scale per row: float arithmetic, the same formula
+            q = op.Clip(op.Add(op.Round(op.Div(xf, scale)), zp),
+                        op.Constant(value_float=float(quant_min)),
+                        op.Constant(value_float=float(quant_max)))
+            return op.CastLike(op.Mul(op.Sub(q, zp), scale), x)
+        fmt = "int8" if quant_min < 0 else "uint8"
+        fmt = fmt if max(abs(quant_min), quant_max) <= 255 else fmt.replace("8", "16")
+        zq = op.Cast(zp, to=types[fmt])
+        q = clip(op.QuantizeLinear(xf, scale, zq), quant_min, quant_max, fmt)
+        return op.CastLike(op.DequantizeLinear(q, scale, zq), x)
+
+    def dynamic_qparams(xf, quant_min: int, quant_max: int, symmetric: bool, per_token: bool):
+        axes = op.Constant(value_ints=[-1]) if per_token else None
+        keep = 1 if per_token else 0
+        zero = op.Constant(value_float=0.0)
+        mn = op.Min(op.ReduceMin(xf, axes, keepdims=keep), zero)
+        mx = op.Max(op.ReduceMax(xf, axes, keepdims=keep), zero)
+        eps = op.Constant(value_float=float(torch.finfo(torch.float32).eps))
+        if symmetric:
+            mid = 0 if quant_min < 0 else (quant_min + quant_max + 1) // 2
+            steps = op.Constant(value_float=float(min(quant_max - mid, mid - quant_min)))
+            scale = op.Max(op.Div(op.Max(op.Neg(mn), mx), steps), eps)
+            return scale, op.Constant(value_float=float(mid))
+        span = op.Constant(value_float=float(quant_max - quant_min))
+        scale = op.Max(op.Div(op.Sub(mx, mn), span), eps)
+        lo = op.Constant(value_float=float(quant_min))
+        zp = op.Clip(op.Sub(lo, op.Round(op.Div(mn, scale))), lo,
+                     op.Constant(value_float=float(quant_max)))
+        return scale, zp
+
+    ops = _ops()
+    return {ops.qdq.default: qdq, ops.dq.default: dq, ops.dynamic_qdq.default: dynamic_qdq}
+
+
+# -- export --------------------------------------------------------------------------------
+def _batch_inputs(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool
+                  ) -> tuple[tuple, dict, Any]:
+    """Inputs to trace with, and their dynamic shapes (dim 0 of every tensor, one shared
+    ``batch`` dim). torch.export specialises sizes 0 and 1, so a batch of 1 is traced as
+    a batch of 2 (the values do not matter to the exported graph)."""
+    if not dynamic:
+        return args, kwargs, None
+    batch = torch.export.Dim("batch")
+
+    def widen(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == 1:
+            return v.expand(2, *v.shape[1:]).clone()
+        return v
+
+    def dims(v: Any) -> Any:
+        return {0: batch} if isinstance(v, torch.Tensor) and v.dim() > 0 else None
+
+    args = tuple(widen(v) for v in args)
+    kwargs = {k: widen(v) for k, v in kwargs.items()}
+    shapes: Any = tuple(dims(v) for v in args)
+    if kwargs:  # torch.export then wants every input's dims by forward() parameter name
+        names = list(inspect.signature(model.forward).parameters)
+        shapes = {**dict(zip(names, shapes)), **{k: dims(v) for k, v in kwargs.items()}}
+    return args, kwargs, shapes
+
+
+def _fold_weight_casts(program: Any, onnxscript: Any) -> None:
+    """Fold the ``Cast`` of each stored integer weight into a typed initializer (INT4,
+    UINT16...), whatever its size: the optimizer's default size limit would keep int8
+    storage plus a Cast node."""
+    onnxscript.optimizer.fold_constants(
+        program.model, should_fold=lambda node: True if node.op_type == "Cast" else None)
+    onnxscript.optimizer.remove_unused_nodes(program.model)
+
+
+def _strip_trace_metadata(model: Any) -> None:
+    """Drop the exporter's per-node debugging metadata (stack traces with local paths, fx
+    node text): a third of a small model's file, and nothing a runtime reads. The
+    ``namespace`` entry (which module a node came from) stays."""
+    for node in model.graph.all_nodes():
+        for key in [k for k in node.metadata_props if k.startswith("pkg.torch")]:
+            del node.metadata_props[key]
+
+
+def _conversion_error(e: Exception, twin: nn.Module) -> QCompileError:
+    """The exporter's failure, naming the graph node whose op has no ONNX form when the
+    message names an op."""
+    text = str(e)
+    nodes = [f"{n.name} ({n.target})" for m in twin.modules() if isinstance(m, GraphModule)
+             for n in m.graph.nodes if n.op == "call_function" and _named_in(n.target, text)]
+    where = f"graph node {nodes[0]} has no ONNX form" if nodes else "the exporter failed"
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
+    return QCompileError(
+        f"export_onnx: {where}: {type(e).__name__}: {first}",
+        fix="replace the op by ONNX-exportable torch ops, give it a torch.onnx translation, "
+        "or keep it out of the quantized model")
+
+
+def _named_in(target: Any, text: str) -> bool:
+    name = getattr(target, "_name", None) or getattr(target, "__name__", None)
+    if not isinstance(name, str) or name.startswith(("aten::", "qcompile_onnx::")):
+        return False
+    short = name.replace("::", ".")
+    return name in text or short in text
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    """The exporter's own log lines (skipped torchvision ops...) off for the call only."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _check_batch_dynamic(program: Any) -> None:
+    """torch.onnx falls back to capture strategies that specialise shapes instead of
+    failing: a batch that came out fixed is refused here, with the way to keep it."""
+    fixed = [v.name for v in program.model.graph.inputs
+             if v.shape is not None and len(v.shape) > 0 and isinstance(v.shape[0], int)]
+    if fixed:
+        raise QCompileError(
+            f"export_onnx: the graph fixes the batch size of input(s) {fixed}, so the ONNX "
+            "model could not take any batch",
+            fix="compile with trace.dynamic_dims: {<input>: {0: batch}} (the torch.export "
+            "front end otherwise specialises the batch), or pass dynamic_batch=False")
+
+
+def export_onnx(
+    gm: nn.Module,
+    path: str | Path,
+    example_inputs: tuple[Any, ...] | None = None,
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    dynamic_batch: bool = True,
+    input_names: list[str] | None = None,
+    output_names: list[str] | None = None,
+) -> Path:
+    """Write ``gm`` (a graph from ``qcompile``) as a QDQ ONNX model (opset 21) to ``path``
+    and return the path. ``example_inputs`` / ``example_kwargs`` are traced (any batch
+    size); with ``dynamic_batch`` dim 0 of every input is the symbolic ``batch``."""
+    onnxscript, ir = _require_onnx()
+    if example_inputs is None and not example_kwargs:
+        raise QCompileError("export_onnx needs example inputs to trace the graph",
+                            fix="pass example_inputs=(x,) (or example_kwargs)")
+    twin = _twin(gm)
+    args, kwargs, shapes = _batch_inputs(twin, tuple(example_inputs or ()),
+                                         dict(example_kwargs or {}), dynamic_batch)
+    table = _translations(onnxscript, ir)
+    try:
+        with warnings.catch_warnings(), _quiet("torch.onnx"):
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                twin, args, kwargs=kwargs or None, dynamo=True, opset_version=OPSET,
+                dynamic_shapes=shapes, custom_translation_table=table, verbose=False,
+                input_names=input_names, output_names=output_names)
+    except Exception as e:
+        raise _conversion_error(e, twin) from e
+    if shapes is not None:
+        _check_batch_dynamic(program)
+    _fold_weight_casts(program, onnxscript)
+    _strip_trace_metadata(program.model)
+    path = Path(path)
+    program.save(path)
+    return path
