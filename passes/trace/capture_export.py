@@ -35,12 +35,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+import io
+import logging
 import marshal
 import math
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -246,6 +250,43 @@ def dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict,
     return shapes
 
 
+# torch's loggers that narrate a failing export (graph dumps, "Unable to find user code")
+# at WARNING before the exception that says it all; the QCompileError carries the cause
+_NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export",
+                  "torch._export", "torch._subclasses.fake_tensor")
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch's export loggers at ERROR for the duration of one export, as they were after
+    (TORCH_LOGS still works: a logger a user configured below WARNING is left alone).
+    A failing export also prints its partial graph to stderr (``print(e.partial_fx_graph,
+    file=sys.stderr)`` in torch.export): stderr is held during the call and given back
+    without that dump; the QCompileError says what failed."""
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    held = io.StringIO()
+    real = sys.stderr
+    dump = ""
+    try:
+        for lg in loggers:
+            if lg.getEffectiveLevel() >= logging.WARNING:
+                lg.setLevel(logging.ERROR)
+        with contextlib.redirect_stderr(held):
+            yield
+    except Exception as e:
+        dump = str(getattr(e, "partial_fx_graph", "") or "")
+        raise
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        text = held.getvalue()
+        if dump:
+            text = text.replace(dump, "")
+        if text.strip():
+            real.write(text)
+
+
 def export_graph(model: nn.Module, args: tuple, kwargs: dict,
                  dims: dict[str, dict[int, Any]], *, inplace: bool = False
                  ) -> tuple[GraphModule, list[str]]:
@@ -257,8 +298,9 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict,
     flags = {name: m.training for name, m in model.named_modules()}
     root = (model if inplace else copy.deepcopy(model)).train()
     shapes = dynamic_shapes(model, args, kwargs, dims)
-    ep = torch.export.export(root, tuple(args), dict(kwargs), dynamic_shapes=shapes,
-                             strict=False)
+    with _quiet_torch_logs():
+        ep = torch.export.export(root, tuple(args), dict(kwargs), dynamic_shapes=shapes,
+                                 strict=False)
     exported = ep.module()
     # An unowned copy: nodes can then call modules that exist only on ``root``.
     graph = copy.deepcopy(exported.graph)

@@ -3,6 +3,7 @@ graph, train/eval behaviour restored, functional BatchNorm folding, errors."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -257,3 +258,24 @@ def test_dynamic_batch_serves_other_sizes() -> None:
         assert "Guard failed" in str(e) and "size()[0] == 3" in str(e)
     else:
         raise AssertionError("a graph exported with static shapes must refuse another batch")
+
+
+class _ValueBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent: neither front end captures it
+            return self.fc(x)
+        return -self.fc(x)
+
+
+def test_failed_export_prints_nothing_but_the_error(capsys: pytest.CaptureFixture[str]
+                                                    ) -> None:
+    """torch.export prints its partial graph to stderr and logs warnings before raising;
+    the QCompileError says what failed, so none of that reaches the user."""
+    with pytest.raises(qc.QCompileError, match=r"torch\.export failed"):
+        qc.qcompile(_ValueBranch(), "int8-qat", example_inputs=(torch.randn(4, 8),))
+    err = capsys.readouterr().err
+    assert "def forward" not in err and "Unable to find user code" not in err, err
