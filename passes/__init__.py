@@ -25,10 +25,11 @@ from torch.fx import GraphModule
 
 from qcompile.errors import QCompileError
 from qcompile.graph.context import Context
-from qcompile.graph.meta import REPORT_KEY, SPEC_KEY, SYNC_OBSERVERS_KEY
+from qcompile.graph.meta import COMPILED_KEY, REPORT_KEY, SPEC_KEY, SYNC_OBSERVERS_KEY
 from qcompile.graph.pipeline import Instrument, Pass, Pipeline
 from qcompile.graph.records import Report
 from qcompile.passes import annotate, fold_bn, insert_quant, partition, place, trace
+from qcompile.passes.trace.saving import keep_whole
 from qcompile.specs import CompileSpec
 from qcompile.version import __version__
 
@@ -101,6 +102,11 @@ def compile_model(model: nn.Module, spec: CompileSpec, example_inputs: Any = Non
     )
     gm.meta[SYNC_OBSERVERS_KEY] = spec.quant.sync_observers
     gm.meta[SPEC_KEY] = spec
+    # the pipeline's top graph and stages are built after tracing: mark them compiled too
+    for m in gm.modules():
+        if isinstance(m, GraphModule):
+            m.meta.setdefault(COMPILED_KEY, gm.meta.get(COMPILED_KEY))
+    keep_whole(gm)  # torch.save(gm) saves the whole graph (qc.qcompile's and compile_once's)
     for inst in instruments:
         inst.finish(report, gm)
     return gm

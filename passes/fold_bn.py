@@ -25,14 +25,17 @@ Example:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
 
 from qcompile.graph.context import Context
 from qcompile.graph.matching import is_weighted_call, module_op, op_name, weight_use
-from qcompile.graph.meta import FUSION_KEY, TENSOR_META
+from qcompile.graph.meta import FOLDS_KEY, FUSION_KEY, TENSOR_META
 from qcompile.graph.pipeline import graph_pass
 
 _BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -154,6 +157,8 @@ def _fold(gm: GraphModule, head: Node, bn_node: Node, calls: Counter, uses: Coun
                                     bn.running_var, bn.eps, bn.weight, bn.bias)
     if head.op == "call_module":
         layer.weight, layer.bias = w, b
+        targets = (f"{where}.weight", f"{where}.bias" if bias is not None else None)
+        bias_target = f"{where}.bias"
     else:
         _set_param(gm, targets[0], w)
         bias_target = targets[1] or f"{targets[0].rpartition('.')[0]}.bias".lstrip(".")
@@ -164,10 +169,47 @@ def _fold(gm: GraphModule, head: Node, bn_node: Node, calls: Counter, uses: Coun
             args = list(head.args) + [None] * max(0, 3 - len(head.args))
             args[2] = b_node
             head.args = tuple(args)
+    bn_name = str(bn_node.target)
+    gm.meta.setdefault(FOLDS_KEY, {})[targets[0]] = Fold(
+        weight=targets[0], bias=targets[1], out_bias=bias_target, bn=bn_name, eps=bn.eps,
+        linear=is_linear)
     bn_node.replace_all_uses_with(head)
     gm.graph.erase_node(bn_node)
     ctx.note(f"folded {bn_node.target} into {where}")
     return True
+
+
+@dataclass(frozen=True)
+class Fold:
+    """One BatchNorm folded into the conv/linear before it: ``weight`` and ``bias`` (None
+    when the layer had none) name the layer's own tensors, ``out_bias`` the folded bias,
+    ``bn`` the BatchNorm module (``<bn>.weight``, ``.bias``, ``.running_mean``,
+    ``.running_var``). ``apply`` recomputes the folded values from those tensors, for any
+    range of output channels (a rank's shard): what a sharded ``compile_once`` needs."""
+
+    weight: str
+    bias: str | None
+    out_bias: str
+    bn: str
+    eps: float
+    linear: bool
+
+    def sources(self) -> list[str]:
+        names = [self.weight, *(f"{self.bn}.{k}" for k in ("weight", "bias", "running_mean",
+                                                            "running_var"))]
+        return names + ([self.bias] if self.bias is not None else [])
+
+    def apply(self, read: Callable[[str, slice | None], torch.Tensor], rows: slice | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(folded weight rows, folded bias rows), ``read(name, rows)`` giving the sources."""
+        w = read(self.weight, rows)
+        b = read(self.bias, rows) if self.bias is not None else None
+        bn = {k: read(f"{self.bn}.{k}", rows) for k in ("weight", "bias", "running_mean",
+                                                         "running_var")}
+        fuse = fuse_linear_bn_weights if self.linear else fuse_conv_bn_weights
+        fw, fb = fuse(w, b, bn["running_mean"], bn["running_var"], self.eps, bn["weight"],
+                      bn["bias"])
+        return fw.detach(), fb.detach()
 
 
 def _set_param(gm: GraphModule, target: str, value: nn.Parameter) -> None:

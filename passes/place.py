@@ -173,27 +173,43 @@ def _tied(gm: GraphModule, stages: dict[str, GraphModule]) -> list[tuple[str, li
                   for i, keys in by_id.items() if len(keys) > 1)
 
 
-def _register_original_names(gm: GraphModule, names: dict[str, list[str]]) -> None:
-    """state_dict under the original qualified names; load_state_dict accepts them."""
-    def save_hook(module: nn.Module, state: dict[str, Any], prefix: str, meta: Any) -> None:
-        stage_values = {k: state.pop(k) for k in [k for k in state if k.startswith(prefix)]}
-        mapped: set[str] = set()
-        for orig, keys in names.items():  # the first holder's tensor for tied ones
-            if prefix + keys[0] in stage_values:  # (qc.convert replaces some tensors)
-                state[prefix + orig] = stage_values[prefix + keys[0]]
-                mapped.update(prefix + key for key in keys)
-        # tensors added after placement (converted weights) keep their stage names
-        state.update({k: v for k, v in stage_values.items() if k not in mapped})
+class OriginalNames:
+    """A pipeline graph's state-dict hook: ``state_dict`` under the original qualified
+    names (``kind="save"``, a post-hook) and ``load_state_dict`` accepting them
+    (``kind="load"``, a pre-hook). An object, not a closure, so ``torch.save(gm)`` can
+    pickle the graph with its hooks; it never holds the graph itself."""
 
-    def load_hook(module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
-        for orig, keys in names.items():
+    _from_public_api = True  # a state_dict post-hook that returns None, as registered
+
+    def __init__(self, kind: str, names: dict[str, list[str]]) -> None:
+        self.kind = kind
+        self.names = names
+
+    def __call__(self, *args: Any) -> None:
+        if self.kind == "save":  # (module, state_dict, prefix, local_metadata)
+            _, state, prefix, _ = args
+            stage_values = {k: state.pop(k) for k in [k for k in state if k.startswith(prefix)]}
+            mapped: set[str] = set()
+            for orig, keys in self.names.items():  # the first holder's tensor for tied ones
+                if prefix + keys[0] in stage_values:  # (qc.convert replaces some tensors)
+                    state[prefix + orig] = stage_values[prefix + keys[0]]
+                    mapped.update(prefix + key for key in keys)
+            # tensors added after placement (converted weights) keep their stage names
+            state.update({k: v for k, v in stage_values.items() if k not in mapped})
+            return
+        # load pre-hook: (module, state_dict, prefix, ...)
+        state, prefix = args[1], args[2]
+        for orig, keys in self.names.items():
             if prefix + orig in state:
                 value = state.pop(prefix + orig)
                 for key in keys:
                     state[prefix + key] = value
 
-    gm.register_state_dict_post_hook(save_hook)
-    gm.register_load_state_dict_pre_hook(load_hook)
+
+def register_original_names(gm: GraphModule, names: dict[str, list[str]]) -> None:
+    """state_dict under the original qualified names; load_state_dict accepts them."""
+    gm.register_state_dict_post_hook(OriginalNames("save", names))
+    gm.register_load_state_dict_pre_hook(OriginalNames("load", names))
 
 
 @graph_pass(requires=("stages",), provides=("placed",))
@@ -231,7 +247,10 @@ def place(gm: GraphModule, ctx: Context) -> GraphModule:
             if name:
                 with contextlib.suppress(AttributeError):
                     m.training = gm.get_submodule(name).training
-        stage_modules[f"stage_{s}"] = stage.to(targets[s])
+        # a graph compiled from a meta-device model (a sharded compile_once) stays on meta:
+        # its owner allocates it later (to_empty) where the spec says
+        on_meta = any(t.is_meta for t in (*stage.parameters(), *stage.buffers()))
+        stage_modules[f"stage_{s}"] = stage if on_meta else stage.to(targets[s])
         holder.add_module(f"stage_{s}", stage)
         boundaries.append((live_in, live_out, slots))
     # -- the top-level graph: call the stages in order ---------------------------------
@@ -282,7 +301,7 @@ def place(gm: GraphModule, ctx: Context) -> GraphModule:
         ctx.note(f"{orig} is shared by {', '.join(key.split('.', 1)[0] for key in keys)}")
     placed.meta[STAGE_NAMES_KEY] = names
     placed.meta[TIED_KEY] = [keys for _, keys in tied]
-    _register_original_names(placed, names)
+    register_original_names(placed, names)
     if packed:  # the report's byte counts: integers where values cross packed
         for s in range(k - 1):
             sent = 0

@@ -80,7 +80,10 @@ _GATHER_RECIPE = (
     "    sd = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True, "
     "cpu_offload=True))  # every rank\n"
     "    if rank == 0: gm = qc.qcompile(model, spec, example_inputs=(x,)); "
-    "gm.load_state_dict(sd); int8 = qc.convert(gm)")
+    "gm.load_state_dict(sd); int8 = qc.convert(gm)\n"
+    "    (a graph from qc.distributed.compile_once keeps the model's names: gather it with "
+    "sd = {k: v.full_tensor() if hasattr(v, 'full_tensor') else v for k, v in "
+    "sharded.state_dict().items()})")
 
 
 def sharded_by(gm: nn.Module) -> str | None:

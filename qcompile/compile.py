@@ -30,13 +30,10 @@ from torch.fx import GraphModule
 from qcompile.distributed.data_parallel import watch_observer_sync
 from qcompile.distributed.guards import refuse_wrapped, unwrap_compiled
 from qcompile.errors import QCompileError
-from qcompile.graph.meta import COMPILED_KEY, STAGE_NAMES_KEY
 from qcompile.graph.pipeline import Instrument
 from qcompile.graph.records import report
 from qcompile.passes import compile_model
-from qcompile.passes.place import _register_original_names
 from qcompile.passes.trace import refuse_compiled
-from qcompile.passes.trace.saving import keep_whole
 from qcompile.specs import CompileSpec, as_spec
 
 
@@ -72,53 +69,4 @@ def qcompile(
                        instruments=instruments, inplace=inplace)
     if note is not None:
         report(gm).passes[0].notes.append(note)
-    # the pipeline's top graph and stages are built after tracing: mark and keep them too
-    for m in gm.modules():
-        if isinstance(m, GraphModule):
-            m.meta.setdefault(COMPILED_KEY, gm.meta.get(COMPILED_KEY))
-    if STAGE_NAMES_KEY in gm.meta:
-        _picklable_name_hooks(gm)
-    return keep_whole(watch_observer_sync(gm))
-
-
-class _OriginalNames:
-    """One of the pipeline's state-dict hooks (``place._register_original_names``: the
-    state_dict under the model's own names), as an object pickle can save: the place pass
-    registers closures, which ``torch.save(gm)`` cannot pickle. Built again from the names
-    on first use, so the hook's logic stays in one place."""
-
-    _from_public_api = True  # a state_dict post-hook that returns None, as registered
-
-    def __init__(self, kind: str, names: dict[str, list[str]]) -> None:
-        self.kind = kind
-        self.names = names
-        self._fn: Any = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"kind": self.kind, "names": self.names, "_fn": None}
-
-    def __call__(self, *args: Any) -> None:
-        if self._fn is None:
-            probe = nn.Module()
-            _register_original_names(probe, self.names)
-            hooks = (probe._state_dict_hooks if self.kind == "save"
-                     else probe._load_state_dict_pre_hooks)
-            hook = next(iter(hooks.values()))
-            self._fn = getattr(hook, "hook", hook)
-        if self.kind == "save":  # (module, state_dict, prefix, local_metadata)
-            return self._fn(*args)
-        # load pre-hooks are called without the module here (it is not kept: a hook that
-        # held the graph would make the pickled graph contain itself); place's ignores it
-        return self._fn(None, *args)
-
-
-def _picklable_name_hooks(gm: GraphModule) -> None:
-    """Swap place's closure hooks on a pipeline graph for ``_OriginalNames`` objects."""
-    names = gm.meta[STAGE_NAMES_KEY]
-    prefix = _register_original_names.__qualname__ + ".<locals>."
-    for attr, kind in (("_state_dict_hooks", "save"), ("_load_state_dict_pre_hooks", "load")):
-        hooks = gm.__dict__.get(attr, {})
-        for key, hook in list(hooks.items()):
-            fn = getattr(hook, "hook", hook)
-            if getattr(fn, "__qualname__", "").startswith(prefix):
-                hooks[key] = _OriginalNames(kind, names)
+    return watch_observer_sync(gm)

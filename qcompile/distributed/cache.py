@@ -46,7 +46,7 @@ from qcompile.version import __version__
 
 MANIFEST = "manifest.json"
 STATE = "state.pt"
-FORMAT = 1
+FORMAT = 2  # 2: entries hold what compile + calibrate produced, not the weights
 
 
 def _hash_tensor(h: Any, t: torch.Tensor) -> None:
@@ -57,15 +57,18 @@ def _hash_tensor(h: Any, t: torch.Tensor) -> None:
                  else t.numpy().tobytes())
 
 
-def cache_key(graph_code: str, spec_json: str, model: nn.Module,
-              calibration: Iterable[Any] | None = None) -> str:
-    """SHA-256 over what determines a compiled graph's state."""
+def cache_key(graph_code: str, spec_json: str, model: nn.Module | None = None,
+              calibration: Iterable[Any] | None = None, extra: Iterable[str] = ()) -> str:
+    """SHA-256 over what determines a compiled graph's state: the graph's code, the spec,
+    the versions, ``model``'s tensors, ``calibration``'s tensors and the ``extra`` strings
+    (e.g. a checkpoint's content hash, each rank's calibration digest)."""
     h = hashlib.sha256()
     for part in (f"qcompile {__version__}", f"torch {torch.__version__}", f"format {FORMAT}",
-                 graph_code, spec_json):
+                 graph_code, spec_json, *extra):
         h.update(part.encode())
         h.update(b"\0")
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+    for name, t in ([*model.named_parameters(), *model.named_buffers()]
+                    if model is not None else []):
         h.update(name.encode())
         _hash_tensor(h, t)
     for batch in calibration or ():
@@ -75,11 +78,15 @@ def cache_key(graph_code: str, spec_json: str, model: nn.Module,
     return h.hexdigest()
 
 
-def misfit(state: dict[str, torch.Tensor], gm: nn.Module) -> str | None:
+def misfit(state: dict[str, torch.Tensor], gm: nn.Module,
+           names: Iterable[str] | None = None) -> str | None:
     """Why ``state`` cannot be loaded into ``gm`` (a missing, extra, misshaped or retyped
-    entry), or None when it fits. A well-formed entry can still misfit: written by another
-    qcompile build whose graph differs, or rehashed by hand."""
+    entry; only the entries ``names`` when given), or None when it fits. A well-formed
+    entry can still misfit: written by another qcompile build whose graph differs, or
+    rehashed by hand."""
     want = gm.state_dict()
+    if names is not None:
+        want = {n: want[n] for n in names}
     missing = sorted(set(want) - set(state))
     extra = sorted(set(state) - set(want))
     if missing or extra:

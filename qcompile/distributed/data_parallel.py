@@ -157,6 +157,23 @@ def sync_observers(gm: nn.Module, group: Any = None, *, everything: bool = False
     return stats
 
 
+def _sync_after_forward(group: Any) -> Any:
+    def hook(module: nn.Module, args: Any, out: Any) -> None:
+        sync_observers(module, group)
+    return hook
+
+
+def keep_observers_in_sync(gm: nn.Module, spec: Any, group: Any = None) -> nn.Module:
+    """With ``quant.sync_observers`` under an initialised process group, reduce observer
+    statistics across ``group`` after every forward of ``gm``; either way, no warning
+    about unsynchronised observers (they are synced, or local by the spec's choice)."""
+    spec = as_spec(spec)
+    _mark_synced(gm)
+    if spec.quant.sync_observers and initialised():
+        gm.register_forward_hook(_sync_after_forward(group))
+    return gm
+
+
 def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Module:
     """Replicate a compiled graph as ``spec.data_parallel.kind`` says.
 
@@ -179,10 +196,7 @@ def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Modul
                             fix="launch with torchrun and call "
                             "torch.distributed.init_process_group() first")
     refuse_wrapped(gm)
-    _mark_synced(gm)  # synchronised below, or not by the spec's choice: no warning
-    if spec.quant.sync_observers and initialised():
-        gm.register_forward_hook(lambda module, args, out: (sync_observers(module, group),
-                                                             None)[1])
+    keep_observers_in_sync(gm, spec, group)
     if kind == "none":
         return gm
     if kind == "ddp":

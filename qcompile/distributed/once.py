@@ -1,6 +1,29 @@
 """Quantize once and share the result with every rank (``qc.distributed.compile_once``).
 
-Without a process group it is compile (+ calibrate, + cache) in one process.
+Three ways, by the spec and the arguments:
+
+- **Sharded** (``data_parallel.kind: fsdp2`` under a process group, no pipeline): no rank
+  ever holds the whole model. Every rank builds the model on the meta device and compiles
+  that; the graph is split into one child per repeated block (``blocks``: the layers of a
+  transformer, the stages of a ResNet; what comes before the first block joins it, what
+  comes after joins the last) and each child is ``fully_shard``-ed, so a block's weights,
+  including those the graph reads directly, are one FSDP2 group; then the graph is
+  allocated (``to_empty``) and each rank loads only its rows of every parameter: from the
+  ``checkpoint`` (safetensors, read slice by slice), or streamed from rank 0, which builds
+  the real model and broadcasts it one tensor at a time (freeing each tensor once sent).
+- **Replicated from a checkpoint** (``ddp``/``none`` with ``checkpoint``): every rank
+  compiles the meta model and reads the whole checkpoint into its replica: one copy each.
+- **Replicated from rank 0** (``ddp``/``none``, no checkpoint): rank 0 builds and compiles
+  the real model in place; the other ranks compile it on meta and receive every tensor.
+
+Then every rank calibrates on its own ``calibration`` batches; with
+``quant.sync_observers`` the observer statistics are reduced across ranks, so the qparams
+equal one process calibrating on all ranks' batches. With a ``cache_dir``, what compiling
+and calibrating produced (quantizer state, buffers such as BatchNorm statistics; never the
+weights) is stored under a key over the checkpoint's content (or the model's weights), the
+spec, the graph's code, every rank's calibration data and the versions.
+
+Without a process group it is compile (+ load, + calibrate, + cache) in one process.
 
 Example:
     >>> import torch, qcompile as qc
@@ -13,85 +36,334 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from qcompile.distributed.cache import CompileCache, cache_key, misfit
-from qcompile.distributed.data_parallel import initialised, watch_observer_sync
+from qcompile.distributed.checkpoint import Checkpoint
+from qcompile.distributed.data_parallel import (
+    initialised,
+    keep_observers_in_sync,
+    sync_observers,
+    watch_observer_sync,
+)
 from qcompile.distributed.devices import collective_device, staged
 from qcompile.distributed.guards import refuse_wrapped, unwrap_compiled
+from qcompile.errors import QCompileError
+from qcompile.graph.meta import FOLDS_KEY
 from qcompile.graph.records import report
+from qcompile.graph.signature import graph_inputs
 from qcompile.passes import as_inputs, compile_model
-from qcompile.runtime.calibration import check_calibratable, collect_statistics
-from qcompile.specs import as_spec
+from qcompile.runtime.calibration import (
+    check_calibratable,
+    collect_statistics,
+    quantizers,
+    weight_quantizers,
+)
+from qcompile.specs import CompileSpec, PipelineSpec, as_spec
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def blocks(model: nn.Module) -> list[str]:
+    """The qualified names of ``model``'s repeated blocks: the children of the first
+    container (breadth first) in which two or more children of one class own parameters;
+    else the top-level children that own parameters."""
+    def owns(m: nn.Module) -> bool:
+        return any(True for _ in m.parameters())
+
+    queue: list[tuple[str, nn.Module]] = [("", model)]
+    while queue:
+        name, m = queue.pop(0)
+        kids = [(f"{name}.{k}" if name else k, c) for k, c in m.named_children()]
+        if isinstance(m, _CONTAINERS):
+            counts = Counter(type(c) for _, c in kids if owns(c))
+            if counts and max(counts.values()) >= 2:
+                return [n for n, c in kids if owns(c)]
+        queue += kids
+    return [n for n, c in model.named_children() if owns(c)]
+
+
+def _block_spec(spec: CompileSpec, names: list[str]) -> CompileSpec:
+    """``spec`` with one pipeline stage per block (in one process): the graph gets one
+    child per block, which ``fully_shard`` makes an FSDP2 group."""
+    stages = [{"modules": [n, f"{n}.*"]} for n in names]
+    return spec.model_copy(update={"pipeline": PipelineSpec.model_validate({"stages": stages})})
+
+
+def _to_meta(v: Any) -> Any:
+    return v.to("meta") if isinstance(v, torch.Tensor) else v
+
+
+def _digest(batches: list[Any] | None) -> str:
+    """SHA-256 of a rank's calibration batches (their tensors' bytes)."""
+    h = hashlib.sha256()
+    for batch in batches or ():
+        for t in torch.utils._pytree.tree_leaves(batch):
+            if isinstance(t, torch.Tensor):
+                c = t.detach().cpu().contiguous()
+                h.update(f"{c.dtype}{tuple(c.shape)}".encode())
+                h.update(c.view(-1).view(torch.uint8).numpy().tobytes() if c.dtype != torch.bool
+                         else c.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _count(batches: list[Any] | None) -> int | None:
+    return None if batches is None else len(batches)
+
+
+def _refuse_uneven(gathered: list[Any], shard: bool) -> None:
+    """Every rank, before any forward: calibration given on some ranks only, or (sharded:
+    every forward is a collective) a different number of batches per rank, would leave
+    ranks waiting for each other until the process group times out."""
+    counts = [c for _, c in gathered]
+    given = [c is not None for c in counts]
+    if any(given) and not all(given):
+        raise QCompileError(f"compile_once: calibration batches per rank {counts}: some ranks "
+                            "pass none", fix="pass calibration=<this rank's batches> on every "
+                            "rank (or on none)")
+    if shard and len(set(counts)) > 1:
+        raise QCompileError(f"compile_once: a sharded (fsdp2) calibration needs the same "
+                            f"number of batches on every rank, got {counts} per rank",
+                            fix="split the calibration data evenly across the ranks (every "
+                                "forward through a sharded graph is a collective)")
+
+
+def _rows(t: torch.Tensor, rank: int, world: int) -> slice | None:
+    """The rows of dim 0 this rank holds of ``t`` (an FSDP2 ``Shard(0)`` DTensor: torch
+    chunks dim 0 into pieces of ``ceil(n / world)``), or None for a whole tensor."""
+    if not (hasattr(t, "to_local") and hasattr(t, "placements")):
+        return None
+    n = t.shape[0]
+    size = -(-n // world)
+    start = min(rank * size, n)
+    local = t.to_local().shape[0]
+    return slice(start, start + local)
+
+
+class _Loader:
+    """Puts values into the allocated graph, one tensor at a time: ``read(name, rows)``
+    gives them (a checkpoint, on every rank) or rank 0 broadcasts each whole tensor
+    (``stream``) and every rank keeps its rows."""
+
+    def __init__(self, read: Callable[[str, slice | None], torch.Tensor] | None, *,
+                 stream: bool, group: Any, rank: int, world: int, src: int) -> None:
+        self.read, self.stream, self.group = read, stream, group
+        self.rank, self.world, self.src = rank, world, src
+        self.device = collective_device(group)
+
+    def _full(self, name: str, like: torch.Tensor,
+              value: Callable[[], torch.Tensor] | None) -> torch.Tensor:
+        """The whole tensor ``name`` on every rank: rank 0 computes it, then broadcast."""
+        buffer = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+        if self.rank == 0:
+            assert value is not None
+            buffer.copy_(value())
+        torch.distributed.broadcast(buffer, src=self.src, group=self.group)
+        return buffer
+
+    @torch.no_grad()
+    def put(self, target: torch.Tensor, name: str,
+            compute: Callable[[slice | None], torch.Tensor]) -> None:
+        """Write ``compute(rows)`` (this rank's rows, or all) into ``target``."""
+        rows = _rows(target, self.rank, self.world)
+        local = target.to_local() if rows is not None else target
+        if self.stream:
+            whole = self._full(name, target, (lambda: compute(None)) if self.rank == 0
+                               else None)
+            value = whole[rows] if rows is not None else whole
+        else:
+            value = compute(rows)
+        local.copy_(value.to(local.dtype))
+
+
+def _sharded(gm: nn.Module, group: Any, device: torch.device) -> None:
+    """``fully_shard`` each block child, then the root (the torchtitan recipe)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if group is None:
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    else:
+        mesh = DeviceMesh.from_group(group, device.type)
+    for name, child in gm.named_children():
+        if name.startswith("stage_") and any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(gm, mesh=mesh)
+
+
+def _produced(gm: nn.Module, weights: set[str]) -> list[str]:
+    """State-dict entries compiling and calibrating made (quantizer state, buffers such
+    as BatchNorm statistics): everything but the weights, which the checkpoint or the
+    model provide."""
+    return [n for n in gm.state_dict() if n not in weights]
+
+
+def _observe_weights(gm: nn.Module) -> None:
+    """Weight quantizers take their weight's range again (compile time saw meta tensors or
+    a model whose values were replaced): block by block, each unsharded while it is read."""
+    owners = [m for n, m in gm.named_children() if n.startswith("stage_")] or [gm]
+    for owner in owners:
+        unshard = getattr(owner, "unshard", None)
+        if unshard is not None:
+            unshard()
+        try:
+            for fq, weight in weight_quantizers(owner):
+                if fq.observer is not None:
+                    fq.observer.reset()
+                    fq.observe_tensor(weight.detach())
+        finally:
+            reshard = getattr(owner, "reshard", None)
+            if reshard is not None:
+                reshard()
 
 
 def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
                  example_kwargs: dict[str, Any] | None = None,
-                 calibration: Any = None, cache_dir: str | None = None,
-                 group: Any = None) -> nn.Module:
-    """Quantize once, share with every rank.
+                 calibration: Any = None, checkpoint: Any = None,
+                 cache_dir: str | None = None, group: Any = None) -> nn.Module:
+    """Quantize once, share with every rank (see the module docstring).
 
-    Rank 0 builds the model, compiles it and (with ``calibration`` batches) calibrates it
-    — or loads the result from the compile cache (``cache_dir``, or ``spec.cache_dir``).
-    The other ranks build the model on the meta device (no memory), compile that, allocate
-    the compiled graph once and receive every parameter and buffer from rank 0. All ranks
-    end with bit-identical graphs; no rank but 0 ever holds the float model.
-    Tensors travel on the backend's device (``collective_device``: the rank's GPU for
-    NCCL, so call ``torch.cuda.set_device`` first; CPU for gloo), one at a time, and land
-    in the graph on CPU: move it with ``.to(device)`` afterwards.
-    Without a process group this is compile (+ calibrate, + cache) in one process.
-    """
+    ``build_model()`` builds the float model; with a checkpoint, or on every rank but 0,
+    it runs under ``torch.device("meta")`` (no memory); without a checkpoint in the
+    sharded way, rank 0 also builds the real model. ``checkpoint``: a ``.safetensors``
+    file, or a folder of shards with ``model.safetensors.index.json``; it must hold
+    exactly the model's state dict (a missing, extra, misshaped or retyped tensor is a
+    ``QCompileError`` naming it, on every rank, before any collective). ``calibration``:
+    this rank's batches (every rank passes its own). Tensors live on the backend's device
+    (``collective_device``: the rank's GPU for NCCL, so call ``torch.cuda.set_device``
+    first; CPU for gloo). The sharded result is already ``fully_shard``-ed (do not
+    ``wrap`` it again) and keeps observers in sync after every forward; a replicated
+    result is wrapped as usual (``qc.distributed.wrap``)."""
     spec = as_spec(spec)
     directory = cache_dir or spec.cache_dir
-    rank = torch.distributed.get_rank(group) if initialised() else 0
+    on = initialised()
+    rank = torch.distributed.get_rank(group) if on else 0
+    world = torch.distributed.get_world_size(group) if on else 1
+    src = (torch.distributed.get_global_rank(group, 0) if group is not None else 0) if on else 0
     inputs = as_inputs(example_inputs)
+    batches = list(calibration) if calibration is not None else None
+    ckpt = Checkpoint(checkpoint) if checkpoint is not None else None
+    shard = on and spec.data_parallel.kind == "fsdp2" and spec.pipeline is None
+    if batches is not None:
+        check_calibratable(spec.quant.mode)
+    if ckpt is None and not shard:
+        gm, source = _replicated_from_rank0(build_model, spec, inputs, example_kwargs,
+                                            rank, group, src)
+    else:
+        gm, source = _from_meta(build_model, spec, inputs, example_kwargs, ckpt, shard,
+                                rank, world, group, src)
+    # -- the cache: what compile + calibrate produced, keyed by where the weights came from
+    key, why = None, "no cache_dir"
+    produced = _produced(gm, source["weights"])
+    digests: list[Any] = [(_digest(batches), _count(batches))]
+    if on:
+        digests = [None] * world
+        torch.distributed.all_gather_object(digests, (_digest(batches), _count(batches)),
+                                            group=group)
+        _refuse_uneven(digests, shard)
+    hit = False
+    state: dict[str, torch.Tensor] | None = None
+    if directory is not None:
+        if rank == 0:
+            weights = ckpt.content_hash() if ckpt is not None else source["weights_hash"]
+            key = cache_key(gm_code(gm), spec.model_dump_json(exclude={"cache_dir"}),
+                            extra=[str(weights), *map(str, digests)])
+            state, why = CompileCache(directory).load(key)
+            if state is not None and (bad := misfit(state, gm, produced)) is not None:
+                state, why = None, f"entry {bad}; rebuilt"
+            hit = state is not None
+        if on:
+            box = [hit, why]
+            torch.distributed.broadcast_object_list(box, src=src, group=group)
+            hit, why = box
+    loader = _Loader(lambda n, r: state[n] if r is None else state[n][r], stream=on,
+                     group=group, rank=rank, world=world, src=src)
+    if hit:
+        full = gm.state_dict()
+        for name in produced:  # rank 0 read the entry; every rank gets its part
+            loader.put(full[name], name, lambda r, n=name: state[n] if r is None else state[n][r])
+        for q in quantizers(gm).values():
+            q.enabled, q.observe = bool(q.mode_flags[0]), bool(q.mode_flags[1])
+    elif batches is not None:
+        sync = spec.quant.sync_observers and on
+        collect_statistics(gm, batches, signature=graph_inputs(gm),
+                           sync=(lambda m: sync_observers(m, group, everything=True))
+                           if sync else None)
+    if directory is not None and not hit:
+        full = gm.state_dict()
+        entry = {n: _whole(full[n]) for n in produced}  # collectives for sharded tensors
+        if rank == 0:
+            CompileCache(directory).store(key, _StateHolder(entry), report(gm).model_dump_json())
+    report(gm).passes[-1].notes.append(f"compile cache: {why}")
+    if shard:
+        keep_observers_in_sync(gm, spec, group)
+        return gm
+    return watch_observer_sync(gm)
+
+
+def gm_code(gm: nn.Module) -> str:
+    """The generated code of the graph and of each block child."""
+    parts = [getattr(gm, "code", "")]
+    parts += [getattr(c, "code", "") for n, c in gm.named_children() if n.startswith("stage_")]
+    return "\n".join(parts)
+
+
+class _StateHolder(nn.Module):
+    """A module whose ``state_dict`` is a given dict (what ``CompileCache.store`` saves)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self._state = state
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return dict(self._state)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on CPU (a sharded DTensor is gathered: every rank calls this)."""
+    if hasattr(t, "full_tensor") and hasattr(t, "placements"):
+        t = t.full_tensor()
+    return t.detach().cpu()
+
+
+def _replicated_from_rank0(build_model: Any, spec: CompileSpec, inputs: Any,
+                           example_kwargs: Any, rank: int, group: Any, src: int
+                           ) -> tuple[nn.Module, dict[str, Any]]:
+    """Rank 0 builds and compiles the real model in place; the others compile it on meta,
+    allocate the graph once and receive every tensor from rank 0."""
+    on = initialised()
     if rank == 0:
         model, note = unwrap_compiled(build_model())
         refuse_wrapped(model)
-        key = None
-        batches = list(calibration) if calibration is not None else None
+        weights = {n for n, _ in model.named_parameters()}
         # The model was built here for this graph alone: no copy needed.
         gm = compile_model(model, spec, inputs, example_kwargs=example_kwargs, inplace=True)
-        state, why = None, "no cache_dir"
-        if directory is not None:
-            # The compiled graph's own tensors (tensor constants included), before
-            # calibration; where the cache lives is not part of what is cached.
-            key = cache_key(gm.code, spec.model_dump_json(exclude={"cache_dir"}), gm, batches)
-            state, why = CompileCache(directory).load(key)
-            if state is not None and (bad := misfit(state, gm)) is not None:
-                state, why = None, f"entry {bad}; rebuilt"
-        if state is not None:
-            gm.load_state_dict(state)
-        else:
-            if batches is not None:  # rank 0 alone: no cross-rank sync to wait for
-                check_calibratable(report(gm).mode)
-                collect_statistics(gm, batches)
-            if directory is not None:
-                CompileCache(directory).store(key, gm, report(gm).model_dump_json())
-        report(gm).passes[-1].notes.append(f"compile cache: {why}")
+        h = hashlib.sha256()  # every tensor of the graph before calibration (constants too)
+        for name, t in sorted(gm.state_dict().items()):
+            h.update(name.encode())
+            h.update(_digest([t]).encode())
         del model
     else:
-        meta = torch.device("meta")
-        with meta:
+        with torch.device("meta"):
             model, note = unwrap_compiled(build_model())
-
-        def to_meta(v: Any) -> Any:
-            return v.to(meta) if isinstance(v, torch.Tensor) else v
-
-        meta_inputs = tuple(to_meta(v) for v in inputs) if inputs is not None else None
-        meta_kwargs = {k: to_meta(v) for k, v in (example_kwargs or {}).items()} or None
+        weights = {n for n, _ in model.named_parameters()}
+        meta_inputs = tuple(_to_meta(v) for v in inputs) if inputs is not None else None
+        meta_kwargs = {k: _to_meta(v) for k, v in (example_kwargs or {}).items()} or None
         gm = compile_model(model, spec, meta_inputs, example_kwargs=meta_kwargs, inplace=True)
         gm = gm.to_empty(device="cpu")
+        h = None
     if note is not None:
         report(gm).passes[0].notes.append(note)
-    if initialised():
+    if on:
         tensors = [t for _, t in sorted([*gm.named_parameters(remove_duplicate=True),
                                          *gm.named_buffers(remove_duplicate=True)],
                                         key=lambda kv: kv[0])]
-        src = torch.distributed.get_global_rank(group, 0) if group is not None else 0
         device = collective_device(group)
         with torch.no_grad():
             for t in tensors:
@@ -100,4 +372,96 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
                 if buffer is not t.data and rank != 0:
                     t.data.copy_(buffer)
         gm.load_state_dict(gm.state_dict())  # quantizer on/off flags follow their buffers
-    return watch_observer_sync(gm)
+    folded = {n for f in gm.meta.get(FOLDS_KEY, {}).values() for n in (f.weight, f.out_bias)}
+    return gm, {"weights": weights | folded,
+                "weights_hash": h.hexdigest() if h is not None else None}
+
+
+def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs: Any,
+               ckpt: Checkpoint | None, shard: bool, rank: int, world: int, group: Any,
+               src: int) -> tuple[nn.Module, dict[str, Any]]:
+    """Every rank compiles the meta model (sharded: one FSDP2 group per block), allocates
+    it, and loads the weights: its rows of each from the checkpoint, or from rank 0's
+    stream."""
+    on = initialised()
+    with torch.device("meta"):
+        meta_model, note = unwrap_compiled(build_model())
+    refuse_wrapped(meta_model)
+    if ckpt is not None:
+        ckpt.check(meta_model)  # every rank reads the same headers: all refuse, none hangs
+    names = set(meta_model.state_dict())
+    weights = {n for n, _ in meta_model.named_parameters()}
+    compile_spec = spec
+    found = blocks(meta_model) if shard else []
+    if shard and len(found) >= 2:
+        compile_spec = _block_spec(spec, found)
+    meta_inputs = tuple(_to_meta(v) for v in inputs) if inputs is not None else None
+    meta_kwargs = {k: _to_meta(v) for k, v in (example_kwargs or {}).items()} or None
+    gm = compile_model(meta_model, compile_spec, meta_inputs, example_kwargs=meta_kwargs,
+                       inplace=True)
+    del meta_model
+    rep = report(gm)
+    if note is not None:
+        rep.passes[0].notes.append(note)
+    if compile_spec is not spec:
+        rep.passes[-1].notes.append(f"compile_once: {len(found)} blocks as FSDP2 groups "
+                                    f"({found[0]} .. {found[-1]})")
+    device = collective_device(group) if on else torch.device("cpu")
+    if shard:
+        _sharded(gm, group, device)
+    gm.to_empty(device=device)
+    for q in quantizers(gm).values():
+        q.reset_parameters()
+    # -- where the weights come from ------------------------------------------------------
+    real: dict[str, torch.Tensor] = {}
+    h = None
+    if ckpt is not None:
+        def read(name: str, rows: slice | None) -> torch.Tensor:
+            return ckpt.read(name, rows)
+    else:  # rank 0 streams its real model, freeing each tensor once sent
+        if rank == 0:
+            model, _ = unwrap_compiled(build_model())
+            real = dict(model.state_dict(keep_vars=False))
+            real.update({n: b for n, b in model.named_buffers()})  # non-persistent too
+            del model
+            h = hashlib.sha256()
+            for name in sorted(real):
+                h.update(name.encode())
+                h.update(_digest([real[name]]).encode())
+
+        def read(name: str, rows: slice | None) -> torch.Tensor:
+            t = real[name]
+            return t if rows is None else t[rows]
+    loader = _Loader(read, stream=ckpt is None and on, group=group, rank=rank, world=world,
+                     src=src)
+    folds = {}
+    for f in gm.meta.get(FOLDS_KEY, {}).values():
+        folds[f.weight] = (f, 0)
+        folds[f.out_bias] = (f, 1)
+    state = gm.state_dict()
+    fold_sources = {n for f, _ in folds.values() for n in f.sources()}
+    for name in sorted(state):
+        target = state[name]
+        if name in folds:
+            fold, which = folds[name]
+            loader.put(target, name, lambda r, f=fold, i=which: f.apply(read, r)[i])
+        elif name in names:
+            loader.put(target, name, lambda r, n=name: read(n, r))
+            if name not in fold_sources:
+                real.pop(name, None)  # rank 0: sent, so freed (the model is gone already)
+    # buffers outside the state dict (non-persistent, e.g. rotary tables) need values too
+    for name, b in gm.named_buffers():
+        short = name.split(".", 1)[1] if name.startswith("stage_") else name
+        if short in state:
+            continue
+        if ckpt is not None:
+            raise QCompileError(
+                f"buffer {short!r} is not persistent, so no checkpoint holds it, and the "
+                "model was built on the meta device (no values)",
+                fix="register it with persistent=True and save it in the checkpoint, or "
+                    "call compile_once without checkpoint= (rank 0 then streams the model)")
+        loader.put(b, short, lambda r, n=short: read(n, r))
+    real.clear()
+    _observe_weights(gm)
+    return gm, {"weights": weights | set(folds),
+                "weights_hash": h.hexdigest() if h is not None else None}

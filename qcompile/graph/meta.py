@@ -34,6 +34,9 @@ STAGE_KEY = "qcompile.stage"
 REPORT_KEY = "qcompile.report"
 #: the ``CompileSpec`` the graph was compiled with
 SPEC_KEY = "qcompile.spec"
+#: trace: the qcompile version that compiled the graph; marks every graph ``qcompile``
+#: returned (pipeline stages and converted graphs too), which is never compiled again
+COMPILED_KEY = "qcompile.compiled"
 #: ``quant.sync_observers`` of that spec (read by ``qc.calibrate``)
 SYNC_OBSERVERS_KEY = "qcompile.sync_observers"
 #: trace: the class of the traced model (module-type rules match the root by it)
@@ -42,6 +45,9 @@ ROOT_CLASS_KEY = "qcompile.root_class"
 STAGE_NAMES_KEY = "qcompile.stage_names"
 #: place: for each parameter several stages hold, its qualified name in each stage
 TIED_KEY = "qcompile.tied"
+#: fold_bn: for each folded weight (and bias), the model tensors and BatchNorm it was
+#: computed from (``passes.fold_bn.Fold``): how a checkpoint's tensors become the graph's
+FOLDS_KEY = "qcompile.folds"
 
 # -- torch's node.meta keys that qcompile reads --------------------------------------------
 #: ``torch.fx.passes.shape_prop.TensorMetadata`` (shape, dtype, ...) of a node's value

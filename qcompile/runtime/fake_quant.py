@@ -225,6 +225,20 @@ class FakeQuantize(nn.Module):
             self.observe = False
 
     @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The state of a new quantizer: unit scale, zero point 0, an empty observer, the
+        flag buffer matching ``enabled`` / ``observe``. What ``to_empty()`` leaves
+        undefined (a graph compiled on the meta device, then allocated), as for torch's
+        own modules."""
+        weight_cache.clear(self)
+        _assign(self.scale, torch.ones(self.scale.shape, dtype=torch.float32))
+        _assign(self.zero_point, torch.zeros(self.zero_point.shape, dtype=torch.int32))
+        self.mode_flags.copy_(torch.tensor([self.enabled, self.observe], dtype=torch.uint8))
+        if self.observer is not None:
+            self.observer.reset()
+        self.observed = False
+
+    @torch.no_grad()
     def refresh_qparams(self) -> None:
         """Recompute ``scale`` / ``zero_point`` from the observer's statistics.
 

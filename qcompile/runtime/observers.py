@@ -84,6 +84,12 @@ class HistogramObserver(MinMaxObserver):
         self.register_buffer("data_min", torch.full((1,), float("inf")))
         self.register_buffer("data_max", torch.full((1,), float("-inf")))
 
+    def reset(self) -> None:
+        super().reset()
+        self.histogram.zero_()
+        self.data_min.fill_(float("inf"))
+        self.data_max.fill_(float("-inf"))
+
     @torch.no_grad()
     def observe(self, x: torch.Tensor) -> None:
         x = x.detach().float().reshape(-1)

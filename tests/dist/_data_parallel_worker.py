@@ -29,7 +29,6 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import math
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 

@@ -270,7 +270,9 @@ def test_entry_layout_and_manifest(tmp_path: Path) -> None:
     digest = hashlib.sha256((entry / STATE).read_bytes()).hexdigest()
     assert manifest["files"] == {STATE: digest}
     assert manifest["report"]["mode"] == "static"
-    assert set(torch.load(entry / STATE, weights_only=True)) == set(gm.state_dict())
+    # what compile + calibrate produced, never the weights (the model provides them)
+    weights = {n for n, _ in Net().named_parameters()}
+    assert set(torch.load(entry / STATE, weights_only=True)) == set(gm.state_dict()) - weights
 
 
 # -- misses -------------------------------------------------------------------------------
@@ -342,20 +344,23 @@ def _truncate(entry: Path) -> None:
     (entry / STATE).write_bytes(data[: len(data) // 2])
 
 
+TAMPERED = "fc1.weight_fake_quant.scale"  # per-channel: 16 float32 values
+
+
 def _tamper_tensor(entry: Path) -> None:
-    """Flip one byte inside fc1.weight's stored bytes: still a loadable file whose tensor
+    """Flip one byte inside a stored scale's bytes: still a loadable file whose tensor
     silently holds a different value, so only the hash can tell."""
     path = entry / STATE
     before = torch.load(path, weights_only=True)
     data = bytearray(path.read_bytes())
-    weight = before["fc1.weight"].contiguous().numpy().tobytes()
-    at = bytes(data).find(weight)
-    assert at >= 0, "fc1.weight's bytes are stored uncompressed"
+    stored = before[TAMPERED].contiguous().numpy().tobytes()
+    at = bytes(data).find(stored)
+    assert at >= 0, f"{TAMPERED}'s bytes are stored uncompressed"
     data[at + 7] ^= 0x01
     path.write_bytes(bytes(data))
     after = torch.load(path, weights_only=True)
-    assert not torch.equal(before["fc1.weight"], after["fc1.weight"])
-    assert all(torch.equal(before[k], after[k]) for k in before if k != "fc1.weight")
+    assert not torch.equal(before[TAMPERED], after[TAMPERED])
+    assert all(torch.equal(before[k], after[k]) for k in before if k != TAMPERED)
 
 
 def _edit_manifest(entry: Path, **changes: Any) -> None:
@@ -438,7 +443,9 @@ def test_state_is_plain_tensors_loadable_weights_only(tmp_path: Path) -> None:
     gm = compile_cached(tmp_path)
     entry = only_entry(tmp_path)
     state = torch.load(entry / STATE, weights_only=True)
-    assert isinstance(state, dict) and list(state) == list(gm.state_dict())
+    weights = {n for n, _ in Net().named_parameters()}
+    assert isinstance(state, dict) and list(state) == [k for k in gm.state_dict()
+                                                       if k not in weights]
     assert all(type(v) is torch.Tensor for v in state.values())
     assert all(torch.equal(v, gm.state_dict()[k]) for k, v in state.items())
     raw = (entry / STATE).read_bytes()
@@ -503,7 +510,7 @@ def test_entry_that_does_not_fit_the_graph_is_rebuilt(tmp_path: Path, edit: str)
     compile_cached(tmp_path)
     entry = only_entry(tmp_path)
     state = torch.load(entry / STATE, weights_only=True)
-    name = next(k for k in state if k.endswith("weight"))
+    name = next(k for k in state if k.endswith("weight_fake_quant.scale"))
     if edit == "drop":
         del state[name]
     elif edit == "extra":

@@ -1,0 +1,166 @@
+"""Lazy reads of a safetensors checkpoint: one file, or a folder of shards with an index
+(the Hugging Face layout, ``model.safetensors.index.json``'s ``weight_map``).
+
+Nothing is read until asked for, and then only the rows asked for (``safe_open`` /
+``get_slice``: the file is memory-mapped, a rank reading its shard of a tensor touches
+only those bytes). ``check`` compares the headers with the model's state dict: every
+rank reads the same headers, so every rank refuses a bad checkpoint with the same
+``QCompileError`` before any collective could hang.
+
+Example:
+    >>> import tempfile, torch
+    >>> from safetensors.torch import save_file
+    >>> from qcompile.distributed.checkpoint import Checkpoint
+    >>> path = tempfile.mkdtemp() + "/model.safetensors"
+    >>> model = torch.nn.Linear(4, 6)
+    >>> save_file(dict(model.state_dict()), path)
+    >>> ckpt = Checkpoint(path)
+    >>> ckpt.check(model)
+    >>> ckpt.read("weight", slice(0, 3)).shape
+    torch.Size([3, 4])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from qcompile.errors import QCompileError
+
+INDEX = "model.safetensors.index.json"
+# safetensors' dtype names (the header's), as torch dtypes
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_FIX_CKPT = ("save the model's state_dict with safetensors.torch.save_file (or "
+             "save_pretrained), from the same model class and configuration")
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class Checkpoint:
+    """A safetensors checkpoint: ``path`` is a ``.safetensors`` file or a folder holding
+    one, or shards plus ``model.safetensors.index.json``."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.files = self._files()
+        self._open: dict[Path, Any] = {}
+        self._stack = contextlib.ExitStack()
+        self.entries: dict[str, tuple[tuple[int, ...], torch.dtype, Path]] = {}
+        for file, names in self.files.items():
+            handle = self._handle(file)
+            held = set(handle.keys())
+            for name in names if names is not None else sorted(held):
+                if name not in held:
+                    raise QCompileError(f"checkpoint {str(self.path)!r}: the index maps "
+                                        f"tensor {name!r} to {file.name}, which lacks it",
+                                        fix="rewrite the index, or save the checkpoint again")
+                piece = handle.get_slice(name)
+                kind = piece.get_dtype()
+                if kind not in _DTYPES:
+                    raise QCompileError(f"checkpoint tensor {name!r} has dtype {kind}, which "
+                                        "qcompile does not read", fix=_FIX_CKPT)
+                self.entries[name] = (tuple(piece.get_shape()), _DTYPES[kind], file)
+
+    def _files(self) -> dict[Path, list[str] | None]:
+        """Each file and the tensors the index says it holds (None: all of them)."""
+        if self.path.is_file():
+            return {self.path: None}
+        if not self.path.is_dir():
+            raise QCompileError(f"checkpoint {str(self.path)!r} does not exist",
+                                fix="give a .safetensors file or a folder of shards with "
+                                    f"{INDEX}")
+        index = self.path / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError("weight_map is not an object")
+            except (ValueError, KeyError, TypeError) as e:
+                raise QCompileError(f"checkpoint index {str(index)!r} is not a safetensors "
+                                    f"index ({type(e).__name__}: {e})",
+                                    fix=f"{INDEX} needs a 'weight_map' of tensor -> file"
+                                    ) from None
+            files: dict[Path, list[str] | None] = {}
+            for name, file in sorted(weight_map.items()):
+                files.setdefault(self.path / str(file), []).append(name)  # type: ignore[union-attr]
+            return files
+        found = sorted(self.path.glob("*.safetensors"))
+        if len(found) != 1:
+            raise QCompileError(f"checkpoint folder {str(self.path)!r} has "
+                                f"{len(found)} .safetensors files and no {INDEX}",
+                                fix=f"give one file, or shards with {INDEX}")
+        return {found[0]: None}
+
+    def _handle(self, file: Path) -> Any:
+        if file not in self._open:
+            from safetensors import safe_open
+
+            try:
+                self._open[file] = self._stack.enter_context(
+                    safe_open(str(file), framework="pt", device="cpu"))
+            except Exception as e:  # truncated, not safetensors, unreadable
+                first = (str(e).strip().splitlines() or [""])[0]
+                raise QCompileError(f"checkpoint file {str(file)!r} cannot be read "
+                                    f"({type(e).__name__}: {first})",
+                                    fix="the file is truncated or not safetensors: copy or "
+                                        "save it again") from None
+        return self._open[file]
+
+    def close(self) -> None:
+        self._stack.close()
+        self._open.clear()
+
+    def check(self, model: nn.Module) -> None:
+        """Refuse a checkpoint that does not fit ``model`` (built on the meta device is
+        fine): a missing, extra, misshaped or retyped tensor, named."""
+        want = model.state_dict()
+        missing = sorted(set(want) - set(self.entries))
+        extra = sorted(set(self.entries) - set(want))
+        if missing:
+            raise QCompileError(f"checkpoint {str(self.path)!r} lacks tensor {missing[0]!r} "
+                                f"({len(missing)} missing) that {type(model).__name__} has",
+                                fix=_FIX_CKPT)
+        if extra:
+            raise QCompileError(f"checkpoint {str(self.path)!r} has tensor {extra[0]!r} "
+                                f"({len(extra)} extra) that {type(model).__name__} does not",
+                                fix=_FIX_CKPT + "; or remove the extra tensors")
+        for name, t in want.items():
+            shape, dtype, _ = self.entries[name]
+            if shape != tuple(t.shape):
+                raise QCompileError(f"checkpoint tensor {name!r} has shape {list(shape)}, the "
+                                    f"model's is {list(t.shape)}", fix=_FIX_CKPT)
+            if dtype != t.dtype:
+                raise QCompileError(f"checkpoint tensor {name!r} is {_short(dtype)}, the "
+                                    f"model's is {_short(t.dtype)}",
+                                    fix=_FIX_CKPT + "; or build the model in the checkpoint's "
+                                    "dtype")
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """Tensor ``name`` (rows ``rows`` of its first dimension only, when given)."""
+        shape, _, file = self.entries[name]
+        piece = self._handle(file).get_slice(name)
+        if rows is None or not shape:
+            return piece[:] if shape else self._handle(file).get_tensor(name)
+        return piece[rows]
+
+    def content_hash(self) -> str:
+        """SHA-256 over every file's bytes (in name order): what a cache entry is keyed on."""
+        h = hashlib.sha256()
+        for file in sorted(self.files):
+            h.update(file.name.encode())
+            with open(file, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 22), b""):
+                    h.update(chunk)
+        return h.hexdigest()
