@@ -4,8 +4,10 @@
     torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --fsdp2         # FSDP2, CPU
     torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --cuda          # GPUs (nccl)
 
-Rank 0 builds and compiles the model; the others build it on the meta device and
-receive the compiled state. The graph is wrapped *after* compiling (DDP or fully_shard),
+With DDP, rank 0 builds and compiles the model; the others build it on the meta device and
+receive the compiled state; with ``--fsdp2`` every rank compiles on the meta device and
+holds 1/N of every block (``compile_once`` shards it; ``wrap`` then returns it as is).
+The graph is wrapped *after* compiling (DDP or fully_shard),
 and observer statistics are reduced across ranks after every forward, so every rank's
 quantizers stay identical. (A hand-written ``DistributedDataParallel(gm)`` loop instead
 calls ``qc.distributed.sync_observers(gm)`` after every forward; without it the scales drift

@@ -26,7 +26,7 @@ from torch import nn
 from qcompile.distributed.devices import collective_device, staged
 from qcompile.distributed.guards import refuse_wrapped
 from qcompile.errors import QCompileError
-from qcompile.graph.meta import SYNC_OBSERVERS_KEY
+from qcompile.graph.meta import SHARDED_KEY, SYNC_OBSERVERS_KEY
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.runtime.observers import MovingAverageObserver
 from qcompile.specs import as_spec
@@ -185,6 +185,8 @@ def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Modul
       weights) belong to the root's group.
     - ``none``: ``gm`` itself.
 
+    A graph ``compile_once`` already sharded (``fsdp2``) is returned as it is.
+
     With ``quant.sync_observers`` and an initialised process group, observer statistics
     are reduced across ranks after every forward (``sync_observers``), and the graph's
     unsynchronised-observer warning is switched off.
@@ -195,6 +197,8 @@ def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Modul
         raise QCompileError(f"data_parallel.kind: {kind} needs an initialised process group",
                             fix="launch with torchrun and call "
                             "torch.distributed.init_process_group() first")
+    if kind == "fsdp2" and getattr(gm, "meta", {}).get(SHARDED_KEY):
+        return gm  # compile_once sharded it per block and syncs its observers already
     refuse_wrapped(gm)
     keep_observers_in_sync(gm, spec, group)
     if kind == "none":

@@ -55,7 +55,7 @@ from qcompile.distributed.data_parallel import (
 from qcompile.distributed.devices import collective_device, staged
 from qcompile.distributed.guards import refuse_wrapped, unwrap_compiled
 from qcompile.errors import QCompileError
-from qcompile.graph.meta import FOLDS_KEY
+from qcompile.graph.meta import FOLDS_KEY, SHARDED_KEY
 from qcompile.graph.records import report
 from qcompile.graph.signature import graph_inputs
 from qcompile.passes import as_inputs, compile_model
@@ -237,9 +237,9 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
     ``QCompileError`` naming it, on every rank, before any collective). ``calibration``:
     this rank's batches (every rank passes its own). Tensors live on the backend's device
     (``collective_device``: the rank's GPU for NCCL, so call ``torch.cuda.set_device``
-    first; CPU for gloo). The sharded result is already ``fully_shard``-ed (do not
-    ``wrap`` it again) and keeps observers in sync after every forward; a replicated
-    result is wrapped as usual (``qc.distributed.wrap``)."""
+    first; CPU for gloo). The sharded result is already ``fully_shard``-ed and keeps
+    observers in sync after every forward (``qc.distributed.wrap`` returns it as it is); a
+    replicated result is wrapped as usual (``qc.distributed.wrap``)."""
     spec = as_spec(spec)
     directory = cache_dir or spec.cache_dir
     on = initialised()
@@ -303,6 +303,7 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
     report(gm).passes[-1].notes.append(f"compile cache: {why}")
     if shard:
         keep_observers_in_sync(gm, spec, group)
+        gm.meta[SHARDED_KEY] = True
         return gm
     return watch_observer_sync(gm)
 

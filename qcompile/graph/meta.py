@@ -45,6 +45,8 @@ ROOT_CLASS_KEY = "qcompile.root_class"
 STAGE_NAMES_KEY = "qcompile.stage_names"
 #: place: for each parameter several stages hold, its qualified name in each stage
 TIED_KEY = "qcompile.tied"
+#: compile_once: the graph is already ``fully_shard``-ed per block (``wrap`` returns it as is)
+SHARDED_KEY = "qcompile.sharded"
 #: fold_bn: for each folded weight (and bias), the model tensors and BatchNorm it was
 #: computed from (``passes.fold_bn.Fold``): how a checkpoint's tensors become the graph's
 FOLDS_KEY = "qcompile.folds"
