@@ -56,6 +56,7 @@ class Checkpoint:
         self.path = Path(path)
         self.files = self._files()
         self._open: dict[Path, Any] = {}
+        self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}
         self._stack = contextlib.ExitStack()
         self.entries: dict[str, tuple[tuple[int, ...], torch.dtype, Path]] = {}
         for file, names in self.files.items():
@@ -146,6 +147,45 @@ class Checkpoint:
                                     f"model's is {_short(t.dtype)}",
                                     fix=_FIX_CKPT + "; or build the model in the checkpoint's "
                                     "dtype")
+
+    def _offsets(self, file: Path) -> tuple[int, dict[str, Any]]:
+        """(where the data starts, the header) of ``file``: the safetensors layout is an
+        8-byte little-endian header length, a JSON header (dtype, shape and byte offsets
+        per tensor), then the data. ``safe_open`` validated it when the file was opened."""
+        if file not in self._headers:
+            with open(file, "rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                self._headers[file] = (8 + length, json.loads(f.read(length)))
+        return self._headers[file]
+
+    def read_into(self, name: str, rows: slice | None, out: torch.Tensor) -> bool:
+        """Read tensor ``name`` (rows ``rows`` of dim 0) straight into ``out``, a contiguous
+        CPU tensor of the entry's dtype and the rows' shape: one ``readinto`` of one byte
+        range, no memory map and no temporary (a rank's resident memory is its shard, not
+        also the file's pages). False when ``out`` does not qualify: use ``read``."""
+        shape, dtype, file = self.entries[name]
+        if (out.device.type != "cpu" or out.dtype != dtype or not out.is_contiguous()
+                or out.numel() == 0 or not shape):
+            return out.numel() == 0 and bool(shape)  # nothing to read for an empty shard
+        start, header = self._offsets(file)
+        begin, end = header[name]["data_offsets"]
+        row = (end - begin) // shape[0] if shape[0] else 0
+        first = rows.start if rows is not None else 0
+        want = out.numel() * out.element_size()
+        if want != row * ((rows.stop - rows.start) if rows is not None else shape[0]):
+            return False
+        view = memoryview(out.view(-1).view(torch.uint8).numpy())
+        with open(file, "rb", buffering=0) as f:
+            f.seek(start + begin + first * row)
+            got = 0
+            while got < want:  # readinto may return fewer bytes than asked
+                n = f.readinto(view[got:])
+                if not n:
+                    raise QCompileError(f"checkpoint file {str(file)!r} ends inside tensor "
+                                        f"{name!r}", fix="the file is truncated: copy or save "
+                                        "it again")
+                got += n
+        return True
 
     def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
         """Tensor ``name`` (rows ``rows`` of its first dimension only, when given)."""

@@ -65,6 +65,7 @@ from qcompile.runtime.calibration import (
     quantizers,
     weight_quantizers,
 )
+from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.specs import CompileSpec, PipelineSpec, as_spec
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -156,11 +157,18 @@ class _Loader:
         self.read, self.stream, self.group = read, stream, group
         self.rank, self.world, self.src = rank, world, src
         self.device = collective_device(group)
+        self._buffer: torch.Tensor | None = None
 
     def _full(self, name: str, like: torch.Tensor,
               value: Callable[[], torch.Tensor] | None) -> torch.Tensor:
-        """The whole tensor ``name`` on every rank: rank 0 computes it, then broadcast."""
-        buffer = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+        """The whole tensor ``name`` on every rank: rank 0 computes it, then broadcast
+        into one reused byte buffer (a fresh buffer per tensor is memory the allocator
+        may keep: up to a model's worth over a load)."""
+        nbytes = like.numel() * like.element_size()
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = None  # the old one goes before the larger one comes
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        buffer = self._buffer[:nbytes].view(like.dtype).view(like.shape)
         if self.rank == 0:
             assert value is not None
             buffer.copy_(value())
@@ -180,6 +188,16 @@ class _Loader:
         else:
             value = compute(rows)
         local.copy_(value.to(local.dtype))
+
+
+@torch.no_grad()
+def _read_into(ckpt: Checkpoint, name: str, target: torch.Tensor, rank: int,
+               world: int) -> bool:
+    """This rank's rows of ``name`` read from the checkpoint straight into ``target``'s
+    local shard (no temporary); False when that shard cannot take a direct read."""
+    rows = _rows(target, rank, world)
+    local = target.to_local() if rows is not None else target
+    return ckpt.read_into(name, rows, local)
 
 
 def _sharded(gm: nn.Module, group: Any, device: torch.device) -> None:
@@ -204,23 +222,71 @@ def _produced(gm: nn.Module, weights: set[str]) -> list[str]:
     return [n for n in gm.state_dict() if n not in weights]
 
 
-def _observe_weights(gm: nn.Module) -> None:
+def _observe_weights(gm: nn.Module, group: Any, rank: int, world: int) -> None:
     """Weight quantizers take their weight's range again (compile time saw meta tensors or
-    a model whose values were replaced): block by block, each unsharded while it is read."""
+    a model whose values were replaced). A row-wise range (per tensor, per output channel,
+    per group) of a weight FSDP2 shards by rows is reduced from each rank's own rows, a few
+    bytes per channel across ranks; any other block is unsharded while it is read."""
     owners = [m for n, m in gm.named_children() if n.startswith("stage_")] or [gm]
     for owner in owners:
+        pending = []
+        for fq, weight in weight_quantizers(owner):
+            if fq.observer is None:
+                continue
+            fq.observer.reset()
+            if not _observe_rows(fq, weight, group, rank, world):
+                pending.append(fq)
+        if not pending:
+            continue
         unshard = getattr(owner, "unshard", None)
         if unshard is not None:
             unshard()
         try:
             for fq, weight in weight_quantizers(owner):
-                if fq.observer is not None:
-                    fq.observer.reset()
+                if fq in pending:
                     fq.observe_tensor(weight.detach())
         finally:
             reshard = getattr(owner, "reshard", None)
             if reshard is not None:
                 reshard()
+
+
+@torch.no_grad()
+def _observe_rows(fq: FakeQuantize, weight: torch.Tensor, group: Any, rank: int,
+                  world: int) -> bool:
+    """``fq.observe_range`` from every rank's rows of a ``Shard(0)`` weight; False when the
+    weight is whole, or the range is not row-wise, or the observer needs the data itself."""
+    rows = _rows(weight, rank, world)
+    if (rows is None or getattr(fq.observer, "needs_data", False) or fq.granularity not in (
+            "per_tensor", "per_channel", "per_group")
+            or (fq.granularity == "per_channel" and fq.axis != 0)):
+        return False
+    device = collective_device(group)
+    local = weight.to_local().detach().float()
+    n = weight.shape[0]
+    if fq.granularity == "per_tensor":
+        mn, mx = (torch.aminmax(local) if local.numel() else
+                  (torch.tensor(float("inf")), torch.tensor(float("-inf"))))
+        both = torch.stack([-mn, mx]).to(device)
+        torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=group)
+        fq.observe_range((-both[0]).reshape(1).cpu(), both[1].reshape(1).cpu())
+        return True
+    per_row = fq.scale.numel() // n  # 1 per channel; the groups of a row per group
+    chunk = -(-n // world) * per_row
+    mn = torch.full((chunk,), float("inf"), device=device)
+    mx = torch.full((chunk,), float("-inf"), device=device)
+    if local.numel():
+        a, b = fq._minmax(local)
+        mn[:a.numel()] = a.reshape(-1).to(device)
+        mx[:b.numel()] = b.reshape(-1).to(device)
+    both = torch.cat([mn, mx])
+    parts = [torch.empty_like(both) for _ in range(world)]
+    torch.distributed.all_gather(parts, both, group=group)
+    mins = torch.cat([p[:chunk] for p in parts])[:n * per_row]
+    maxs = torch.cat([p[chunk:] for p in parts])[:n * per_row]
+    fq.observe_range(mins.cpu().to(fq.observer.min_val.device),
+                     maxs.cpu().to(fq.observer.max_val.device))
+    return True
 
 
 def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
@@ -447,6 +513,8 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
             fold, which = folds[name]
             loader.put(target, name, lambda r, f=fold, i=which: f.apply(read, r)[i])
         elif name in names:
+            if ckpt is not None and _read_into(ckpt, name, target, rank, world):
+                continue
             loader.put(target, name, lambda r, n=name: read(n, r))
             if name not in fold_sources:
                 real.pop(name, None)  # rank 0: sent, so freed (the model is gone already)
@@ -463,6 +531,6 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
                     "call compile_once without checkpoint= (rank 0 then streams the model)")
         loader.put(b, short, lambda r, n=short: read(n, r))
     real.clear()
-    _observe_weights(gm)
+    _observe_weights(gm, group, rank, world)
     return gm, {"weights": weights | set(folds),
                 "weights_hash": h.hexdigest() if h is not None else None}

@@ -218,6 +218,19 @@ class FakeQuantize(nn.Module):
         else:
             mn, mx = self._minmax(x.detach().float())
             self.observer.update(mn, mx)
+        self._observed()
+
+    @torch.no_grad()
+    def observe_range(self, mn: torch.Tensor, mx: torch.Tensor) -> None:
+        """Fold a minimum and maximum computed elsewhere (one per scale, as ``observe_tensor``
+        would compute them; e.g. reduced across the ranks that each hold some rows of a
+        sharded weight) into a min-max observer and recompute ``scale`` / ``zero_point``."""
+        if self.observer is None or getattr(self.observer, "needs_data", False):
+            raise ValueError("observe_range needs a min-max observer")
+        self.observer.update(mn, mx)
+        self._observed()
+
+    def _observed(self) -> None:
         self.refresh_qparams()
         self.observed = True  # for synchronisation across data-parallel ranks
         if self.learnable:

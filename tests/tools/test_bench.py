@@ -125,7 +125,9 @@ def test_compile_once_shards_every_variant(capsys: pytest.CaptureFixture[str]) -
     rows = {(row["world"], row["variant"]): row for row in data["rows"]}
     assert set(rows) == {(n, v) for n in (1, 2) for v in ("checkpoint", "stream", "naive")}
     for (world, variant), row in rows.items():
-        assert len(row["peaks_mb"]) == world and all(p > 0 for p in row["peaks_mb"])
+        assert len(row["peaks_mb"]) == world and all(p >= 0 for p in row["peaks_mb"])
+        assert all(phases and phases[-1][0] == ("sharded" if variant == "naive" else "returned")
+                   for phases in row["phases"])
         assert row["bound_mb"] > data["model_mb"] / world
         for local in row["local_param_mb"]:
             assert abs(local - data["model_mb"] / world) <= 0.01 * data["model_mb"], (

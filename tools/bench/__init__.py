@@ -5,8 +5,10 @@ Subcommands:
 - ``pipeline``: partitioning time on a ~10,000-node graph, bytes crossing each cut with
   ``transfer: fp32`` vs ``int8``, and the step time of a 2-stage GPipe pipeline (2 ranks,
   gloo, CPU) next to the same model trained in one process.
-- ``compile-once``: peak RSS of each rank when two ranks share one compile of a ~400 MB
-  model (``qc.distributed.compile_once``: rank 1 builds on the meta device).
+- ``compile-once``: peak RSS of each rank, over its post-import baseline, when 1, 2 or 4
+  ranks share one compile of a 384 MB model (``qc.distributed.compile_once`` with
+  ``fsdp2``: from a safetensors checkpoint, streamed from rank 0, and the naive way where
+  every rank builds and compiles the whole model), against model/N + 2 blocks + 10%.
 - ``observer-sync``: collectives and bytes per step that keep observers identical on 2
   DDP ranks (one flattened collective per reduction kind, whatever the quantizer count).
 - ``hybrid``: traffic per training step (gradient buckets, observer all-reduces,

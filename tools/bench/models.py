@@ -2,7 +2,8 @@
 
 - ``deep_mlp(blocks, width)``: ``blocks`` x (Linear + ReLU), the scaling and pipeline
   workload;
-- ``big_model()``: ~400 MB of fp32 Linear weights (``compile-once``);
+- ``big_model(blocks, width)``: ~400 MB of fp32 weights at the defaults, 12 repeated
+  blocks of 2 x Linear(2048) (``compile-once``; ``BigBlock``, ``BigModel``);
 - ``transformer(layers)``: pre-norm encoder blocks (d 256, 4 heads, GELU MLP);
 - ``resnet_like()``: a ResNet-18-shaped CNN for 32x32 inputs;
 - ``workloads(quick)``: name -> (factory, example input) for the side-by-side suites
@@ -32,9 +33,34 @@ def deep_mlp(blocks: int, width: int = 64) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def big_model(layers: int = 24, width: int = 2048) -> nn.Sequential:
-    """~400 MB of fp32 weights at the defaults."""
-    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+class BigBlock(nn.Module):
+    """Linear + ReLU + Linear + ReLU, ``width`` wide: one repeated block of ``big_model``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc2(torch.relu(self.fc1(x))))
+
+
+class BigModel(nn.Module):
+    """``blocks`` x ``BigBlock`` in a ModuleList (what ``compile_once`` shards per block)."""
+
+    def __init__(self, blocks: int, width: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(BigBlock(width) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def big_model(blocks: int = 12, width: int = 2048) -> BigModel:
+    """~403 MB of fp32 weights at the defaults (12 blocks of 33.6 MB). Module level, so
+    ``functools.partial(big_model, ...)`` pickles for spawned ranks."""
+    return BigModel(blocks, width)
 
 
 class Block(nn.Module):

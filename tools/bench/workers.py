@@ -4,7 +4,10 @@ contender, started with ``multiprocessing``'s spawn context). Each writes its nu
 a JSON file the parent reads; none prints.
 
 - ``pipeline_rank``: a 2-stage GPipe training step (4 micro-batches), median step time;
-- ``compile_once_rank``: ``qc.distributed.compile_once`` of ``big_model``, peak RSS;
+- ``compile_once_rank``: one of N ranks getting ``big_model`` sharded with FSDP2, one or
+  more ways (``compile_once`` from a checkpoint, ``compile_once`` streamed from rank 0,
+  or naive: build, ``qc.qcompile``, ``wrap``): peak RSS over the post-import baseline,
+  local parameter bytes and RSS after each phase;
 - ``observer_sync_rank``: collectives and bytes of ``qc.distributed.sync_observers``;
 - ``hybrid_rank``: one of 4 ranks training 2 stages x 2 replicas, 4 replicas or 4 stages:
   collectives, gradient buckets and pipeline sends per step;
@@ -63,18 +66,138 @@ def pipeline_rank(rank: int, store: str, steps: int, result: str) -> None:
     dist.destroy_process_group()
 
 
-def compile_once_rank(rank: int, store: str, layers: int, out_dir: str) -> None:
+def _status() -> dict[str, float]:
+    """This process's VmRSS (current), VmHWM (peak) and RssFile (file-backed pages, such
+    as a memory-mapped checkpoint's) in MB, from /proc/self/status."""
+    values = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssFile"):
+                values[key] = int(rest.split()[0]) / 1024  # kB
+    return values
+
+
+def _rss() -> tuple[float, float]:
+    """(current, peak) resident set size of this process (MB)."""
+    values = _status()
+    return values["VmRSS"], values["VmHWM"]
+
+
+def _reset_peak() -> None:
+    """Set the peak RSS (VmHWM) to the current RSS (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+class _Phases:
+    """[step, current RSS, peak RSS, file-backed RSS] (MB over the baseline) when each
+    step of ``compile_once`` returns: the benchmark wraps ``qcompile.distributed.once``'s
+    helpers (measuring only; the library is unchanged)."""
+
+    STEPS = {"unwrap_compiled": "built", "compile_model": "compiled", "_sharded": "sharded",
+             "_observe_weights": "loaded+observed"}
+
+    def __init__(self) -> None:
+        self.base = _status()
+        self.rows: list[list[Any]] = []
+        self.saved: list[tuple[Any, str, Any]] = []
+
+    def mark(self, label: str) -> None:
+        now = _status()
+        self.rows.append([label] + [round(now[k] - self.base[k], 1)
+                                    for k in ("VmRSS", "VmHWM", "RssFile")])
+
+    def __enter__(self) -> _Phases:
+        from qcompile.distributed import once
+
+        def wrapped(fn: Any, label: str) -> Any:
+            def inner(*args: Any, **kwargs: Any) -> Any:
+                out = fn(*args, **kwargs)
+                self.mark(label)
+                return out
+            return inner
+
+        for name, label in self.STEPS.items():
+            self.saved.append((once, name, getattr(once, name)))
+            setattr(once, name, wrapped(getattr(once, name), label))
+        init = once._Loader.__init__  # runs after to_empty (and rank 0's real model)
+
+        def loader_init(loader: Any, *args: Any, **kwargs: Any) -> None:
+            if not any(row[0] == "allocated" for row in self.rows):  # not the cache's
+                self.mark("allocated")
+            init(loader, *args, **kwargs)
+
+        self.saved.append((once._Loader, "__init__", init))
+        once._Loader.__init__ = loader_init  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, fn in reversed(self.saved):
+            setattr(owner, name, fn)
+
+
+def _local_bytes(gm: nn.Module) -> int:
+    """Bytes of this rank's parameters (a sharded DTensor counts its local shard)."""
+    total = 0
+    for p in gm.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def compile_once_rank(rank: int, world: int, store: str, variants: list[str], blocks: int,
+                      width: int, checkpoint: str, out_dir: str) -> None:
+    """One of ``world`` ranks (gloo, CPU, one thread) getting ``big_model(blocks, width)``
+    int8-QAT and sharded with FSDP2, each of ``variants`` in turn: ``checkpoint``
+    (``compile_once`` reading ``checkpoint``), ``stream`` (``compile_once``, rank 0
+    streams) or ``naive`` (every rank builds the model, ``qc.qcompile``s it and
+    ``qc.distributed.wrap``s it). The baseline is the RSS after importing torch and
+    qcompile, initialising the process group and compiling a tiny model (qcompile's
+    modules load lazily); the peak is VmHWM, reset to the current RSS before each
+    variant (one variant per process for clean numbers: freed memory may stay in the
+    allocator)."""
+    import functools
+
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    base = peak_rss_mb()
-    torch.manual_seed(0)
-    gm = qc.distributed.compile_once(lambda: big_model(layers), "int8-qat",
-                                     (torch.randn(2, 2048),))
-    params = sum(p.numel() for p in gm.parameters()) * 4 / 2**20
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    spec = qc.load_spec("int8-qat").model_dump()
+    spec["data_parallel"] = {"kind": "fsdp2"}
+    import safetensors.torch  # noqa: F401  (the checkpoint reader: in the baseline)
+    from torch.distributed.fsdp import fully_shard  # noqa: F401
+
+    import qcompile.distributed.once  # noqa: F401
+    qc.qcompile(big_model(2, 8), "int8-qat", (torch.randn(2, 8),))  # lazy modules load
+    dist.barrier()
+    build = functools.partial(big_model, blocks, width)
+    x = torch.randn(2, width)
+    results = {}
+    for variant in variants:
+        dist.barrier()
+        _reset_peak()
+        torch.manual_seed(0)
+        with _Phases() as phases:
+            if variant == "naive":
+                model = build()
+                phases.mark("built")
+                gm = qc.qcompile(model, spec, (x,))
+                del model
+                phases.mark("compiled")
+                gm = qc.distributed.wrap(gm, spec)
+                phases.mark("sharded")
+            else:
+                gm = qc.distributed.compile_once(
+                    build, spec, (x,), checkpoint=checkpoint if variant == "checkpoint" else None)
+                phases.mark("returned")
+        base, (_, peak) = phases.base["VmRSS"], _rss()
+        results[variant] = {"base_mb": base, "peak_mb": peak - base,
+                            "local_param_mb": _local_bytes(gm) / 2**20, "phases": phases.rows}
+        del gm
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"peak_mb": peak_rss_mb(), "import_mb": base, "model_mb": params}, f)
+        json.dump(results, f)
+    dist.barrier()
     dist.destroy_process_group()
 
 

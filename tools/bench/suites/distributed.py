@@ -3,8 +3,11 @@
 - ``pipeline``: partitioning time on a ~10,000-node graph (``quick``: ~1,800), bytes
   crossing the cut with ``transfer: fp32`` vs ``int8``, and a 2-stage GPipe training step
   on 2 ranks next to the same 4 micro-batches in one process;
-- ``compile-once``: peak RSS of each of 2 ranks sharing one compile of a ~400 MB model
-  (``quick``: ~100 MB);
+- ``compile-once``: per-rank peak RSS (over the post-import baseline) of getting a ~400 MB
+  model of 12 blocks int8-QAT and FSDP2-sharded on 1, 2 and 4 ranks: ``compile_once``
+  from a safetensors checkpoint, ``compile_once`` streamed from rank 0, and the naive way
+  (every rank builds and compiles the whole model), against the bound model/N + 2 blocks
+  + 10% (``quick``: a ~2 MB model on 1 and 2 ranks);
 - ``observer-sync``: collectives and bytes per step keeping observers identical on 2 DDP
   ranks;
 - ``hybrid``: traffic per training step of one int8-QAT MLP on 4 ranks laid out as 2
@@ -117,33 +120,116 @@ def pipeline_text(r: dict[str, Any]) -> str:
     ])
 
 
-def bench_compile_once(layers: int) -> dict[str, Any]:
-    """Peak RSS per rank of compile_once on two ranks (rank 1 builds on meta)."""
+COMPILE_ONCE_VARIANTS = {"checkpoint": "fsdp2 + checkpoint", "stream": "fsdp2 stream from rank 0",
+                         "naive": "naive (build + qcompile + wrap)"}
+
+
+def compile_once_bound(model_mb: float, block_mb: float, world: int) -> float:
+    """The target peak per rank: (model/N + 2 blocks) + 10%."""
+    return 1.1 * (model_mb / world + 2 * block_mb)
+
+
+def bench_compile_once(blocks: int, width: int, worlds: tuple[int, ...],
+                       one_process_per_variant: bool = True,
+                       mmap_thresholds: tuple[int | None, ...] = (None,)) -> dict[str, Any]:
+    """Per world size and variant, every rank's peak RSS over its baseline (MB), its local
+    parameter MB, the most file-backed RSS it held (the memory-mapped checkpoint's pages)
+    and its RSS after each phase; the checkpoint is written once beforehand.
+    ``one_process_per_variant=False`` (quick) runs the variants one after another in the
+    same ranks, resetting the peak in between. Per ``mmap_thresholds`` entry the ranks run
+    with glibc's defaults (None) or with ``MALLOC_MMAP_THRESHOLD_`` fixed at that many
+    bytes, so that every large freed tensor goes back to the OS at once: the peak is then
+    what was live, not what the allocator kept (glibc raises its mmap threshold up to
+    32 MB after the first large free and keeps freed heap chunks)."""
+    from safetensors.torch import save_file
+
+    from qcompile.tools.bench.models import big_model
+
+    model = big_model(blocks, width)
+    model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    block_mb = model_mb / blocks
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        torch.multiprocessing.spawn(compile_once_rank,
-                                    args=(os.path.join(tmp, "store"), layers, tmp),
-                                    nprocs=2, join=True)
-        ranks = []
-        for r in range(2):
-            with open(os.path.join(tmp, f"rank{r}.json")) as f:
-                ranks.append(json.load(f))
-    net = [r["peak_mb"] - r["import_mb"] for r in ranks]  # above the torch-import baseline
-    return {"model_mb": ranks[0]["model_mb"], "rank0_peak_mb": ranks[0]["peak_mb"],
-            "rank1_peak_mb": ranks[1]["peak_mb"],
-            "rank1_vs_rank0": ranks[1]["peak_mb"] / ranks[0]["peak_mb"],
-            "rank0_net_mb": net[0], "rank1_net_mb": net[1], "net_ratio": net[1] / net[0]}
+        ckpt = os.path.join(tmp, "model.safetensors")
+        save_file(dict(model.state_dict()), ckpt)
+        del model
+        groups = ([[v] for v in COMPILE_ONCE_VARIANTS] if one_process_per_variant
+                  else [list(COMPILE_ONCE_VARIANTS)])
+        runs = [(m, w, i, v) for m in mmap_thresholds for w in worlds
+                for i, v in enumerate(groups)]
+        for threshold, world, i, variants in runs:
+            out = os.path.join(tmp, f"m{threshold}-w{world}-{i}")
+            os.makedirs(out)
+            saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+            if threshold is not None:  # the spawned ranks' glibc reads it at start
+                os.environ["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
+            try:
+                torch.multiprocessing.spawn(
+                    compile_once_rank,
+                    args=(world, os.path.join(out, "store"), variants, blocks, width, ckpt,
+                          out),
+                    nprocs=world, join=True)
+            finally:
+                os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+                if saved is not None:
+                    os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+            ranks = []
+            for r in range(world):
+                with open(os.path.join(out, f"rank{r}.json")) as f:
+                    ranks.append(json.load(f))
+            bound = compile_once_bound(model_mb, block_mb, world)
+            for v in variants:
+                peaks = [rank[v]["peak_mb"] for rank in ranks]
+                rows.append({"mmap_threshold": threshold, "world": world, "variant": v,
+                             "peaks_mb": peaks,
+                             "bound_mb": bound, "ok": max(peaks) <= bound,
+                             "local_param_mb": [rank[v]["local_param_mb"] for rank in ranks],
+                             "file_mb": [max([p[3] for p in rank[v]["phases"]], default=0.0)
+                                         for rank in ranks],
+                             "phases": [rank[v]["phases"] for rank in ranks]})
+    return {"model_mb": model_mb, "block_mb": block_mb, "blocks": blocks, "rows": rows}
 
 
 def run_compile_once(quick: bool) -> dict[str, Any]:
-    return bench_compile_once(6 if quick else 24)
+    if quick:
+        return bench_compile_once(4, 256, (1, 2), one_process_per_variant=False)
+    return bench_compile_once(12, 2048, (1, 2, 4), mmap_thresholds=(None, 1 << 20))
 
 
 def compile_once_text(r: dict[str, Any]) -> str:
-    return (f"compile_once of a {r['model_mb']:.0f} MB model on 2 ranks: peak RSS rank 0 "
-            f"{r['rank0_peak_mb']:.0f} MB, rank 1 {r['rank1_peak_mb']:.0f} MB "
-            f"({r['rank1_vs_rank0']:.0%} of rank 0); above the torch import: rank 0 "
-            f"{r['rank0_net_mb']:.0f} MB, rank 1 {r['rank1_net_mb']:.0f} MB "
-            f"({r['net_ratio']:.0%})")
+    """The table: world size, variant, each rank's peak, the bound, whether it holds, and
+    the most file-backed RSS each rank held (part of its peak: the checkpoint's mapped
+    pages); one section per allocator setting.
+
+    >>> print(compile_once_text({"model_mb": 400.0, "block_mb": 50.0, "blocks": 8, "rows": [
+    ...     {"world": 2, "variant": "checkpoint", "peaks_mb": [250.0, 240.0],
+    ...      "bound_mb": 330.0, "ok": True, "file_mb": [100.0, 90.0]}]}))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    compile_once: peak RSS per rank over the post-import baseline, 400 MB model of 8 blocks
+    (50 MB each); bound (model/N + 2 blocks) + 10%
+    glibc malloc defaults:
+     N  variant                          peak per rank (MB)     bound   ok   mapped file (MB)
+     2  fsdp2 + checkpoint               250 / 240                330  yes  100 / 90
+    """
+    lines = [f"compile_once: peak RSS per rank over the post-import baseline, "
+             f"{r['model_mb']:.0f} MB model of {r['blocks']} blocks ({r['block_mb']:.0f} MB "
+             f"each); bound (model/N + 2 blocks) + 10%"]
+    section: Any = ()
+    for row in r["rows"]:
+        threshold = row.get("mmap_threshold")
+        if threshold != section:
+            section = threshold
+            lines += ["glibc malloc defaults:" if threshold is None else
+                      f"MALLOC_MMAP_THRESHOLD_={threshold} (freed tensors return to the OS: "
+                      "the peak is what was live):",
+                      f"{'N':>2}  {'variant':<31}  {'peak per rank (MB)':<21} {'bound':>6}   "
+                      f"ok   mapped file (MB)"]
+        peaks = " / ".join(f"{p:.0f}" for p in row["peaks_mb"])
+        files = " / ".join(f"{p:.0f}" for p in row.get("file_mb", ()))
+        lines.append(f"{row['world']:>2}  {COMPILE_ONCE_VARIANTS[row['variant']]:<31}  "
+                     f"{peaks:<21} {row['bound_mb']:>6.0f}  {'yes' if row['ok'] else 'no ':<3}  "
+                     f"{files}")
+    return "\n".join(lines)
 
 
 def bench_observer_sync(layers: int = 16) -> dict[str, Any]:
