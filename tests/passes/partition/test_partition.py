@@ -494,6 +494,35 @@ def test_time_balance_leaves_quantizers_untouched():
     assert changed == []
 
 
+class _InPlaceModel(nn.Module):
+    """Writes its input and a counter buffer in place, as some models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        self.calls.add_(1)
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_time_balance_leaves_inputs_and_buffers_alone():
+    """Timing runs the graph three times: the caller's example inputs and the graph's
+    buffers must not carry those runs (they did: the inputs came back multiplied by 8)."""
+    torch.manual_seed(0)
+    model = _InPlaceModel()
+    x = torch.randn(4, 4)
+    before = x.clone()
+    gm = qc.qcompile(model, none(pipeline={"stages": 2, "balance": "time"}),
+                     example_inputs=(x,))
+    assert torch.equal(x, before)
+    assert float(model.calls) == 0
+    assert all(float(b) == 0 for name, b in gm.state_dict().items() if name.endswith("calls"))
+
+
 def test_too_many_stages_is_a_clear_error():
     with pytest.raises(qc.QCompileError, match=r"pipeline\.stages: 9 stages need 8 cuts") as e:
         qc.qcompile(ResidualMLP(depth=1), qat(pipeline={"stages": 9}),
