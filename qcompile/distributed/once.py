@@ -532,5 +532,7 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
         loader.put(b, short, lambda r, n=short: read(n, r))
     real.clear()
     _observe_weights(gm, group, rank, world)
+    if ckpt is not None:
+        ckpt.close()  # the memory maps of the headers (data was read with readinto)
     return gm, {"weights": weights | set(folds),
                 "weights_hash": h.hexdigest() if h is not None else None}
