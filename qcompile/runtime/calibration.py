@@ -162,6 +162,8 @@ def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
                 except QCompileError:
                     raise
                 except Exception as e:  # a user's data, not a bug of ours: say what misfit
+                    if _distributed_failure(e):
+                        raise  # a peer or the network failed, not this batch
                     raise QCompileError(
                         f"calibration batch {seen} ({describe(args, kwargs, names)}) does not fit "
                         f"the graph, compiled for ({_compiled_for(signature)}): "
@@ -192,6 +194,17 @@ def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
         q.observe = False
         q.enabled = True
     return gm
+
+
+def _distributed_failure(e: BaseException) -> bool:
+    """A collective failed inside the forward (FSDP2's all-gather, a timeout, a lost peer):
+    torch's distributed error types, or gloo / NCCL in the message. (This layer does not
+    import torch.distributed; its errors derive from ``torch._C._DistError``.)"""
+    dist_error = getattr(torch._C, "_DistError", None)
+    if dist_error is not None and isinstance(e, dist_error):
+        return True
+    text = str(e)
+    return any(word in text for word in ("gloo", "NCCL", "nccl", "ProcessGroup"))
 
 
 def _call_args(batch: Any, index: int, signature: Sequence[GraphInput],
