@@ -28,17 +28,34 @@ from qcompile.graph.context import Context
 from qcompile.graph.meta import COMPILED_KEY, REPORT_KEY, SPEC_KEY, SYNC_OBSERVERS_KEY
 from qcompile.graph.pipeline import Instrument, Pass, Pipeline
 from qcompile.graph.records import Report
-from qcompile.passes import annotate, fold_bn, insert_quant, partition, place, trace
+from qcompile.passes import (
+    annotate,
+    equalize,
+    fold_bn,
+    insert_quant,
+    partition,
+    place,
+    smooth,
+    trace,
+)
 from qcompile.passes.trace.saving import keep_whole
 from qcompile.specs import CompileSpec
 from qcompile.version import __version__
+
+# The pass serving each ``quant.algorithms`` kind (one run per entry, in the spec's order).
+ALGORITHM_PASSES: dict[str, Pass] = {
+    "cross_layer_equalization": equalize.equalize,
+    "smoothquant": smooth.smooth,
+}
 
 
 def default_passes(spec: CompileSpec) -> list[Pass]:
     """The fixed pass order for a spec; quantization passes only when quantizing."""
     passes = [trace.trace]
     if spec.quant.mode != "none":
-        passes += [fold_bn.fold_bn, annotate.annotate, insert_quant.insert_quant]
+        passes += [fold_bn.fold_bn]
+        passes += [ALGORITHM_PASSES[a.kind] for a in spec.quant.algorithms]
+        passes += [annotate.annotate, insert_quant.insert_quant]
     if spec.pipeline is not None:
         passes += [partition.partition, place.place]
     return passes

@@ -17,18 +17,25 @@ from qcompile.specs.compile import (
 )
 from qcompile.specs.load import as_spec, dump_spec, load_spec, presets
 from qcompile.specs.quant import (
+    ALGORITHM_KINDS,
     DTYPES,
     FP8_MAX,
+    Algorithm,
+    CrossLayerEqualization,
     Match,
     QuantSpec,
     Rule,
     Scheme,
+    SmoothQuant,
 )
 
 __all__ = [
+    "ALGORITHM_KINDS",
     "DTYPES",
     "FP8_MAX",
+    "Algorithm",
     "CompileSpec",
+    "CrossLayerEqualization",
     "DataParallelSpec",
     "InputSpec",
     "Match",
@@ -36,6 +43,7 @@ __all__ = [
     "QuantSpec",
     "Rule",
     "Scheme",
+    "SmoothQuant",
     "StageSpec",
     "TraceSpec",
     "TrainSpec",

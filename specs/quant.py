@@ -222,6 +222,32 @@ class Rule(Frozen):
         return self
 
 
+class CrossLayerEqualization(Frozen):
+    """Cross-layer equalization (Nagel et al. 2019, as AIMET does it): for consecutive
+    conv/linear layers joined through ReLU (or nothing), scale output channel ``i`` of the
+    first by ``1/s_i`` and input channel ``i`` of the second by ``s_i`` so both have the
+    same per-channel range. Exact in float (ReLU is positively homogeneous)."""
+
+    kind: Literal["cross_layer_equalization"] = "cross_layer_equalization"
+
+
+class SmoothQuant(Frozen):
+    """SmoothQuant (Xiao et al. 2023): divide a Linear's input channel ``j`` by
+    ``s_j = max|X_j|^alpha / max|W_j|^(1-alpha)`` (folded into the LayerNorm or Linear
+    producing it) and multiply the weight's column ``j`` by ``s_j``. Exact in float;
+    activation statistics come from the example inputs."""
+
+    kind: Literal["smoothquant"] = "smoothquant"
+    alpha: float = Field(0.5, ge=0.0, le=1.0, strict=True,
+                         description="migration strength: 0 keeps activations, 1 moves "
+                         "all of their range into the weights")
+
+
+# Only implemented kinds: an unknown kind is a ValidationError listing these.
+Algorithm = Annotated[CrossLayerEqualization | SmoothQuant, Field(discriminator="kind")]
+ALGORITHM_KINDS = ("cross_layer_equalization", "smoothquant")
+
+
 class QuantSpec(Frozen):
     """The ``quant`` section.
 
@@ -242,6 +268,10 @@ class QuantSpec(Frozen):
         "x86 CPU) | qnnpack | onednn_vnni (needs VNNI) | generic (no kernel constraints)")
     rules: list[Rule] = Field(default_factory=list)
     inputs: Scheme | None = Field(None, description="quantize the model's tensor inputs too")
+    algorithms: list[Algorithm] = Field(
+        default_factory=list,
+        description="PTQ rewrites run in this order after fold_bn: "
+        "cross_layer_equalization, smoothquant")
     fold_bn: bool = True
     sync_observers: bool = True
 
@@ -256,6 +286,14 @@ class QuantSpec(Frozen):
                     f"{where}.learnable: learnable scales train only in QAT; "
                     f"set mode: qat or learnable: false (mode is {self.mode})"
                 )
+        # The rewrites here preserve the float function, so they also give QAT a better
+        # start (AIMET applies CLE before QAT); without quantization they prepare nothing.
+        if self.algorithms and self.mode == "none":
+            kind = self.algorithms[0].kind
+            raise ValueError(
+                f"quant.algorithms[0] ({kind}): PTQ algorithms prepare weights for "
+                "quantization, and mode none quantizes nothing; set quant.mode to static, "
+                "dynamic or qat, or remove quant.algorithms")
         # Without a mode nothing is quantized: rules or inputs would be ignored unsaid.
         if self.mode == "none" and (self.rules or self.inputs is not None):
             given = "rules" if self.rules else "inputs"

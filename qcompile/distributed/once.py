@@ -55,7 +55,7 @@ from qcompile.distributed.data_parallel import (
 from qcompile.distributed.devices import collective_device, staged
 from qcompile.distributed.guards import refuse_wrapped, unwrap_compiled
 from qcompile.errors import QCompileError
-from qcompile.graph.meta import FOLDS_KEY, SHARDED_KEY
+from qcompile.graph.meta import ALGORITHMS_SKIPPED_KEY, FOLDS_KEY, SHARDED_KEY
 from qcompile.graph.records import report
 from qcompile.graph.signature import graph_inputs
 from qcompile.passes import as_inputs, compile_model
@@ -467,6 +467,13 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
     gm = compile_model(meta_model, compile_spec, meta_inputs, example_kwargs=meta_kwargs,
                        inplace=True)
     del meta_model
+    skipped = gm.meta.get(ALGORITHMS_SKIPPED_KEY)
+    if skipped:  # every rank compiled on meta: all refuse together, none hangs
+        raise QCompileError(
+            f"{skipped[0]}: compile_once here builds the graph on the meta device and loads "
+            "the model's weights afterwards, so the algorithm never sees (or rewrites) them",
+            fix="compile with real weights (data_parallel ddp without a checkpoint), or "
+            "remove quant.algorithms")
     rep = report(gm)
     if note is not None:
         rep.passes[0].notes.append(note)

@@ -40,6 +40,7 @@ class Context:
     stages: list[StageRecord] = field(default_factory=list)
     balance: str | None = None
     conversion: Any = None  # qc.convert: the state its steps share (passes/convert)
+    algorithms_run: int = 0  # quant.algorithms entries whose passes have run, in order
 
     def note(self, message: str) -> None:
         """Record a note for the running pass (it lands in the Report)."""

@@ -50,6 +50,10 @@ SHARDED_KEY = "qcompile.sharded"
 #: fold_bn: for each folded weight (and bias), the model tensors and BatchNorm it was
 #: computed from (``passes.fold_bn.Fold``): how a checkpoint's tensors become the graph's
 FOLDS_KEY = "qcompile.folds"
+#: algorithm passes: the ``quant.algorithms[i]`` entries skipped because the weights were
+#: on the meta device (no values to rewrite): fine when the real compiled graph's tensors
+#: are copied in afterwards, wrong when the model's own weights are loaded
+ALGORITHMS_SKIPPED_KEY = "qcompile.algorithms_skipped"
 
 # -- torch's node.meta keys that qcompile reads --------------------------------------------
 #: ``torch.fx.passes.shape_prop.TensorMetadata`` (shape, dtype, ...) of a node's value
