@@ -47,6 +47,7 @@ from qcompile.errors import QCompileError
 from qcompile.graph.context import Context
 from qcompile.graph.matching import op_name
 from qcompile.graph.pipeline import graph_pass
+from qcompile.graph.running import fresh, untouched
 from qcompile.passes.equalize import (
     Layer,
     algorithm_entry,
@@ -86,22 +87,9 @@ def _statistics(gm: GraphModule, ctx: Context, watch: set[Node], where: str
            for t in torch.utils._pytree.tree_leaves(args)):
         raise QCompileError(f"{where}: the example inputs are meta tensors (no values)",
                             fix="pass real example inputs")
-    modes = {name: m.training for name, m in gm.named_modules()}
-    buffers = {name: b.clone() for name, b in gm.named_buffers()}
     stats = _Stats(gm, watch)
-    gm.eval()
-    try:
-        with torch.no_grad():
-            fresh = torch.utils._pytree.tree_map(
-                lambda v: v.clone() if isinstance(v, torch.Tensor) else v, args)
-            stats.run(*fresh, enable_io_processing=False)
-    finally:
-        with torch.no_grad():
-            for name, b in gm.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
-        for name, m in gm.named_modules():
-            m.training = modes.get(name, m.training)
+    with untouched(gm):
+        stats.run(*fresh(args), enable_io_processing=False)
     return stats.amax
 
 

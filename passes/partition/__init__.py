@@ -42,6 +42,7 @@ from qcompile.graph.matching import INTERNAL_MODULES, is_size_like, op_name, own
 from qcompile.graph.meta import FUSION_KEY, STAGE_KEY, TENSOR_META
 from qcompile.graph.pipeline import graph_pass
 from qcompile.graph.records import StageRecord
+from qcompile.graph.running import fresh, untouched
 from qcompile.passes.partition.cuts import balanced_cuts
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.specs import PipelineSpec
@@ -197,32 +198,21 @@ def _timed(gm: GraphModule, ctx: Context) -> dict[Node, float]:
     if args is None:
         raise QCompileError("pipeline.balance: time measures the nodes on the example inputs",
                             fix="pass example_inputs, or use balance: params")
-    modes = {name: m.training for name, m in gm.named_modules()}
     # Timing must not calibrate: observers off, state restored after. Weight fake-quant
     # is timed as a training step pays it (the reuse cache would make repeats free).
     quantizers = [m for m in gm.modules() if isinstance(m, FakeQuantize)]
     saved = [(q.observe, q.reuse_weight) for q in quantizers]
-    # a model that writes its inputs or buffers in place (x.add_(1), a step counter) must
-    # not change the caller's example inputs, nor carry three timing runs in its state
-    buffers = {name: b.clone() for name, b in gm.named_buffers()}
-    gm.eval()
     timer = _Timer(gm)
+    # untouched: a model that writes its inputs or buffers in place (x.add_(1), a step
+    # counter) must not change the caller's example inputs, nor carry the timing runs
     try:
         for q in quantizers:
             q.observe = False
             q.reuse_weight = False
-        with torch.no_grad():
+        with untouched(gm):
             for _ in range(3):
-                fresh = torch.utils._pytree.tree_map(
-                    lambda v: v.clone() if isinstance(v, torch.Tensor) else v, args)
-                timer.run(*fresh, enable_io_processing=False)
+                timer.run(*fresh(args), enable_io_processing=False)
     finally:
-        with torch.no_grad():
-            for name, b in gm.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
-        for name, m in gm.named_modules():
-            m.training = modes.get(name, m.training)
         for q, (observe, reuse) in zip(quantizers, saved):
             q.observe = observe
             q.reuse_weight = reuse
