@@ -1,10 +1,10 @@
 """Measuring a compiled graph against its float model: per-layer SQNR (``qc.sqnr``).
 
-Measuring never changes what it measures: ``unchanged`` runs the graph in eval mode with
-every observer off and afterwards puts back each module's training flag, each
-quantizer's ``enabled`` / ``observe`` flags and every buffer (observer statistics,
-BatchNorm running statistics), so the state_dict is bit-identical and an uncalibrated
-graph is not calibrated by the batches it was measured on.
+Measuring never changes what it measures: ``qcompile.graph.running.untouched`` runs the
+graph in eval mode with every observer off and afterwards puts back each module's
+training flag, each quantizer's ``enabled`` / ``observe`` flags and every buffer
+(observer statistics, BatchNorm running statistics), so the state_dict is bit-identical
+and an uncalibrated graph is not calibrated by the batches it was measured on.
 
 Example:
     >>> import torch, qcompile as qc
@@ -18,8 +18,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ from torch.fx import Interpreter
 from qcompile.compile import qcompile
 from qcompile.errors import QCompileError
 from qcompile.graph.meta import MODULE_KEY, SPEC_KEY
+from qcompile.graph.running import untouched
 from qcompile.runtime.fake_quant import FakeQuantize
 
 
@@ -39,44 +39,6 @@ def _sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
     if noise == 0:
         return math.inf
     return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
-
-
-@contextmanager
-def unchanged(*modules: nn.Module) -> Iterator[None]:
-    """Run the body with ``modules`` in eval mode and their observers off, then restore
-    them exactly: training flags, quantizer flags, and every buffer's tensor and value."""
-    training: list[tuple[nn.Module, bool]] = []
-    flags: list[tuple[FakeQuantize, bool, bool]] = []
-    buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
-    seen: set[int] = set()
-    for root in modules:
-        for m in root.modules():
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            training.append((m, m.training))
-            if isinstance(m, FakeQuantize):
-                flags.append((m, m.enabled, m.observe))
-            for name, b in m._buffers.items():
-                if b is not None:
-                    buffers.append((m, name, b, b.detach().clone()))
-    try:
-        for root in modules:
-            root.eval()
-        for q, _, observe in flags:
-            if observe:
-                q.observe = False
-        yield
-    finally:
-        for m, was in training:
-            m.training = was
-        for q, enabled, observe in flags:
-            if (q.enabled, q.observe) != (enabled, observe):  # (setting clears its cache)
-                q.enabled, q.observe = enabled, observe
-        with torch.no_grad():  # a module that swapped or updated a buffer gets it back
-            for m, name, b, value in buffers:
-                m._buffers[name] = b
-                b.copy_(value)
 
 
 def sqnr(gm: nn.Module, reference_model: nn.Module, batches: Iterable[Any]
@@ -118,7 +80,7 @@ def sqnr(gm: nn.Module, reference_model: nn.Module, batches: Iterable[Any]
             return out
 
     results: dict[str, list[float]] = {}
-    with torch.no_grad(), unchanged(gm):
+    with untouched(gm):
         for batch in batches:
             q, f = Record(gm), Record(float_gm)
             q.run(*batch)

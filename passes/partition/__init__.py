@@ -198,23 +198,20 @@ def _timed(gm: GraphModule, ctx: Context) -> dict[Node, float]:
     if args is None:
         raise QCompileError("pipeline.balance: time measures the nodes on the example inputs",
                             fix="pass example_inputs, or use balance: params")
-    # Timing must not calibrate: observers off, state restored after. Weight fake-quant
-    # is timed as a training step pays it (the reuse cache would make repeats free).
+    # Timing must not calibrate (untouched: observers off, every flag and buffer restored,
+    # the caller's inputs cloned per run). Weight fake-quant is timed as a training step
+    # pays it: the reuse cache would make repeats free.
     quantizers = [m for m in gm.modules() if isinstance(m, FakeQuantize)]
-    saved = [(q.observe, q.reuse_weight) for q in quantizers]
+    saved = [q.reuse_weight for q in quantizers]
     timer = _Timer(gm)
-    # untouched: a model that writes its inputs or buffers in place (x.add_(1), a step
-    # counter) must not change the caller's example inputs, nor carry the timing runs
     try:
         for q in quantizers:
-            q.observe = False
             q.reuse_weight = False
         with untouched(gm):
             for _ in range(3):
                 timer.run(*fresh(args), enable_io_processing=False)
     finally:
-        for q, (observe, reuse) in zip(quantizers, saved):
-            q.observe = observe
+        for q, reuse in zip(quantizers, saved):
             q.reuse_weight = reuse
     return {n: statistics.median(ts) for n, ts in timer.seconds.items()}
 

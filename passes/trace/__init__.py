@@ -9,10 +9,11 @@ export when symbolic tracing fails; the Report notes why). Both work on a copy
 ``TensorMetadata``) comes from running the graph on meta tensors, or on the example inputs
 when meta tensors cannot run it (``shape_prop``; ``Report.shapes`` says which). Export
 graphs take their shapes from export's own fake values. The traced graph is marked as
-qcompile's (``gm.meta[COMPILED_KEY]``) and saved whole by ``torch.save`` (``saving``).
+qcompile's (``gm.meta[COMPILED_KEY]``); ``compile_model`` makes the finished graph save
+whole with ``torch.save`` (``saving.keep_whole``).
 
 Inside the package imports run one way: this pass -> ``capture_symbolic``, ``shape_prop``,
-``capture_export``, ``saving``; ``capture_symbolic`` and ``shape_prop`` -> ``model_copy``.
+``capture_export``; ``capture_symbolic`` and ``shape_prop`` -> ``model_copy``.
 
 Example:
     >>> import torch, qcompile as qc
@@ -40,7 +41,6 @@ from qcompile.graph.meta import COMPILED_KEY, REPORT_KEY, ROOT_CLASS_KEY
 from qcompile.graph.pipeline import graph_pass, mark_compiled
 from qcompile.passes.trace import capture_export, capture_symbolic
 from qcompile.passes.trace.model_copy import copy_model
-from qcompile.passes.trace.saving import keep_whole
 from qcompile.passes.trace.shape_prop import propagate_shapes
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.version import __version__
@@ -155,7 +155,6 @@ def refuse_compiled(model: nn.Module) -> None:
 def _mark(gm: GraphModule, model: nn.Module) -> None:
     gm.meta[ROOT_CLASS_KEY] = type(model)
     gm.meta[COMPILED_KEY] = __version__  # qc.qcompile refuses to compile it again
-    keep_whole(gm)
 
 
 @graph_pass(requires=("model",), provides=("graph",))

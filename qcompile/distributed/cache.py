@@ -162,8 +162,10 @@ class CompileCache:
                 shutil.rmtree(trash, ignore_errors=True)
         raise OSError(f"could not place cache entry {final.name} (concurrent writers)")
 
-    def store(self, key: str, gm: nn.Module, report_json: str | None = None) -> None:
-        """Write an entry atomically (temporary folder + rename)."""
+    def store(self, key: str, gm: nn.Module | dict[str, torch.Tensor],
+              report_json: str | None = None) -> None:
+        """Write an entry atomically (temporary folder + rename): ``gm``'s state dict, or
+        a state dict itself."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{key[:12]}-", dir=self.directory))
@@ -171,7 +173,8 @@ class CompileCache:
             raise QCompileError(f"cache_dir {str(self.directory)!r} is not writable: {e}",
                                 fix="point cache_dir at a writable folder") from None
         try:
-            state = {k: v.detach().cpu() for k, v in gm.state_dict().items()}
+            tensors = gm if isinstance(gm, dict) else gm.state_dict()
+            state = {k: v.detach().cpu() for k, v in tensors.items()}
             with open(tmp / STATE, "wb") as f:
                 torch.save(state, f)
                 f.flush()

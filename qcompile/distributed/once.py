@@ -114,6 +114,16 @@ def _digest(batches: list[Any] | None) -> str:
     return h.hexdigest()
 
 
+def _state_hash(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over names and bytes: what the model brought (a cache key's weights part;
+    the graph's tensors before calibration, constants included)."""
+    h = hashlib.sha256()
+    for name, t in sorted(state.items()):
+        h.update(name.encode())
+        h.update(_digest([t]).encode())
+    return h.hexdigest()
+
+
 def _count(batches: list[Any] | None) -> int | None:
     return None if batches is None else len(batches)
 
@@ -320,18 +330,19 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
         check_calibratable(spec.quant.mode)
     if ckpt is None and not shard:
         gm, source = _replicated_from_rank0(build_model, spec, inputs, example_kwargs,
-                                            rank, group, src)
+                                            rank, group, src, hashing=directory is not None)
     else:
         gm, source = _from_meta(build_model, spec, inputs, example_kwargs, ckpt, shard,
-                                rank, world, group, src)
+                                rank, world, group, src, hashing=directory is not None)
     # -- the cache: what compile + calibrate produced, keyed by where the weights came from
     key, why = None, "no cache_dir"
     produced = _produced(gm, source["weights"])
-    digests: list[Any] = [(_digest(batches), _count(batches))]
+    # each rank's calibration data goes into the cache key; the counts are checked anyway
+    mine = (_digest(batches) if directory is not None else None, _count(batches))
+    digests: list[Any] = [mine]
     if on:
         digests = [None] * world
-        torch.distributed.all_gather_object(digests, (_digest(batches), _count(batches)),
-                                            group=group)
+        torch.distributed.all_gather_object(digests, mine, group=group)
         _refuse_uneven(digests, shard)
     hit = False
     state: dict[str, torch.Tensor] | None = None
@@ -365,7 +376,7 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
         full = gm.state_dict()
         entry = {n: _whole(full[n]) for n in produced}  # collectives for sharded tensors
         if rank == 0:
-            CompileCache(directory).store(key, _StateHolder(entry), report(gm).model_dump_json())
+            CompileCache(directory).store(key, entry, report(gm).model_dump_json())
     report(gm).passes[-1].notes.append(f"compile cache: {why}")
     if shard:
         keep_observers_in_sync(gm, spec, group)
@@ -381,17 +392,6 @@ def gm_code(gm: nn.Module) -> str:
     return "\n".join(parts)
 
 
-class _StateHolder(nn.Module):
-    """A module whose ``state_dict`` is a given dict (what ``CompileCache.store`` saves)."""
-
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self._state = state
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        return dict(self._state)
-
-
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor on CPU (a sharded DTensor is gathered: every rank calls this)."""
     if hasattr(t, "full_tensor") and hasattr(t, "placements"):
@@ -400,8 +400,8 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def _replicated_from_rank0(build_model: Any, spec: CompileSpec, inputs: Any,
-                           example_kwargs: Any, rank: int, group: Any, src: int
-                           ) -> tuple[nn.Module, dict[str, Any]]:
+                           example_kwargs: Any, rank: int, group: Any, src: int, *,
+                           hashing: bool) -> tuple[nn.Module, dict[str, Any]]:
     """Rank 0 builds and compiles the real model in place; the others compile it on meta,
     allocate the graph once and receive every tensor from rank 0."""
     on = initialised()
@@ -411,10 +411,7 @@ def _replicated_from_rank0(build_model: Any, spec: CompileSpec, inputs: Any,
         weights = {n for n, _ in model.named_parameters()}
         # The model was built here for this graph alone: no copy needed.
         gm = compile_model(model, spec, inputs, example_kwargs=example_kwargs, inplace=True)
-        h = hashlib.sha256()  # every tensor of the graph before calibration (constants too)
-        for name, t in sorted(gm.state_dict().items()):
-            h.update(name.encode())
-            h.update(_digest([t]).encode())
+        h = _state_hash(gm.state_dict()) if hashing else None
         del model
     else:
         with torch.device("meta"):
@@ -441,12 +438,12 @@ def _replicated_from_rank0(build_model: Any, spec: CompileSpec, inputs: Any,
         gm.load_state_dict(gm.state_dict())  # quantizer on/off flags follow their buffers
     folded = {n for f in gm.meta.get(FOLDS_KEY, {}).values() for n in (f.weight, f.out_bias)}
     return gm, {"weights": weights | folded,
-                "weights_hash": h.hexdigest() if h is not None else None}
+                "weights_hash": h}
 
 
 def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs: Any,
                ckpt: Checkpoint | None, shard: bool, rank: int, world: int, group: Any,
-               src: int) -> tuple[nn.Module, dict[str, Any]]:
+               src: int, *, hashing: bool) -> tuple[nn.Module, dict[str, Any]]:
     """Every rank compiles the meta model (sharded: one FSDP2 group per block), allocates
     it, and loads the weights: its rows of each from the checkpoint, or from rank 0's
     stream."""
@@ -498,10 +495,7 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
             real = dict(model.state_dict(keep_vars=False))
             real.update({n: b for n, b in model.named_buffers()})  # non-persistent too
             del model
-            h = hashlib.sha256()
-            for name in sorted(real):
-                h.update(name.encode())
-                h.update(_digest([real[name]]).encode())
+            h = _state_hash(real) if hashing and ckpt is None else None
 
         def read(name: str, rows: slice | None) -> torch.Tensor:
             t = real[name]
@@ -542,4 +536,4 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
     if ckpt is not None:
         ckpt.close()  # the memory maps of the headers (data was read with readinto)
     return gm, {"weights": weights | set(folds),
-                "weights_hash": h.hexdigest() if h is not None else None}
+                "weights_hash": h}

@@ -1,7 +1,8 @@
-"""Running a graph inside a pass (timing it, collecting statistics) without leaving a
-trace: eval mode for the run, every module's training flag and every buffer as they were
-after it, and the example inputs cloned so a model that writes its inputs in place
-(``x.mul_(2)``) never changes the caller's tensors.
+"""Running a graph without leaving a trace (a pass timing it or collecting statistics,
+``qc.sqnr`` measuring it): eval mode and observers off for the run; every module's
+training flag, every quantizer's flags and every buffer as they were after it; and the
+example inputs cloned so a model that writes its inputs in place (``x.mul_(2)``) never
+changes the caller's tensors.
 
 Example:
     >>> import torch
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from qcompile.runtime.fake_quant import FakeQuantize
+
 
 def fresh(args: Any) -> Any:
     """``args`` with every tensor cloned (a new copy per run)."""
@@ -31,20 +34,42 @@ def fresh(args: Any) -> Any:
 
 
 @contextlib.contextmanager
-def untouched(gm: nn.Module) -> Iterator[nn.Module]:
-    """Eval mode and ``no_grad`` inside; afterwards every module's training flag and every
-    buffer's values are restored (a counter, BatchNorm statistics, anything written in
-    place by the forward)."""
-    modes = {name: m.training for name, m in gm.named_modules()}
-    buffers = {name: b.clone() for name, b in gm.named_buffers()}
-    gm.eval()
+def untouched(*modules: nn.Module) -> Iterator[None]:
+    """Run the body under ``no_grad`` with ``modules`` in eval mode and their observers
+    off, then restore them exactly: every module's training flag, every quantizer's
+    ``enabled`` / ``observe`` flags, and every buffer's tensor and values (observer
+    statistics, BatchNorm statistics, a counter written in place, a buffer the forward
+    replaced). What measuring (``qc.sqnr``) and passes that run the graph rely on."""
+    training: list[tuple[nn.Module, bool]] = []
+    flags: list[tuple[FakeQuantize, bool, bool]] = []
+    buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
+    seen: set[int] = set()
+    for root in modules:
+        for m in root.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            training.append((m, m.training))
+            if isinstance(m, FakeQuantize):
+                flags.append((m, m.enabled, m.observe))
+            for name, b in m._buffers.items():
+                if b is not None:
+                    buffers.append((m, name, b, b.detach().clone()))
     try:
+        for root in modules:
+            root.eval()
+        for q, _, observe in flags:
+            if observe:
+                q.observe = False
         with torch.no_grad():
-            yield gm
+            yield
     finally:
-        with torch.no_grad():
-            for name, b in gm.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
-        for name, m in gm.named_modules():
-            m.training = modes.get(name, m.training)
+        for m, was in training:
+            m.training = was
+        for q, enabled, observe in flags:
+            if (q.enabled, q.observe) != (enabled, observe):  # (setting clears its cache)
+                q.enabled, q.observe = enabled, observe
+        with torch.no_grad():  # a module that swapped or updated a buffer gets it back
+            for m, name, b, value in buffers:
+                m._buffers[name] = b
+                b.copy_(value)

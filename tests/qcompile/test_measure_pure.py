@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import qcompile as qc
-from qcompile.measure import unchanged
+from qcompile.graph.running import untouched as unchanged
 
 
 class ConvBN(nn.Module):
