@@ -30,22 +30,37 @@ from qcompile.graph.pipeline import Instrument, Pass, Pipeline
 from qcompile.graph.records import Report
 from qcompile.passes import (
     annotate,
+    correct_bias,
     equalize,
     fold_bn,
     insert_quant,
     partition,
     place,
+    round_adaround,
+    round_gptq,
     smooth,
     trace,
 )
 from qcompile.passes.trace.saving import keep_whole
+from qcompile.runtime.algorithms import Applier
 from qcompile.specs import CompileSpec
 from qcompile.version import __version__
 
 # The pass serving each ``quant.algorithms`` kind (one run per entry, in the spec's order).
+# The rewrites run after fold_bn; the data-driven ones plan after insert_quant (they need
+# the weight quantizers) and run in ``qc.calibrate`` (``DATA_ALGORITHMS``).
 ALGORITHM_PASSES: dict[str, Pass] = {
     "cross_layer_equalization": equalize.equalize,
     "smoothquant": smooth.smooth,
+    "bias_correction": correct_bias.correct_bias,
+    "adaround": round_adaround.round_adaround,
+    "gptq": round_gptq.round_gptq,
+}
+# What ``qc.calibrate`` runs for each data-driven kind: (record name, function).
+DATA_ALGORITHMS: dict[str, tuple[str, Applier]] = {
+    "bias_correction": ("correct_bias", correct_bias.apply),
+    "adaround": ("round_adaround", round_adaround.apply),
+    "gptq": ("round_gptq", round_gptq.apply),
 }
 
 
@@ -53,9 +68,11 @@ def default_passes(spec: CompileSpec) -> list[Pass]:
     """The fixed pass order for a spec; quantization passes only when quantizing."""
     passes = [trace.trace]
     if spec.quant.mode != "none":
+        kinds = [a.kind for a in spec.quant.algorithms]
         passes += [fold_bn.fold_bn]
-        passes += [ALGORITHM_PASSES[a.kind] for a in spec.quant.algorithms]
+        passes += [ALGORITHM_PASSES[k] for k in kinds if k not in DATA_ALGORITHMS]
         passes += [annotate.annotate, insert_quant.insert_quant]
+        passes += [ALGORITHM_PASSES[k] for k in kinds if k in DATA_ALGORITHMS]
     if spec.pipeline is not None:
         passes += [partition.partition, place.place]
     return passes

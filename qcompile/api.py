@@ -18,23 +18,35 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from qcompile.distributed.data_parallel import sync_observers
+from qcompile.distributed.data_parallel import sum_across_ranks, sync_observers
 from qcompile.errors import QCompileError
-from qcompile.graph.meta import REPORT_KEY, SPEC_KEY, STAGE_NAMES_KEY, SYNC_OBSERVERS_KEY
+from qcompile.graph.meta import (
+    FIXED_GRID_KEY,
+    REPORT_KEY,
+    SPEC_KEY,
+    STAGE_NAMES_KEY,
+    SYNC_OBSERVERS_KEY,
+)
 from qcompile.graph.pipeline import Instrument
 from qcompile.graph.records import Report, report
 from qcompile.graph.signature import graph_inputs
+from qcompile.passes import DATA_ALGORITHMS
 from qcompile.passes.convert import convert_graph
+from qcompile.runtime.algorithms import pending, refuse_pending, run_pending
 from qcompile.runtime.calibration import (
+    call_args,
     check_calibratable,
     collect_statistics,
     describe,
+    distributed_failure,
     freeze,
+    misfit,
     quantizers,
     uncalibrated,
     weight_quantizers,
 )
 from qcompile.runtime.fake_quant import FakeQuantize
+from qcompile.runtime.layerwise import BatchFailed
 
 __all__ = ["Report", "calibrate", "convert", "freeze", "quantizers", "report",
            "weight_quantizers"]
@@ -59,13 +71,33 @@ def calibrate(gm: nn.Module, batches: Iterable[Any], *, sync: bool | None = None
 
     Only static graphs are calibrated: QAT graphs learn their ranges while training and
     dynamic graphs compute activation qparams from every batch."""
-    check_calibratable(_mode(gm))
+    todo = pending(gm)
+    mode = _mode(gm)
+    if not todo or mode != "dynamic":
+        check_calibratable(mode)
     if sync is None:
         sync = bool(getattr(gm, "meta", {}).get(SYNC_OBSERVERS_KEY, False))
+    signature = graph_inputs(gm)
+    if todo:  # the data-driven quant.algorithms first: the observers see the final weights
+        batches = list(batches)
+        calls = call_args(batches, inputs, signature)
+        if not calls:
+            raise QCompileError("calibrate: no batches were given",
+                                fix="pass a non-empty iterable")
+        try:
+            run_pending(gm, calls, DATA_ALGORITHMS, progress=progress,
+                        reduce=sum_across_ranks if sync else None)
+        except BatchFailed as e:
+            cause = e.__cause__ or e
+            if isinstance(cause, QCompileError) or distributed_failure(cause):
+                raise cause from None
+            raise misfit(cause, e.index, *calls[e.index], signature) from cause
+        if mode == "dynamic":
+            return gm  # activation qparams come from every batch: nothing to observe
     # every rank ends with the same qparams
     reduce = (lambda m: sync_observers(m, everything=True)) if sync else None
     return collect_statistics(gm, batches, sync=reduce, progress=progress, inputs=inputs,
-                              signature=graph_inputs(gm))
+                              signature=signature, fixed=gm.meta.get(FIXED_GRID_KEY, ()))
 
 
 def _outputs(value: Any) -> list[torch.Tensor]:
@@ -139,6 +171,7 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
         raise QCompileError("convert: the graph has no quantizers (quant.mode "
                             f"{rep.mode!r})", fix="compile with quant.mode static, qat or "
                             "dynamic; a float graph needs no conversion")
+    refuse_pending(gm, "convert")
     missing = uncalibrated(gm, rep.mode)
     if missing:
         fix = ("run qc.calibrate(gm, batches) first" if rep.mode == "static" else

@@ -18,9 +18,13 @@ from qcompile.specs.compile import (
 from qcompile.specs.load import as_spec, dump_spec, load_spec, presets
 from qcompile.specs.quant import (
     ALGORITHM_KINDS,
+    DATA_KINDS,
     DTYPES,
     FP8_MAX,
+    GPTQ,
+    AdaRound,
     Algorithm,
+    BiasCorrection,
     CrossLayerEqualization,
     Match,
     QuantSpec,
@@ -31,9 +35,13 @@ from qcompile.specs.quant import (
 
 __all__ = [
     "ALGORITHM_KINDS",
+    "DATA_KINDS",
     "DTYPES",
     "FP8_MAX",
+    "GPTQ",
+    "AdaRound",
     "Algorithm",
+    "BiasCorrection",
     "CompileSpec",
     "CrossLayerEqualization",
     "DataParallelSpec",

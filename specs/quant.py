@@ -243,9 +243,58 @@ class SmoothQuant(Frozen):
                          "all of their range into the weights")
 
 
+class BiasCorrection(Frozen):
+    """Empirical bias correction (Nagel et al. 2019, as AIMET and NNCF do it): for each
+    quantized conv/linear layer, in graph order, add to its bias the difference between
+    the float model's mean output per channel and the quantized model's (with the layers
+    before it already quantized and corrected), both measured on the calibration batches.
+    A layer without a bias gets one (zeros plus the correction)."""
+
+    kind: Literal["bias_correction"] = "bias_correction"
+
+
+class AdaRound(Frozen):
+    """AdaRound (Nagel et al. 2020): learn, per weight, whether to round down or up, so
+    that the layer's output on the calibration batches (inputs from the model with the
+    layers before it already rounded) stays closest to the float layer's. The scales are
+    the weight quantizer's; only the integers change."""
+
+    kind: Literal["adaround"] = "adaround"
+    iterations: int = Field(1000, ge=1, le=1_000_000, strict=True,
+                            description="optimizer steps per layer")
+    reg_weight: float = Field(0.01, gt=0.0, strict=True,
+                              description="weight of the term pushing each rounding to 0 or 1")
+    lr: float = Field(0.01, gt=0.0, le=10.0, strict=True, description="Adam learning rate")
+    warmup: float = Field(0.2, ge=0.0, lt=1.0, strict=True,
+                          description="share of the iterations before the rounding term starts")
+
+
+class GPTQ(Frozen):
+    """GPTQ (Frantar et al. 2023): round each weight column in turn and move its rounding
+    error onto the columns not yet rounded, weighted by the inverse Hessian ``X^T X`` of
+    the layer's inputs on the calibration batches (from the model with the layers before it
+    already rounded). Per-tensor, per-channel and per-group scales are the weight
+    quantizer's; only the integers change."""
+
+    kind: Literal["gptq"] = "gptq"
+    block_size: int = Field(128, ge=1, le=65536, strict=True,
+                            description="columns rounded together before the lazy update")
+    damp: float = Field(0.01, gt=0.0, le=1.0, strict=True,
+                        description="added to the Hessian's diagonal, as a share of its mean")
+    act_order: bool = Field(False, strict=True,
+                            description="round columns in order of decreasing Hessian "
+                            "diagonal (largest input energy first)")
+
+
 # Only implemented kinds: an unknown kind is a ValidationError listing these.
-Algorithm = Annotated[CrossLayerEqualization | SmoothQuant, Field(discriminator="kind")]
-ALGORITHM_KINDS = ("cross_layer_equalization", "smoothquant")
+Algorithm = Annotated[CrossLayerEqualization | SmoothQuant | BiasCorrection | AdaRound | GPTQ,
+                      Field(discriminator="kind")]
+ALGORITHM_KINDS = ("cross_layer_equalization", "smoothquant", "bias_correction", "adaround",
+                   "gptq")
+# The kinds that rewrite the float graph at compile time (exact in float) ...
+REWRITE_KINDS = ("cross_layer_equalization", "smoothquant")
+# ... and those that choose weights / biases from calibration data, in ``qc.calibrate``.
+DATA_KINDS = ("bias_correction", "adaround", "gptq")
 
 
 class QuantSpec(Frozen):
@@ -270,8 +319,9 @@ class QuantSpec(Frozen):
     inputs: Scheme | None = Field(None, description="quantize the model's tensor inputs too")
     algorithms: list[Algorithm] = Field(
         default_factory=list,
-        description="PTQ rewrites run in this order after fold_bn: "
-        "cross_layer_equalization, smoothquant")
+        description="PTQ algorithms, in this order: cross_layer_equalization and "
+        "smoothquant rewrite the graph when compiling; bias_correction, adaround and gptq "
+        "run on the calibration batches in qc.calibrate")
     fold_bn: bool = True
     sync_observers: bool = True
 
@@ -294,6 +344,7 @@ class QuantSpec(Frozen):
                 f"quant.algorithms[0] ({kind}): PTQ algorithms prepare weights for "
                 "quantization, and mode none quantizes nothing; set quant.mode to static, "
                 "dynamic or qat, or remove quant.algorithms")
+        self._algorithms_fit()
         # Without a mode nothing is quantized: rules or inputs would be ignored unsaid.
         if self.mode == "none" and (self.rules or self.inputs is not None):
             given = "rules" if self.rules else "inputs"
@@ -303,6 +354,36 @@ class QuantSpec(Frozen):
                 f"or remove quant.{given}"
             )
         return self
+
+    def _algorithms_fit(self) -> None:
+        """The data-driven algorithms run after the compile-time rewrites (they see the
+        rewritten weights), not in QAT (training moves the weights they chose), and at
+        most one of them chooses the rounding."""
+        kinds = [a.kind for a in self.algorithms]
+        for i, kind in enumerate(kinds):
+            if kind not in DATA_KINDS:
+                continue
+            if self.mode == "qat":
+                raise ValueError(
+                    f"quant.algorithms[{i}] ({kind}): chooses the weights once from "
+                    "calibration data, and QAT training moves them again; use quant.mode "
+                    "static or dynamic for it, or remove it (cross_layer_equalization and "
+                    "smoothquant do work with qat)")
+            later = [j for j in range(i + 1, len(kinds)) if kinds[j] in REWRITE_KINDS]
+            if later:
+                raise ValueError(
+                    f"quant.algorithms[{later[0]}] ({kinds[later[0]]}) comes after "
+                    f"quant.algorithms[{i}] ({kind}), but it rewrites the graph when "
+                    f"compiling, before {kind} sees any data; list it first")
+            if kinds.index(kind) != i:
+                raise ValueError(f"quant.algorithms[{i}] ({kind}) is listed twice "
+                                 f"(also quant.algorithms[{kinds.index(kind)}]); keep one")
+        rounding = [i for i, k in enumerate(kinds) if k in ("adaround", "gptq")]
+        if len(rounding) > 1:
+            a, b = rounding[:2]
+            raise ValueError(
+                f"quant.algorithms[{b}] ({kinds[b]}): quant.algorithms[{a}] ({kinds[a]}) "
+                "already chooses how every weight rounds; keep one of adaround and gptq")
 
     @property
     def reduce_range(self) -> bool:

@@ -56,6 +56,7 @@ from torch import nn
 
 from qcompile.errors import QCompileError
 from qcompile.graph.records import report
+from qcompile.runtime.algorithms import refuse_pending
 from qcompile.runtime.calibration import uncalibrated
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.version import __version__
@@ -116,6 +117,7 @@ def export_encodings(gm: nn.Module, path: str | Path) -> None:
     Refuses (``QCompileError``, no file written) a graph whose activation quantizers never
     observed data: a static graph before ``qc.calibrate``, a QAT graph before training."""
     mode = report(gm).mode
+    refuse_pending(gm, "export_encodings")
     missing = uncalibrated(gm, mode)
     if missing:
         fix = ("run qc.calibrate(gm, batches) first" if mode == "static" else

@@ -63,6 +63,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from qcompile.errors import QCompileError
+from qcompile.runtime.algorithms import refuse_pending
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.specs.quant import FP8_MAX
 
@@ -548,6 +549,7 @@ def export_onnx(
     """Write ``gm`` (a graph from ``qcompile``) as a QDQ ONNX model (opset 21) to ``path``
     and return the path. ``example_inputs`` / ``example_kwargs`` are traced (any batch
     size); with ``dynamic_batch`` dim 0 of every input is the symbolic ``batch``."""
+    refuse_pending(gm, "export_onnx")
     onnxscript, ir = _require_onnx()
     if example_inputs is None and not example_kwargs:
         raise QCompileError("export_onnx needs example inputs to trace the graph",

@@ -157,6 +157,23 @@ def sync_observers(gm: nn.Module, group: Any = None, *, everything: bool = False
     return stats
 
 
+def sum_across_ranks(tensors: list[torch.Tensor], group: Any = None) -> None:
+    """Sum each tensor in place across ``group`` (the world by default), staged on the
+    backend's device (NCCL needs the rank's GPU): how the data-driven PTQ algorithms in
+    ``qc.calibrate`` give every rank the same statistics. Without a process group it does
+    nothing."""
+    if not initialised():
+        return
+    device = collective_device(group)
+    with torch.no_grad():
+        for t in tensors:
+            staged_t = staged(t, device)
+            torch.distributed.all_reduce(staged_t, op=torch.distributed.ReduceOp.SUM,
+                                         group=group)
+            if staged_t is not t:
+                t.copy_(staged_t)
+
+
 def _sync_after_forward(group: Any) -> Any:
     def hook(module: nn.Module, args: Any, out: Any) -> None:
         sync_observers(module, group)

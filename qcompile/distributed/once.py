@@ -67,6 +67,7 @@ from qcompile.runtime.calibration import (
 )
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.specs import CompileSpec, PipelineSpec, as_spec
+from qcompile.specs.quant import DATA_KINDS
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -328,6 +329,15 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
     shard = on and spec.data_parallel.kind == "fsdp2" and spec.pipeline is None
     if batches is not None:
         check_calibratable(spec.quant.mode)
+    data_driven = [i for i, a in enumerate(spec.quant.algorithms) if a.kind in DATA_KINDS]
+    if data_driven:  # checked from the spec alone: every rank refuses, none hangs
+        i = data_driven[0]
+        raise QCompileError(
+            f"quant.algorithms[{i}] ({spec.quant.algorithms[i].kind}): compile_once does not "
+            "run the data-driven algorithms (bias_correction, adaround, gptq)",
+            fix="compile with qc.qcompile on every rank and call qc.calibrate(gm, batches) "
+            "there (statistics are summed across ranks with quant.sync_observers), or "
+            "remove it from quant.algorithms")
     if ckpt is None and not shard:
         gm, source = _replicated_from_rank0(build_model, spec, inputs, example_kwargs,
                                             rank, group, src, hashing=directory is not None)

@@ -64,3 +64,10 @@ TYPE = "type"
 VAL = "val"
 #: torch.export / dynamo: the module call stack a node was traced in
 NN_MODULE_STACK = "nn_module_stack"
+
+#: root graph: indices into ``quant.algorithms`` of the data-driven algorithms (gptq,
+#: adaround, bias_correction) still waiting for ``qc.calibrate``'s batches, in order
+PENDING_ALGORITHMS_KEY = "qcompile.pending_algorithms"
+#: root graph: qualified names of the weight quantizers whose weights an algorithm put on
+#: their grid: their scales are fixed (calibration does not observe those weights again)
+FIXED_GRID_KEY = "qcompile.fixed_grid"

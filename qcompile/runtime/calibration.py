@@ -123,7 +123,8 @@ def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
                        sync: Callable[[nn.Module], Any] | None = None,
                        progress: bool = True,
                        inputs: Callable[[Any], Any] | None = None,
-                       signature: Sequence[GraphInput] = ()) -> nn.Module:
+                       signature: Sequence[GraphInput] = (),
+                       fixed: Iterable[str] = ()) -> nn.Module:
     """What ``qc.calibrate`` does, for any mode: observe ``batches``, then ``sync(gm)``
     (when given), then freeze. (The inspect tool's per-layer error uses it to give QAT
     graphs data-derived ranges.)
@@ -134,7 +135,8 @@ def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
     into an observer, is a ``QCompileError`` and every quantizer is restored to its state
     before the call: a refused calibration changes nothing. ``signature`` (the graph's
     inputs, ``qcompile.graph.signature.graph_inputs``) lets errors say what the graph
-    takes."""
+    takes. The quantizers named in ``fixed`` keep their qparams (weights an algorithm put
+    on their grid)."""
     qs = quantizers(gm)
     if not qs:
         raise QCompileError("calibrate: the graph has no quantizers",
@@ -143,15 +145,15 @@ def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
     saved = {n: ({k: v.clone() for k, v in q.state_dict().items()}, q.enabled, q.observe)
              for n, q in qs.items()}
     gm.eval()
-    for q in qs.values():
-        if q.observer is not None and not q.learnable:
+    keep = set(fixed)
+    for n, q in qs.items():
+        if q.observer is not None and not q.learnable and n not in keep:
             q.observe = True
     seen = 0
     if progress and sys.stderr.isatty():
         from tqdm import tqdm
 
         batches = tqdm(batches, desc="calibrate", unit="batch", leave=False)
-    names = [i.name for i in signature if not i.variadic]
     try:
         with torch.no_grad():
             for batch in batches:
@@ -162,15 +164,9 @@ def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
                 except QCompileError:
                     raise
                 except Exception as e:  # a user's data, not a bug of ours: say what misfit
-                    if _distributed_failure(e):
+                    if distributed_failure(e):
                         raise  # a peer or the network failed, not this batch
-                    raise QCompileError(
-                        f"calibration batch {seen} ({describe(args, kwargs, names)}) does not fit "
-                        f"the graph, compiled for ({_compiled_for(signature)}): "
-                        f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}",
-                        fix="give batches shaped like example_inputs (same dtypes, same "
-                            "non-batch dimensions), or pass inputs=<batch -> model inputs>",
-                    ) from e
+                    raise misfit(e, seen, args, kwargs, signature) from e
                 seen += 1
                 bad = [n for n, q in qs.items() if q.observer is not None
                        and not _finite_stats(q.observer.min_val, q.observer.max_val)]
@@ -196,7 +192,28 @@ def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
     return gm
 
 
-def _distributed_failure(e: BaseException) -> bool:
+def misfit(e: BaseException, index: int, args: tuple, kwargs: dict,
+           signature: Sequence[GraphInput]) -> QCompileError:
+    """The error for calibration batch ``index`` that made the graph raise ``e``."""
+    names = [i.name for i in signature if not i.variadic]
+    return QCompileError(
+        f"calibration batch {index} ({describe(args, kwargs, names)}) does not fit "
+        f"the graph, compiled for ({_compiled_for(signature)}): "
+        f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}",
+        fix="give batches shaped like example_inputs (same dtypes, same "
+            "non-batch dimensions), or pass inputs=<batch -> model inputs>")
+
+
+def call_args(batches: Iterable[Any], inputs: Callable[[Any], Any] | None,
+              signature: Sequence[GraphInput]) -> list[tuple[tuple, dict]]:
+    """Every batch as ``(args, kwargs)`` (``inputs`` applied first), refusing one with
+    more values than the graph has inputs: what ``collect_statistics`` calls the graph
+    with, for the algorithms that go over the batches several times."""
+    return [_call_args(inputs(b) if inputs is not None else b, i, signature,
+                       selected=inputs is not None) for i, b in enumerate(batches)]
+
+
+def distributed_failure(e: BaseException) -> bool:
     """A collective failed inside the forward (FSDP2's all-gather, a timeout, a lost peer):
     torch's distributed error types, or gloo / NCCL in the message. (This layer does not
     import torch.distributed; its errors derive from ``torch._C._DistError``.)"""

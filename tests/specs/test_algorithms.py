@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from qcompile.specs import ALGORITHM_KINDS, CompileSpec, CrossLayerEqualization, SmoothQuant
+from qcompile.specs import (
+    ALGORITHM_KINDS,
+    GPTQ,
+    AdaRound,
+    BiasCorrection,
+    CompileSpec,
+    CrossLayerEqualization,
+    SmoothQuant,
+)
 
 
 def quant(mode: str = "static", **fields) -> dict:
@@ -27,7 +35,8 @@ def test_entries_in_order_with_defaults():
         {"kind": "smoothquant", "alpha": 1}]))
     assert s.quant.algorithms == [SmoothQuant(alpha=0.5), CrossLayerEqualization(),
                                   SmoothQuant(alpha=1.0)]
-    assert ALGORITHM_KINDS == ("cross_layer_equalization", "smoothquant")
+    assert ALGORITHM_KINDS == ("cross_layer_equalization", "smoothquant", "bias_correction",
+                               "adaround", "gptq")
 
 
 @pytest.mark.parametrize("mode", ["static", "dynamic"])
@@ -38,10 +47,10 @@ def test_ptq_modes_accept(mode):
 
 def test_unknown_kind_lists_the_valid_ones():
     with pytest.raises(ValidationError) as info:
-        CompileSpec.model_validate(quant(algorithms=[{"kind": "gptq"}]))
+        CompileSpec.model_validate(quant(algorithms=[{"kind": "awq"}]))
     text = str(info.value)
-    assert "quant.algorithms.0" in text and "'gptq'" in text
-    assert "'cross_layer_equalization', 'smoothquant'" in text
+    assert "quant.algorithms.0" in text and "'awq'" in text
+    assert "'cross_layer_equalization', 'smoothquant', 'bias_correction'" in text
 
 
 @pytest.mark.parametrize("alpha", [-0.1, 1.5, True, "0.5", None])
@@ -82,3 +91,65 @@ def test_frozen():
     s = CompileSpec.model_validate(quant(algorithms=[{"kind": "smoothquant"}]))
     with pytest.raises(ValidationError):
         s.quant.algorithms[0].alpha = 0.9  # type: ignore[misc]
+
+
+def test_data_algorithms_defaults():
+    s = CompileSpec.model_validate(quant(algorithms=[
+        {"kind": "cross_layer_equalization"}, {"kind": "gptq"}, {"kind": "bias_correction"}]))
+    assert s.quant.algorithms[1] == GPTQ(block_size=128, damp=0.01, act_order=False)
+    assert s.quant.algorithms[2] == BiasCorrection()
+    a = CompileSpec.model_validate(quant(algorithms=[{"kind": "adaround", "iterations": 50}]))
+    assert a.quant.algorithms[0] == AdaRound(iterations=50, reg_weight=0.01, lr=0.01, warmup=0.2)
+
+
+@pytest.mark.parametrize(("entry", "field"), [
+    ({"kind": "gptq", "block_size": 0}, "gptq.block_size"),
+    ({"kind": "gptq", "damp": 0}, "gptq.damp"),
+    ({"kind": "gptq", "damp": 2.0}, "gptq.damp"),
+    ({"kind": "gptq", "act_order": "yes"}, "gptq.act_order"),
+    ({"kind": "gptq", "block_size": 2.0}, "gptq.block_size"),
+    ({"kind": "adaround", "iterations": 0}, "adaround.iterations"),
+    ({"kind": "adaround", "warmup": 1.0}, "adaround.warmup"),
+    ({"kind": "adaround", "lr": -1e-3}, "adaround.lr"),
+    ({"kind": "bias_correction", "alpha": 0.5}, "bias_correction.alpha"),
+])
+def test_data_algorithm_bad_parameters_name_the_field(entry, field):
+    with pytest.raises(ValidationError) as info:
+        CompileSpec.model_validate(quant(algorithms=[entry]))
+    assert f"quant.algorithms.0.{field}" in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["bias_correction", "adaround", "gptq"])
+def test_data_algorithms_refused_in_qat(kind):
+    with pytest.raises(ValidationError) as info:
+        CompileSpec.model_validate(quant("qat", algorithms=[{"kind": kind}]))
+    text = str(info.value)
+    assert f"quant.algorithms[0] ({kind})" in text and "QAT training moves them" in text
+    assert "quant.mode static or dynamic" in text
+
+
+@pytest.mark.parametrize("mode", ["static", "dynamic"])
+def test_data_algorithms_accepted_in_ptq_modes(mode):
+    s = CompileSpec.model_validate(quant(mode, algorithms=[{"kind": "gptq"},
+                                                           {"kind": "bias_correction"}]))
+    assert [a.kind for a in s.quant.algorithms] == ["gptq", "bias_correction"]
+
+
+def test_rewrite_after_a_data_algorithm_is_refused():
+    with pytest.raises(ValidationError) as info:
+        CompileSpec.model_validate(quant(algorithms=[{"kind": "gptq"}, {"kind": "smoothquant"}]))
+    assert ("quant.algorithms[1] (smoothquant) comes after quant.algorithms[0] (gptq)"
+            in str(info.value)) and "list it first" in str(info.value)
+
+
+def test_two_rounding_algorithms_are_refused():
+    with pytest.raises(ValidationError) as info:
+        CompileSpec.model_validate(quant(algorithms=[{"kind": "adaround"}, {"kind": "gptq"}]))
+    assert "keep one of adaround and gptq" in str(info.value)
+
+
+def test_a_data_algorithm_listed_twice_is_refused():
+    with pytest.raises(ValidationError) as info:
+        CompileSpec.model_validate(quant(algorithms=[{"kind": "bias_correction"},
+                                                     {"kind": "bias_correction"}]))
+    assert "quant.algorithms[1] (bias_correction) is listed twice" in str(info.value)

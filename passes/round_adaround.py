@@ -1,0 +1,151 @@
+"""``round_adaround``: AdaRound (``quant.algorithms: [{kind: adaround, iterations: 1000,
+reg_weight: 0.01, lr: 0.01, warmup: 0.2}]``; Nagel et al. 2020), learned rounding.
+
+Round-to-nearest is not the best rounding for a layer's output: for every conv/linear layer
+with an integer weight quantizer, AdaRound learns, per weight, whether to round down or up.
+A continuous variable ``V`` per weight gives the soft rounding ``h(V) = clip(sigmoid(V) *
+1.2 - 0.1, 0, 1)`` (the rectified sigmoid), started at the weight's fractional part, and
+Adam minimises the layer's output error on the calibration batches plus ``reg_weight``
+times a term ``1 - |2h - 1|^beta`` that pushes every ``h`` to 0 or 1 (``beta`` anneals
+from 20 to 2 after the first ``warmup`` share of the ``iterations``); the result rounds
+``h`` to 0 or 1. The output error is the exact quadratic ``trace(dW H dW^T)`` with ``H =
+X^T X`` of the layer's inputs (each output is a dot product with a row of ``X``), divided
+by round-to-nearest's, so it costs one ``k x k`` matrix per layer whatever the amount of
+data, and the regulariser's weight means the same for every layer. (The paper's loss adds
+the activation function after the layer; this one, AIMET's default too, is the layer's
+own output.) The scales are the weight quantizer's: only the integers change.
+
+Layers go level by level, each level's inputs from the graph with the levels before it
+already rounded. The compile-time pass checks there are layers and records the entry;
+``qc.calibrate`` runs it. Deterministic: a fixed start and full-batch steps.
+
+Example:
+    >>> import torch, qcompile as qc
+    >>> torch.manual_seed(0) and None
+    >>> spec = qc.CompileSpec.model_validate({"quant": {"mode": "static",
+    ...     "algorithms": [{"kind": "adaround", "iterations": 100}],
+    ...     "rules": [{"match": {"module": "Linear"},
+    ...                "weight": {"dtype": "int4", "granularity": "per_channel"}}]}})
+    >>> gm = qc.qcompile(torch.nn.Linear(16, 8), spec, example_inputs=(torch.randn(2, 16),))
+    >>> gm = qc.calibrate(gm, [torch.randn(64, 16) @ torch.randn(16, 16) for _ in range(4)])
+    >>> qc.report(gm).passes[-1].notes[0]  # doctest: +ELLIPSIS
+    'linear (8x16): output error ... -> ... (...% of round-to-nearest), ... the other way'
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule
+
+from qcompile.graph.context import Context
+from qcompile.graph.pipeline import graph_pass
+from qcompile.passes.equalize import algorithm_entry
+from qcompile.runtime.algorithms import Data, fix_grid, no_data, plan, set_parameter, usable, where
+from qcompile.runtime.layerwise import output_error, round_to_grid, weight_grid
+from qcompile.specs.quant import AdaRound
+
+_ZETA, _GAMMA = 1.1, -0.1  # the rectified sigmoid's stretch (the paper's values)
+_BETA = (20.0, 2.0)  # the regulariser's exponent, annealed from the first to the second
+
+
+@graph_pass(requires=("quantizers",), provides=("adaround",))
+def round_adaround(gm: GraphModule, ctx: Context) -> GraphModule:
+    """Check there are layers for AdaRound and record the entry for ``qc.calibrate``."""
+    index, _ = algorithm_entry(ctx, "adaround")
+    return plan(gm, ctx, index, "adaround", gram=True, verb="round")
+
+
+def _soft(v: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(torch.sigmoid(v) * (_ZETA - _GAMMA) + _GAMMA, 0.0, 1.0)
+
+
+def adaround(w: torch.Tensor, gram: torch.Tensor, rows: int, scale: torch.Tensor,
+             zero_point: torch.Tensor, quant_min: int, quant_max: int, *,
+             iterations: int = 1000, reg_weight: float = 0.01, lr: float = 0.01,
+             warmup: float = 0.2) -> tuple[torch.Tensor, int]:
+    """AdaRound on one ``[out, k]`` weight: the rounded (dequantized) weight and how many
+    weights round the other way from round-to-nearest.
+
+    Example:
+        >>> import torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> x = torch.randn(256, 8, generator=g) @ torch.randn(8, 8, generator=g)
+        >>> w = torch.randn(4, 8, generator=g)
+        >>> s, z = torch.full_like(w, 0.25), torch.zeros_like(w)
+        >>> q, flipped = adaround(w, x.T @ x, 256, s, z, -8, 7, iterations=200)
+        >>> bool(((q / s).round() == q / s).all())  # on the grid
+        True
+        >>> from qcompile.runtime.layerwise import output_error, round_to_grid
+        >>> output_error(q - w, x.T @ x, 256) < output_error(round_to_grid(w, s, z, -8, 7) - w,
+        ...                                                   x.T @ x, 256)
+        True
+    """
+    w = w.detach().float()
+    h_mat = (gram.detach().double() / max(rows, 1)).float()
+    nearest = round_to_grid(w, scale, zero_point, quant_min, quant_max)
+    norm = max(output_error(nearest - w, h_mat, 1), 1e-30)
+    base = torch.floor(w / scale) + zero_point
+    rest = (w / scale - torch.floor(w / scale)).clamp(0.0, 1.0)
+    # start where the soft rounding equals the fractional part (the weight itself)
+    p = ((rest - _GAMMA) / (_ZETA - _GAMMA)).clamp(1e-4, 1 - 1e-4)
+    v = torch.logit(p)
+    v.grad = torch.zeros_like(v)
+    # Adam on the closed-form gradient: autograd's graph of ~20 small ops per step would
+    # cost more than the arithmetic
+    opt = torch.optim.Adam([v], lr=lr)
+    start = int(warmup * iterations)
+    span = _ZETA - _GAMMA
+    for t in range(iterations):
+        sig = torch.sigmoid(v)
+        raw = sig * span + _GAMMA
+        h = raw.clamp(0.0, 1.0)
+        level = base + h
+        d = (level.clamp(quant_min, quant_max) - zero_point) * scale - w
+        # d loss / d h: the quadratic's 2 d H (H symmetric), through the grid's clamp
+        grad_h = (2.0 / norm) * (d @ h_mat) * scale
+        grad_h = grad_h * ((level > quant_min) & (level < quant_max))
+        if t >= start:
+            beta = _BETA[0] + (_BETA[1] - _BETA[0]) * (t - start) / max(iterations - start, 1)
+            c = 2 * h - 1
+            # d/dh of reg_weight / out * sum(1 - |2h - 1|^beta)
+            grad_h = grad_h - (2 * beta * reg_weight / w.shape[0]) * c.abs().pow(beta - 1) \
+                * c.sign()
+        # through the rectified sigmoid (zero where it is clipped)
+        v.grad = grad_h * (span * sig * (1 - sig)) * ((raw > 0) & (raw < 1))
+        opt.step()
+    up = (v.detach() >= 0).float()  # h >= 0.5: round up
+    out = (torch.clamp(base + up, quant_min, quant_max) - zero_point) * scale
+    flipped = int((out != nearest).sum())
+    return out, flipped
+
+
+def apply(data: Data, index: int, entry: AdaRound) -> list[str]:
+    """Learn every usable layer's rounding, level by level (``qc.calibrate``)."""
+    gm, here = data.gm, where(index, "adaround")
+    layers, skipped = usable(gm, gram=True)
+    notes = []
+    for group, stats in data.by_level(layers, gram=True, desc="adaround"):
+        for layer in group:
+            if not stats.rows.get(layer):
+                raise no_data(here, layer)
+            q = layer.get_quantizer(gm)
+            weight = layer.get_weight(gm)
+            w = weight.detach().float().reshape(weight.shape[0], -1)
+            scale, zero_point = weight_grid(q, weight)
+            gram, rows = stats.gram[layer], stats.rows[layer]
+            new, flipped = adaround(w, gram, rows, scale, zero_point, q.quant_min, q.quant_max,
+                                    iterations=entry.iterations, reg_weight=entry.reg_weight,
+                                    lr=entry.lr, warmup=entry.warmup)
+            g = gram.double()
+            before = output_error(round_to_grid(w, scale, zero_point, q.quant_min,
+                                                q.quant_max).double() - w.double(), g, rows)
+            after = output_error(new.double() - w.double(), g, rows)
+            name = f"{layer.owner}.{layer.weight}" if layer.owner else layer.weight
+            set_parameter(gm, name, new.to(weight.device))
+            fix_grid(gm, layer)
+            share = f"{100 * after / before:.0f}% of" if before > 0 else "vs"
+            notes.append(f"{layer.name} ({'x'.join(map(str, w.shape))}): output error "
+                         f"{before:.3g} -> {after:.3g} ({share} round-to-nearest), "
+                         f"{flipped} of {w.numel()} weights rounded the other way")
+    notes += [f"{name} left to round-to-nearest: {reason}" for name, reason in skipped]
+    return notes
