@@ -1,17 +1,18 @@
 """``round_adaround``: AdaRound (``quant.algorithms: [{kind: adaround, iterations: 1000,
-reg_weight: 0.01, lr: 0.01, warmup: 0.2}]``; Nagel et al. 2020), learned rounding.
+reg_weight: 3.0, lr: 0.05, warmup: 0.2}]``; Nagel et al. 2020), learned rounding.
 
 Round-to-nearest is not the best rounding for a layer's output: for every conv/linear layer
 with an integer weight quantizer, AdaRound learns, per weight, whether to round down or up.
 A continuous variable ``V`` per weight gives the soft rounding ``h(V) = clip(sigmoid(V) *
 1.2 - 0.1, 0, 1)`` (the rectified sigmoid), started at the weight's fractional part, and
 Adam minimises the layer's output error on the calibration batches plus ``reg_weight``
-times a term ``1 - |2h - 1|^beta`` that pushes every ``h`` to 0 or 1 (``beta`` anneals
-from 20 to 2 after the first ``warmup`` share of the ``iterations``); the result rounds
-``h`` to 0 or 1. The output error is the exact quadratic ``trace(dW H dW^T)`` with ``H =
-X^T X`` of the layer's inputs (each output is a dot product with a row of ``X``), divided
-by round-to-nearest's, so it costs one ``k x k`` matrix per layer whatever the amount of
-data, and the regulariser's weight means the same for every layer. (The paper's loss adds
+times the mean over the weights of ``1 - |2h - 1|^beta``, which pushes every ``h`` to 0
+or 1 (``beta`` anneals from 20 to 2 after the first ``warmup`` share of the
+``iterations``); the result rounds ``h`` to 0 or 1. The output error is the exact
+quadratic ``trace(dW H dW^T)`` with ``H = X^T X`` of the layer's inputs (each output is a
+dot product with a row of ``X``), divided by round-to-nearest's: it costs one ``k x k``
+matrix per layer whatever the amount of data, and ``reg_weight`` means the same for every
+layer shape (the paper's 0.01 multiplies a raw sum instead). (The paper's loss adds
 the activation function after the layer; this one, AIMET's default too, is the layer's
 own output.) The scales are the weight quantizer's: only the integers change.
 
@@ -61,7 +62,7 @@ def _soft(v: torch.Tensor) -> torch.Tensor:
 
 def adaround(w: torch.Tensor, gram: torch.Tensor, rows: int, scale: torch.Tensor,
              zero_point: torch.Tensor, quant_min: int, quant_max: int, *,
-             iterations: int = 1000, reg_weight: float = 0.01, lr: float = 0.01,
+             iterations: int = 1000, reg_weight: float = 3.0, lr: float = 0.05,
              warmup: float = 0.2) -> tuple[torch.Tensor, int]:
     """AdaRound on one ``[out, k]`` weight: the rounded (dequantized) weight and how many
     weights round the other way from round-to-nearest.
@@ -107,8 +108,8 @@ def adaround(w: torch.Tensor, gram: torch.Tensor, rows: int, scale: torch.Tensor
         if t >= start:
             beta = _BETA[0] + (_BETA[1] - _BETA[0]) * (t - start) / max(iterations - start, 1)
             c = 2 * h - 1
-            # d/dh of reg_weight / out * sum(1 - |2h - 1|^beta)
-            grad_h = grad_h - (2 * beta * reg_weight / w.shape[0]) * c.abs().pow(beta - 1) \
+            # d/dh of reg_weight * mean(1 - |2h - 1|^beta)
+            grad_h = grad_h - (2 * beta * reg_weight / w.numel()) * c.abs().pow(beta - 1) \
                 * c.sign()
         # through the rectified sigmoid (zero where it is clipped)
         v.grad = grad_h * (span * sig * (1 - sig)) * ((raw > 0) & (raw < 1))

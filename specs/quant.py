@@ -262,9 +262,11 @@ class AdaRound(Frozen):
     kind: Literal["adaround"] = "adaround"
     iterations: int = Field(1000, ge=1, le=1_000_000, strict=True,
                             description="optimizer steps per layer")
-    reg_weight: float = Field(0.01, gt=0.0, strict=True,
-                              description="weight of the term pushing each rounding to 0 or 1")
-    lr: float = Field(0.01, gt=0.0, le=10.0, strict=True, description="Adam learning rate")
+    reg_weight: float = Field(3.0, gt=0.0, strict=True,
+                              description="weight of the term pushing each rounding to 0 or 1 "
+                              "(its mean per weight, against the output error relative to "
+                              "round-to-nearest's)")
+    lr: float = Field(0.05, gt=0.0, le=10.0, strict=True, description="Adam learning rate")
     warmup: float = Field(0.2, ge=0.0, lt=1.0, strict=True,
                           description="share of the iterations before the rounding term starts")
 

@@ -99,7 +99,7 @@ def test_data_algorithms_defaults():
     assert s.quant.algorithms[1] == GPTQ(block_size=128, damp=0.01, act_order=False)
     assert s.quant.algorithms[2] == BiasCorrection()
     a = CompileSpec.model_validate(quant(algorithms=[{"kind": "adaround", "iterations": 50}]))
-    assert a.quant.algorithms[0] == AdaRound(iterations=50, reg_weight=0.01, lr=0.01, warmup=0.2)
+    assert a.quant.algorithms[0] == AdaRound(iterations=50, reg_weight=3.0, lr=0.05, warmup=0.2)
 
 
 @pytest.mark.parametrize(("entry", "field"), [
