@@ -1,11 +1,12 @@
 """``smooth``: SmoothQuant (``quant.algorithms: [{kind: smoothquant, alpha: 0.5}]``; Xiao et
 al. 2023): migrate activation outliers into the weights of the Linear layers reading them.
 
-For every value ``x`` read by Linear layers only (the q/k/v projections of one LayerNorm
+For every value ``x`` read by Linear layers only (the q/k/v projections of one norm
 form one group), with ``a_j = max|x_j|`` over the example inputs (per input channel ``j``)
 and ``w_j`` the largest ``|W[:, j]|`` over the group's weights, the scale is
 ``s_j = a_j^alpha / w_j^(1 - alpha)`` (clamped to at least 1e-5): the producer of ``x``
-absorbs ``1 / s_j`` (a LayerNorm's weight and bias, or a Linear's output row and bias)
+absorbs ``1 / s_j`` (a LayerNorm's weight and bias, an RMSNorm's weight, the 1-D weight
+a hand-written RMSNorm multiplies by last, or a Linear's output row and bias)
 and each Linear's weight column ``j`` is multiplied by ``s_j``. Exact in float; the
 activation's outlier channels shrink, the weights' grow to match (``alpha`` chooses how
 far). A value whose producer cannot absorb the scale (a GELU, an input, a LayerNorm
@@ -93,25 +94,49 @@ def _statistics(gm: GraphModule, ctx: Context, watch: set[Node], where: str
     return stats.amax
 
 
+def _param_node(value: Any) -> str | None:
+    return str(value.target) if isinstance(value, Node) and value.op == "get_attr" else None
+
+
 def _layer_norm(gm: GraphModule, node: Node) -> tuple[str, str | None, int] | None:
-    """(weight target, bias target, channels) of a LayerNorm over the last dim with
-    affine parameters, else None."""
+    """(weight target, bias target, channels) of a producer that ends in a per-channel
+    affine over the last dim, else None: a LayerNorm or RMSNorm with affine parameters
+    (module or functional), or a product with a 1-D parameter (a hand-written RMSNorm's
+    ``x * rsqrt(...) * self.weight``, as Llama-style models write it)."""
     if node.op == "call_module":
         m = gm.get_submodule(str(node.target))
-        if type(m) is not nn.LayerNorm or m.weight is None or len(m.normalized_shape) != 1:
+        if type(m) not in (nn.LayerNorm, nn.RMSNorm) or m.weight is None or len(
+                m.normalized_shape) != 1:
             return None
         t = str(node.target)
-        return f"{t}.weight", (f"{t}.bias" if m.bias is not None else None), m.weight.numel()
-    if op_name(node) != "layer_norm" or node.op != "call_function":
+        bias = getattr(m, "bias", None)
+        return f"{t}.weight", (f"{t}.bias" if bias is not None else None), m.weight.numel()
+    if node.op != "call_function":
+        return None
+    op = op_name(node)
+    if op == "mul" and len(node.args) == 2 and not node.kwargs:
+        for this, other in (node.args, node.args[::-1]):
+            target = _param_node(this)
+            if target is None or not isinstance(other, Node):
+                continue
+            try:
+                w = gm.get_parameter(target)
+            except AttributeError:
+                return None
+            return (target, None, w.numel()) if w.dim() == 1 else None
+        return None
+    if op not in ("layer_norm", "rms_norm"):
         return None
     shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
     w = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
-    b = node.args[3] if len(node.args) > 3 else node.kwargs.get("bias")
+    b = None
+    if op == "layer_norm":
+        b = node.args[3] if len(node.args) > 3 else node.kwargs.get("bias")
     if not (isinstance(shape, (list, tuple)) and len(shape) == 1):
         return None
-    if not (isinstance(w, Node) and w.op == "get_attr"):
+    if _param_node(w) is None:
         return None
-    if b is not None and not (isinstance(b, Node) and b.op == "get_attr"):
+    if b is not None and _param_node(b) is None:
         return None
     return str(w.target), (str(b.target) if b is not None else None), int(shape[0])
 
@@ -134,6 +159,8 @@ def _producer_params(gm: GraphModule, x: Node, linears: list[Layer], names: Any,
         others = sorted(u.name for u in x.users if u not in {lay.node for lay in linears})
         return f"{x.name} is also read by {', '.join(others)}"
     ln = _layer_norm(gm, x)
+    if ln is not None and ln[2] != gm.get_parameter(linears[0].weight).shape[1]:
+        return f"{_describe(gm, x)} scales {ln[2]} channel(s), not the layers' inputs"
     if ln is not None:
         weight, bias, _ = ln
         if x.op == "call_module" and calls[str(x.target)] > 1:
@@ -148,8 +175,8 @@ def _producer_params(gm: GraphModule, x: Node, linears: list[Layer], names: Any,
         if not exclusive(producer, gm, names, calls):
             return f"{producer.name} shares its parameters or is called twice"
         return [producer.weight] + ([producer.bias] if producer.bias else []), producer.name
-    return (f"{_describe(gm, x)} is not a LayerNorm with affine parameters or a Linear, "
-            "so it cannot absorb the scales")
+    return (f"{_describe(gm, x)} is not a LayerNorm / RMSNorm with affine parameters, a "
+            "product with a per-channel parameter or a Linear, so it cannot absorb the scales")
 
 
 def _describe(gm: GraphModule, x: Node) -> str:

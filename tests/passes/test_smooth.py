@@ -181,10 +181,11 @@ def test_nothing_to_smooth_leaves_the_graph_unchanged():
     sa, sb = with_sq.state_dict(), without.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert notes(with_sq) == [
-        "not smoothed 0: model input 'input' is not a LayerNorm with affine parameters or "
-        "a Linear, so it cannot absorb the scales",
-        "not smoothed 2: 1 (GELU) is not a LayerNorm with affine parameters or a Linear, "
-        "so it cannot absorb the scales",
+        "not smoothed 0: model input 'input' is not a LayerNorm / RMSNorm with affine "
+        "parameters, a product with a per-channel parameter or a Linear, so it cannot absorb "
+        "the scales",
+        "not smoothed 2: 1 (GELU) is not a LayerNorm / RMSNorm with affine parameters, a "
+        "product with a per-channel parameter or a Linear, so it cannot absorb the scales",
         "quant.algorithms[0] (smoothquant): no Linear layer whose input a LayerNorm or "
         "Linear produces (and nothing else reads); graph unchanged"]
 
@@ -196,3 +197,53 @@ def test_training_mode_and_buffers_restored():
     gm = qc.qcompile(m, spec(), example_inputs=(x,))
     assert all(mod.training for mod in gm.modules())
     assert any(n.startswith("smoothed 0 -> 2") for n in notes(gm)), notes(gm)
+
+
+class HandRMSNorm(nn.Module):
+    """Llama's RMSNorm as Llama's code writes it: the weight multiplies last."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class RMSBlock(nn.Module):
+    def __init__(self, norm: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.RMSNorm(D) if norm == "module" else HandRMSNorm(D)
+        self.q, self.k = nn.Linear(D, D), nn.Linear(D, D)
+        self.functional = norm == "functional"
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.weight[[2, 9]] *= 40.0  # outlier channels
+
+    def forward(self, x):
+        if self.functional:
+            h = F.rms_norm(x, (D,), self.norm.weight, 1e-6)
+        else:
+            h = self.norm(x)
+        return self.q(h) * self.k(h)
+
+
+@pytest.mark.parametrize("norm", ["module", "functional", "hand"])
+@pytest.mark.parametrize("method", ["symbolic", "export"])
+def test_rmsnorm_fed_projections(norm, method):
+    """RMSNorm (module, functional, hand-written as Llama does) absorbs the scales: the
+    float function is kept, and int8 per-tensor activations lose less."""
+    m = RMSBlock(norm).eval()
+    x = torch.randn(4, 6, D)
+    kw = {"method": method}
+    s = spec(**kw)
+    if method == "export":
+        s["trace"]["dynamic_dims"] = {"x": {0: "batch"}}
+    gm = qc.qcompile(m, s, example_inputs=(x,))
+    smoothed = [n for n in notes(gm) if n.startswith("smoothed")]
+    assert len(smoothed) == 1 and "-> q, k" in smoothed[0], notes(gm)
+    for q in qc.quantizers(gm).values():
+        q.enabled = False
+    with torch.no_grad():
+        assert torch.allclose(gm(x), m(x), atol=1e-5, rtol=1e-5)
