@@ -256,6 +256,39 @@ def case_static_calibration() -> dict[str, Any]:
             "flags": flags(gm), "scale_bits": scales_bits}
 
 
+# -- 3b. data-driven PTQ algorithms, different data per rank ---------------------------------
+def algorithms_spec(sync: bool = True) -> dict[str, Any]:
+    spec = static_spec(sync)
+    spec["quant"]["algorithms"] = [{"kind": "gptq", "block_size": 4}, {"kind": "bias_correction"}]
+    for rule in spec["quant"]["rules"]:
+        if rule.get("weight"):
+            rule["weight"]["dtype"] = "int4"
+    return spec
+
+
+def case_static_algorithms() -> dict[str, Any]:
+    """GPTQ's Hessians and bias correction's means are summed across the ranks: every rank
+    rounds and corrects the same way, from both ranks' data."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gm = compiled(algorithms_spec())
+    qc.calibrate(gm, calibration_batches(rank))
+    everything = [b for r in range(world) for b in calibration_batches(r)]
+    ref = compiled(algorithms_spec(sync=False))
+    qc.calibrate(ref, everything)
+    alone = compiled(algorithms_spec(sync=False))
+    qc.calibrate(alone, calibration_batches(rank))
+    names = [n for n, _ in gm.named_parameters()]
+    got, want = dict(gm.named_parameters()), dict(ref.named_parameters())
+    mine = dict(alone.named_parameters())
+    x = torch.cat([b[0] for b in everything])
+    with torch.no_grad():
+        out_gap = float((gm(x) - ref(x)).abs().max() / ref(x).abs().max())
+    return {"differ_across_ranks": differing_from_rank0({n: got[n].detach() for n in names}),
+            "max_param_gap": max(float((got[n] - want[n]).abs().max()) for n in names),
+            "own_data_gap": max(float((mine[n] - want[n]).abs().max()) for n in names),
+            "out_gap": out_gap, "records": [p.name for p in qc.report(gm).passes[-2:]]}
+
+
 # -- 4. the sync is fused --------------------------------------------------------------------
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast",
                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "reduce",

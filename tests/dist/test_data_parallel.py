@@ -36,7 +36,8 @@ GRACE = 5.0  # seconds a rank may outlive its failed peer before it is killed
 # every case the worker knows, in the order one launch runs them; the cases after
 # "wrong_order" record known failures, and compile_once_static_synced (which leaves the
 # process group unusable) must stay last
-ORDER = ["ddp_qat_observers", "ddp_fixed_scales", "static_calibration", "fused_sync",
+ORDER = ["ddp_qat_observers", "ddp_fixed_scales", "static_calibration", "static_algorithms",
+         "fused_sync",
          "fsdp2_fixed_scales", "fsdp2_learnable_grads", "fsdp2_bf16", "fsdp2_state_dict",
          "compile_once_qat", "compile_once_static", "cache_shared", "cache_concurrent",
          "hand_written_ddp", "wrong_order", "ddp_learnable_from_scratch",
@@ -104,6 +105,20 @@ def test_ddp_fixed_scales_match_single_process(dist_run: Any) -> None:
 
 
 # -- 3. static calibration, different data per rank -------------------------------------------
+@uses("static_algorithms")
+def test_data_driven_algorithms_use_every_ranks_data(dist_run: Any) -> None:
+    """gptq + bias_correction with a different calibration set per rank: the weights and
+    biases are bit-identical on both ranks, and match one process running on both ranks'
+    batches (up to the order in which the statistics were summed), while a rank's own
+    data alone gives other weights."""
+    for rank, r in enumerate(dist_run.case("static_algorithms")):
+        assert r["differ_across_ranks"] == [], f"rank {rank}: {r['differ_across_ranks']}"
+        assert r["records"] == ["round_gptq.calibrate", "correct_bias.calibrate"]
+        assert r["max_param_gap"] < 1e-4, r
+        assert r["out_gap"] < 1e-4, r
+        assert r["own_data_gap"] > 1e-3, r
+
+
 @uses("static_calibration")
 def test_static_calibration_syncs_to_all_data(dist_run: Any) -> None:
     """Each rank calibrates on its own batches; ``qc.calibrate`` syncs at its end, so every
