@@ -69,8 +69,12 @@ def calibrate(gm: nn.Module, batches: Iterable[Any], *, sync: bool | None = None
     ranks at the end, so every rank must call it; ``sync=False`` keeps them local.
     ``progress`` shows a tqdm bar when stderr is a terminal.
 
-    Only static graphs are calibrated: QAT graphs learn their ranges while training and
-    dynamic graphs compute activation qparams from every batch."""
+    The data-driven entries of ``quant.algorithms`` (``gptq``, ``adaround``,
+    ``bias_correction``) run first, in the spec's order, on the same batches (held in a
+    list meanwhile); then the observers see the final weights. A dynamic graph is
+    calibrated only for those. Otherwise only static graphs are calibrated: QAT graphs learn
+    their ranges while training and dynamic graphs compute activation qparams from every
+    batch."""
     todo = pending(gm)
     mode = _mode(gm)
     if not todo or mode != "dynamic":

@@ -191,3 +191,13 @@ def test_fp8_and_grouped_convolutions_are_left_with_a_note():
                      example_inputs=(torch.randn(2, 4, 8, 8),))
     notes = qc.report(gm).passes[-1].notes
     assert any("dw left to round-to-nearest: a grouped convolution (groups=4)" in n for n in notes)
+
+
+def test_no_batches_or_empty_batches_are_refused():
+    gm = qc.qcompile(mlp(), spec([GPTQ]), example_inputs=(CALIB[0],))
+    with pytest.raises(QCompileError, match="calibrate: no batches were given"):
+        qc.calibrate(gm, [], progress=False)
+    with pytest.raises(QCompileError) as info:
+        qc.calibrate(gm, [torch.randn(0, 16)], progress=False)
+    assert "quant.algorithms[0] (gptq): layer 0 saw no calibration data" in str(info.value)
+    assert qc.report(gm).passes[-1].name == "round_gptq"  # still pending
