@@ -39,7 +39,15 @@ from qcompile.graph.context import Context
 from qcompile.graph.meta import FIXED_GRID_KEY, PENDING_ALGORITHMS_KEY, REPORT_KEY, SPEC_KEY
 from qcompile.graph.records import PassRecord
 from qcompile.graph.running import untouched
-from qcompile.runtime.layerwise import QuantLayer, Reduce, Stats, Sweep, levels, quantized_layers
+from qcompile.runtime.layerwise import (
+    QuantLayer,
+    Reduce,
+    Stats,
+    Sweep,
+    Walker,
+    levels,
+    quantized_layers,
+)
 from qcompile.specs.quant import FP8_MAX
 
 
@@ -82,8 +90,8 @@ def usable(gm: nn.Module, *, gram: bool) -> tuple[list[QuantLayer], list[tuple[s
         reason = None
         if q.dtype in FP8_MAX:
             reason = f"{q.dtype} weights (not an integer grid)"
-        elif (layer.owner, layer.weight) in shared:
-            reason = "its weight is shared with another layer"
+        elif (layer.owner, layer.weight) in shared or not layer.exclusive:
+            reason = "its weight is shared with another layer or op"
         elif gram:
             reason = layer.why_no_gram()
         if reason is None:
@@ -143,8 +151,15 @@ class Data:
             from tqdm import tqdm
 
             steps = tqdm(steps, desc=desc, unit="level", leave=False)
+        walker = Walker(self.gm, self.batches, reduce=self.reduce) if Walker.fits(
+            self.gm) else None
         for group in steps:
-            yield group, self.sweep(gram=group if gram else (), mean=group if mean else ())
+            if walker is None:
+                yield group, self.sweep(gram=group if gram else (), mean=group if mean else ())
+                continue
+            with untouched(self.gm):
+                stats = walker.sweep(gram=group if gram else (), mean=group if mean else ())
+            yield group, stats
 
     def sweep(self, *, gram: Sequence[QuantLayer] = (), mean: Sequence[QuantLayer] = (),
               float_model: bool = False) -> Stats:

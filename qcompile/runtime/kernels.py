@@ -14,7 +14,19 @@ them run under ``torch.compile`` and ``torch.export``):
   ``x``; the scale gradient is summed in float64, in a fixed order);
 - the pieces they are made of: ``fake_quant_ste_fwd`` (output and bit mask),
   ``fake_quant_ste_bwd``, ``fake_quant_lsq_bwd``; ``fake_quant_bwd(grad, mask)`` (a bool
-  mask of ``grad``'s shape); and ``fake_quant_isa()`` (the instruction set in use).
+  mask of ``grad``'s shape); ``fake_quant_isa()`` (the instruction set in use) and
+  ``fake_quant_release_cache()`` (see ``release_cache``).
+
+With gradients, a call records exactly one autograd node (``FakeQuantSTEBackward`` /
+``FakeQuantLSQBackward``, C++ nodes like torch's generated ones: no Python runs in the
+forward or the backward). Outputs of 1 MB and more are allocated from a small cache of
+freed blocks (at most ``QCOMPILE_FQ_POOL_MB``, default 256, 0 turns it off): a fresh
+output's page faults cost more than the kernel writing it, and training frees and
+re-allocates the same sizes every step.
+
+Under ``torch.compile`` (dynamo tracing) ``quant_math`` uses the eager formula instead of
+these operators, so Inductor fuses the fake-quant into its own kernels (CPU and CUDA);
+``torch.export`` records ``qcompile::fake_quant`` itself.
 
 ``scale`` and ``zero_point`` broadcast against ``x`` as in the eager formula: one value
 (per-tensor), a ``[1, .., C, .., 1]`` view (per-channel), ``[rows, groups, 1]`` against
@@ -128,6 +140,19 @@ def load() -> Any:
             RuntimeWarning, stacklevel=2)
         return None
     return ops
+
+
+def release_cache() -> int:
+    """Free the output blocks the kernels keep for reuse (at most ``QCOMPILE_FQ_POOL_MB``);
+    returns the bytes freed (0 without the kernels).
+
+    Example:
+        >>> from qcompile.runtime import kernels
+        >>> kernels.release_cache() >= 0
+        True
+    """
+    ops = load()
+    return int(ops.fake_quant_release_cache()) if ops is not None else 0
 
 
 @torch.compiler.assume_constant_result

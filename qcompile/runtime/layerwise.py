@@ -61,6 +61,7 @@ class QuantLayer:
     dilation: tuple[int, ...] = ()
     groups: int = 1
     kernel: tuple[int, ...] = ()  # the weight's spatial size (conv)
+    exclusive: bool = True  # the weight (and its quantizer) is read by this node only
 
     @property
     def key(self) -> str:
@@ -151,8 +152,9 @@ def _layer(owner_name: str, owner: GraphModule, node: Node) -> QuantLayer | None
         stride, padding, dilation, groups = _conv_args(node)
         conv = {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups,
                 "kernel": tuple(owner.get_parameter(weight).shape[2:])}
+    only = len(fq_node.users) == 1 and len(fq_node.args[0].users) == 1
     return QuantLayer(owner_name, node.name, weight.rpartition(".")[0] or node.name, op,
-                      weight, bias, str(fq_node.target), **conv)
+                      weight, bias, str(fq_node.target), exclusive=only, **conv)
 
 
 def quantized_layers(gm: nn.Module) -> list[QuantLayer]:
@@ -350,6 +352,113 @@ class Sweep:
                 offset += n
             for i, layer in enumerate(layers):
                 counts[layer] = round(float(flat[offset + i]))
+
+
+def _in_place(node: Node) -> bool:
+    name = str(node.target) if node.op == "call_method" else getattr(
+        node.target, "__name__", "")
+    return node.op in ("call_method", "call_function") and name.endswith("_") and \
+        not name.endswith("__")
+
+
+class Walker:
+    """The calibration batches' way through the root graph, level after level: each
+    ``sweep`` continues every batch from where the previous one stopped, so a graph of
+    ``L`` levels costs about one forward per batch in all, not ``L``.
+
+    A sweep runs every node whose inputs are ready, except the watched layers of this
+    level (their inputs are measured; for ``mean`` they also run, for their outputs) and
+    everything downstream of them: those run in a later sweep, through whatever the
+    algorithm changed. Values that no pending node reads are dropped. Nodes that read no
+    input (a weight and its fake-quant) are computed once per sweep, for all batches, so a
+    changed weight is seen at once. Memory: the values crossing the current level, per
+    batch. Graphs with stages or in-place ops (whose cached values could be stale) use
+    ``Sweep`` instead (``Walker.fits``)."""
+
+    def __init__(self, gm: GraphModule, batches: Sequence[Any], *,
+                 reduce: Reduce | None = None) -> None:
+        self.gm = gm
+        self.reduce = reduce
+        ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        helper = Sweep(gm, batches)
+        self.envs: list[dict[Node, Any]] = []
+        for batch in batches:
+            args = list(gm.graph.process_inputs(*helper._positional(batch)))
+            env: dict[Node, Any] = {}
+            for i, n in enumerate(ph):
+                env[n] = args[i] if i < len(args) else (n.args[0] if n.args else None)
+            self.envs.append(env)
+        self.interp = Interpreter(gm)
+        self.nodes: list[Node] = []
+        self.constant: set[Node] = set()
+
+    def _scan(self) -> None:
+        """The graph's nodes and which of them read no input (a pass may have added nodes
+        since the last sweep, e.g. bias_correction's new bias)."""
+        self.nodes = [n for n in self.gm.graph.nodes if n.op != "output"]
+        varying = {n for n in self.nodes if n.op == "placeholder"}
+        for n in self.nodes:
+            if any(a in varying for a in n.all_input_nodes):
+                varying.add(n)
+        self.constant = {n for n in self.nodes if n not in varying}
+
+    @staticmethod
+    def fits(gm: GraphModule) -> bool:
+        for n in gm.graph.nodes:
+            if _in_place(n):
+                return False
+            if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)),
+                                                    GraphModule):
+                return False
+        return True
+
+    def _run(self, n: Node, value: Callable[[Node], Any]) -> Any:
+        args = torch.fx.node.map_arg(n.args, value)
+        kwargs = torch.fx.node.map_arg(n.kwargs, value)
+        return getattr(self.interp, n.op)(n.target, args, kwargs)
+
+    def sweep(self, *, gram: Sequence[QuantLayer] = (), mean: Sequence[QuantLayer] = ()
+              ) -> Stats:
+        """Statistics of ``gram`` / ``mean`` layers (root-graph layers of one level)."""
+        self._scan()
+        collect = Sweep(self.gm, (), gram=gram, mean=mean, reduce=self.reduce)
+        watched = {layer.node: layer for layer in (*gram, *mean)}
+        consts: dict[Node, Any] = {}
+
+        for index, env in enumerate(self.envs):
+            def value(a: Node, env: dict[Node, Any] = env) -> Any:
+                if a in self.constant:
+                    if a not in consts:
+                        consts[a] = self._run(a, value)
+                    return consts[a]
+                return env[a]
+            held: set[Node] = set()
+            try:
+                for n in self.nodes:
+                    if n in env or n in self.constant:
+                        continue
+                    if any(a in held or (a not in env and a not in self.constant)
+                           for a in n.all_input_nodes):
+                        held.add(n)
+                        continue
+                    layer = watched.get(n.name)
+                    if layer is not None:
+                        if layer in collect.gram_layers:
+                            collect.add_gram(layer, value(n.args[0]))
+                        if layer in collect.mean_layers:
+                            collect.add_out(layer, self._run(n, value))
+                        held.add(n)  # runs again next sweep, with what the algorithm changed
+                        continue
+                    env[n] = self._run(n, value)
+            except Exception as e:
+                raise BatchFailed(index) from e
+            pending_users = {a for n in held for a in n.all_input_nodes}
+            for n in [n for n in env if n not in pending_users and n.op != "placeholder"]:
+                if all(u in env for u in n.users):
+                    del env[n]  # every reader has run: not needed again
+        if self.reduce is not None:
+            collect._reduce()
+        return collect.stats
 
 
 def weight_grid(q: FakeQuantize, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -197,7 +197,14 @@ def fake_quantize_eager(
 
 def _fused(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> bool:
     """Whether the fused CPU kernels take this call: CPU, floating point, and qparams that
-    broadcast to ``x``'s own shape (the eager formula would grow the output otherwise)."""
+    broadcast to ``x``'s own shape (the eager formula would grow the output otherwise).
+
+    Never while ``torch.compile`` (dynamo) traces: the C++ operators are opaque to
+    Inductor (an extern call each way), the eager formula is elementwise tensor ops that
+    Inductor fuses with its neighbours into one kernel forward and one backward, on CPU
+    and CUDA. ``torch.export`` (non-strict) still records the operator, for deployment."""
+    if torch.compiler.is_dynamo_compiling():
+        return False
     if not (x.is_cpu and x.is_floating_point() and kernels.available()):
         return False
     shape = x.shape

@@ -20,16 +20,24 @@
 
 #ifndef QCOMPILE_FQ_KERNEL_BODY
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/empty_strided.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <c10/util/strides.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
 #include <sys/mman.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -37,6 +45,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -108,8 +117,6 @@ namespace qcompile_fq::isa_base {
 namespace qcompile_fq {
 
 using at::Tensor;
-using torch::autograd::AutogradContext;
-using torch::autograd::tensor_list;
 
 constexpr int64_t kRowMin = 16;       // shorter rows run in column mode
 constexpr int64_t kGrain = 32768;     // elements per parallel task, at least
@@ -138,27 +145,142 @@ static const KernelTable& kernels() {
   return want && *want ? *pick(want) : *best;
 }
 
-// Outputs of 32 MB and more (glibc maps each in pages of its own: 16K page faults, each
-// zeroing 4 KB) are advised into transparent huge pages where the kernel offers them
-// madvise-only: the first touch costs 512x fewer faults. QCOMPILE_FQ_THP=0 turns it off.
+// -- output buffers ----------------------------------------------------------------------
+// A fresh output costs more than the kernel writing it: glibc maps every block of 32 MB
+// and more (and, after the heap is trimmed, smaller ones too) in new pages, and the first
+// touch of each faults and zeroes it (a 64 MB output: 16K faults, ~5x the time of copying
+// into an existing buffer). A QAT step frees and re-allocates the same sizes every step
+// (weight gradients at zero_grad, activation outputs after backward), so outputs of
+// kPoolMin bytes and more come from a small cache of freed blocks, exact size, most
+// recently freed first, at most QCOMPILE_FQ_POOL_MB (default 256) held; 0 turns it off.
+// Blocks are 2 MB aligned and, from 32 MB, advised into transparent huge pages where the
+// kernel offers them madvise-only (QCOMPILE_FQ_THP=0 turns that off): 512x fewer faults
+// the first time. fake_quant_release_cache() frees what is held.
+constexpr size_t kPoolMin = size_t(1) << 20;
 constexpr size_t kHugeMin = size_t(32) << 20;
+constexpr size_t kHugeAlign = size_t(2) << 20;
 
-static Tensor advise_huge(Tensor t) {
-#ifdef MADV_HUGEPAGE
-  static const bool on = [] {
-    const char* v = std::getenv("QCOMPILE_FQ_THP");
-    return !(v && std::string(v) == "0");
-  }();
-  const size_t nbytes = t.nbytes();
-  if (on && nbytes >= kHugeMin) {
-    constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-    const auto p = reinterpret_cast<uintptr_t>(t.data_ptr());
-    const uintptr_t b = (p + kHuge - 1) & ~(kHuge - 1), e = (p + nbytes) & ~(kHuge - 1);
-    if (e > b) madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE);  // a hint only
-  }
-#endif
-  return t;
+static size_t env_mb(const char* name, size_t fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? static_cast<size_t>(std::strtoull(v, nullptr, 10)) : fallback;
 }
+
+class OutputPool final : public c10::Allocator {
+ public:
+  // Never destroyed: tensors freed during interpreter exit still return their blocks here.
+  static OutputPool& get() {
+    static OutputPool* pool = new OutputPool();
+    return *pool;
+  }
+
+  c10::DataPtr allocate(size_t n) override {
+    Block* b = take(n);
+    if (b == nullptr) {
+      void* p = nullptr;
+      TORCH_CHECK(posix_memalign(&p, kHugeAlign, std::max<size_t>(n, 1)) == 0,
+                  "qcompile fake_quant: out of memory allocating ", n, " bytes");
+#ifdef MADV_HUGEPAGE
+      if (thp_ && n >= kHugeMin) madvise(p, n & ~(kHugeAlign - 1), MADV_HUGEPAGE);  // a hint
+#endif
+      b = new Block{p, n};
+    }
+    return {b->p, b, &OutputPool::release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  bool enabled() const { return cap_ > 0; }
+
+  // Free every held block; returns the bytes freed.
+  int64_t clear() {
+    std::vector<Block*> drop;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      drop.swap(free_);
+      held_ = 0;
+    }
+    int64_t bytes = 0;
+    for (Block* b : drop) {
+      bytes += static_cast<int64_t>(b->n);
+      destroy(b);
+    }
+    return bytes;
+  }
+
+ private:
+  struct Block {
+    void* p;
+    size_t n;
+  };
+
+  OutputPool()
+      : cap_(env_mb("QCOMPILE_FQ_POOL_MB", 256) << 20),
+        thp_(!(std::getenv("QCOMPILE_FQ_THP") && std::string(std::getenv("QCOMPILE_FQ_THP")) == "0")) {}
+
+  static void destroy(Block* b) {
+    std::free(b->p);
+    delete b;
+  }
+
+  Block* take(size_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = free_.rbegin(); it != free_.rend(); ++it) {
+      if ((*it)->n == n) {
+        Block* b = *it;
+        free_.erase(std::next(it).base());
+        held_ -= n;
+        return b;
+      }
+    }
+    return nullptr;
+  }
+
+  static void release(void* ctx) { get().put(static_cast<Block*>(ctx)); }
+
+  void put(Block* b) {
+    std::vector<Block*> drop;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (b->n <= cap_) {
+        size_t k = 0;  // evict the oldest until it fits
+        while (held_ + b->n > cap_ && k < free_.size()) held_ -= free_[k++]->n;
+        drop.assign(free_.begin(), free_.begin() + k);
+        free_.erase(free_.begin(), free_.begin() + k);
+        free_.push_back(b);
+        held_ += b->n;
+        b = nullptr;
+      }
+    }
+    for (Block* d : drop) destroy(d);  // outside the lock
+    if (b != nullptr) destroy(b);
+  }
+
+  const size_t cap_;
+  const bool thp_;
+  std::mutex mu_;
+  std::vector<Block*> free_;  // oldest first
+  size_t held_ = 0;
+};
+
+// An uninitialised CPU tensor of the given sizes and strides, from the pool when large.
+static Tensor empty_out(at::IntArrayRef sizes, at::IntArrayRef strides, at::ScalarType dtype) {
+  OutputPool& pool = OutputPool::get();
+  const int64_t n = c10::multiply_integers(sizes);
+  if (!pool.enabled() || static_cast<size_t>(n) * c10::elementSize(dtype) < kPoolMin) {
+    return at::empty_strided(sizes, strides, at::TensorOptions().dtype(dtype));
+  }
+  return at::detail::empty_strided_generic(sizes, strides, &pool,
+                                           c10::DispatchKeySet(c10::DispatchKey::CPU), dtype);
+}
+
+// like at::empty_like(t) for a non-overlapping and dense t (same strides)
+static Tensor empty_out_like(const Tensor& t, at::ScalarType dtype) {
+  return empty_out(t.sizes(), t.strides(), dtype);
+}
+
+int64_t release_cache() { return OutputPool::get().clear(); }
 
 static bool native(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16;
@@ -180,7 +302,7 @@ struct Layout {
 
 static Tensor dense(const Tensor& t) {
   if (t.is_non_overlapping_and_dense()) return t;
-  Tensor d = at::empty_like(t);
+  Tensor d = empty_out(t.sizes(), c10::contiguous_strides(t.sizes()), t.scalar_type());
   d.copy_(t);
   return d;
 }
@@ -349,7 +471,7 @@ static Job make_job(const Layout& L, int64_t qmin, int64_t qmax) {
 // grad aligned with x's (dense) layout and dtype
 static Tensor like_x(const Tensor& grad, const Tensor& x) {
   if (grad.scalar_type() == x.scalar_type() && grad.strides() == x.strides()) return grad;
-  Tensor g = at::empty_like(x);
+  Tensor g = empty_out_like(x, x.scalar_type());
   g.copy_(grad);
   return g;
 }
@@ -381,7 +503,7 @@ Tensor fake_quant_cpu(const Tensor& x, const Tensor& scale, const Tensor& zero_p
   }
   if (x.numel() == 0) return at::empty_like(x);
   Layout L = make_layout(x, scale, zero_point);
-  Tensor out = advise_huge(at::empty_like(L.x));
+  Tensor out = empty_out_like(L.x, L.x.scalar_type());
   run_fwd(L, out, Tensor(), quant_min, quant_max);
   return out;
 }
@@ -397,7 +519,7 @@ std::tuple<Tensor, Tensor> fake_quant_ste_fwd_cpu(const Tensor& x, const Tensor&
   Tensor bits = at::empty({packed_bytes(x.numel())}, x.options().dtype(at::kByte));
   if (x.numel() == 0) return {at::empty_like(x), bits};
   Layout L = make_layout(x, scale, zero_point);
-  Tensor out = advise_huge(at::empty_like(L.x));
+  Tensor out = empty_out_like(L.x, L.x.scalar_type());
   run_fwd(L, out, bits, quant_min, quant_max);
   return {out, bits};
 }
@@ -411,7 +533,7 @@ Tensor fake_quant_bwd_cpu(const Tensor& grad, const Tensor& mask_in) {
     return fake_quant_bwd_cpu(grad.to(at::kFloat), mask_in).to(grad.scalar_type());
   }
   const Tensor mask = dense(mask_in);
-  Tensor gx = advise_huge(at::empty_like(mask, grad.options()));
+  Tensor gx = empty_out_like(mask, grad.scalar_type());
   if (mask.numel() == 0) return gx;
   Tensor g = like_x(grad, gx);
   Job j;
@@ -433,7 +555,7 @@ Tensor fake_quant_ste_bwd_cpu(const Tensor& grad, const Tensor& mask,
     return fake_quant_ste_bwd_cpu(grad.to(at::kFloat), mask, stride_sym)
         .to(grad.scalar_type());
   }
-  Tensor gx = advise_huge(at::empty_strided(grad.sizes(), stride, grad.options()));
+  Tensor gx = empty_out(grad.sizes(), stride, grad.scalar_type());
   if (gx.numel() == 0) return gx;
   TORCH_CHECK(gx.is_non_overlapping_and_dense() && mask.scalar_type() == at::kByte &&
                   mask.is_contiguous() && mask.numel() == packed_bytes(gx.numel()),
@@ -464,7 +586,7 @@ std::tuple<Tensor, Tensor> fake_quant_lsq_bwd_cpu(const Tensor& grad, const Tens
   if (x.numel() == 0) return {at::empty_like(x, grad.options()), grad_scale.zero_()};
   Layout L = make_layout(x, scale, zero_point);
   Tensor g = like_x(grad, L.x);
-  Tensor gx = advise_huge(at::empty_like(L.x));
+  Tensor gx = empty_out_like(L.x, L.x.scalar_type());
   Job j = make_job(L, quant_min, quant_max);
   j.g = g.const_data_ptr();
   j.gx = gx.mutable_data_ptr();
@@ -562,65 +684,105 @@ using BwdSig = Tensor(const Tensor&, const Tensor&, c10::SymIntArrayRef);
 using LsqBwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
                                              const Tensor&, int64_t, int64_t, double);
 
-struct FakeQuantSTE : public torch::autograd::Function<FakeQuantSTE> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& scale,
-                        const Tensor& zero_point, int64_t quant_min, int64_t quant_max) {
-    static const auto fwd = op<FwdSig>("qcompile::fake_quant_ste_fwd");
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, mask] = fwd.call(x, scale, zero_point, quant_min, quant_max);
-    ctx->save_for_backward({mask});  // 1 bit per element
-    ctx->saved_data["stride"] = out.sym_strides();
-    return out;
-  }
-  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+// One autograd node per call, built as torch's generated nodes are (a Node subclass
+// holding SavedVariables; set_history on the output), not with torch::autograd::Function:
+// its generic machinery (a context of IValue maps, per-output bookkeeping, wrapping) cost
+// more per call than a small tensor's kernels, forward and backward. An undefined
+// incoming gradient (output unused) gives undefined gradients, as generated nodes do.
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+struct FakeQuantSTEBackward final : public Node {
+  SavedVariable mask;              // 1 bit per element
+  std::vector<c10::SymInt> stride;  // of the forward output (the gradient's layout)
+
+  std::string name() const override { return "FakeQuantSTEBackward"; }
+  void release_variables() override { mask.reset_data(); }
+  variable_list apply(variable_list&& grads) override {
     static const auto bwd = op<BwdSig>("qcompile::fake_quant_ste_bwd");
-    const auto saved = ctx->get_saved_variables();
-    const auto stride = ctx->saved_data["stride"].toSymIntVector();
-    return {bwd.call(grads[0], saved[0], stride), Tensor(), Tensor(), Tensor(), Tensor()};
+    variable_list out(num_outputs());  // x, scale (the scale gets none: straight-through)
+    if (grads[0].defined() && should_compute_output(0)) {
+      out[0] = bwd.call(grads[0], mask.unpack(), stride);
+    }
+    return out;
   }
 };
 
-struct FakeQuantLSQ : public torch::autograd::Function<FakeQuantLSQ> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& scale,
-                        const Tensor& zero_point, int64_t quant_min, int64_t quant_max,
-                        double grad_factor) {
-    static const auto fq = op<FqSig>("qcompile::fake_quant");
-    at::AutoDispatchBelowADInplaceOrView guard;
-    // the zero point as of this forward (as eager, which saves zero_point.float())
-    ctx->save_for_backward({x, scale, zero_point.to(at::kFloat)});
-    ctx->saved_data["qmin"] = quant_min;
-    ctx->saved_data["qmax"] = quant_max;
-    ctx->saved_data["factor"] = grad_factor;
-    return fq.call(x, scale, zero_point, quant_min, quant_max);
+struct FakeQuantLSQBackward final : public Node {
+  SavedVariable x, scale, zero_point;  // zero_point as float, as of the forward
+  int64_t quant_min = 0, quant_max = 0;
+  double grad_factor = 0.0;
+
+  std::string name() const override { return "FakeQuantLSQBackward"; }
+  void release_variables() override {
+    x.reset_data();
+    scale.reset_data();
+    zero_point.reset_data();
   }
-  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+  variable_list apply(variable_list&& grads) override {
     static const auto bwd = op<LsqBwdSig>("qcompile::fake_quant_lsq_bwd");
-    const auto saved = ctx->get_saved_variables();
-    auto [gx, gs] = bwd.call(grads[0], saved[0], saved[1], saved[2],
-                             ctx->saved_data["qmin"].toInt(), ctx->saved_data["qmax"].toInt(),
-                             ctx->saved_data["factor"].toDouble());
-    return {gx, gs, Tensor(), Tensor(), Tensor(), Tensor()};
+    variable_list out(num_outputs());  // x, scale
+    if (!grads[0].defined() || !(should_compute_output(0) || should_compute_output(1))) {
+      return out;
+    }
+    auto [gx, gs] = bwd.call(grads[0], x.unpack(), scale.unpack(), zero_point.unpack(),
+                             quant_min, quant_max, grad_factor);
+    if (should_compute_output(0)) out[0] = std::move(gx);
+    if (should_compute_output(1)) out[1] = std::move(gs);
+    return out;
   }
 };
+
+template <typename N>
+static c10::intrusive_ptr<N> new_node(const Tensor& x, const Tensor& scale) {
+  auto node = c10::make_intrusive<N>();
+  node->set_next_edges(torch::autograd::collect_next_edges(x, scale));
+  return node;
+}
+
+static bool needs_grad(const Tensor& x, const Tensor& scale) {
+  return at::GradMode::is_enabled() && (x.requires_grad() || scale.requires_grad());
+}
 
 Tensor fake_quant_autograd(const Tensor& x, const Tensor& scale, const Tensor& zero_point,
                            int64_t quant_min, int64_t quant_max) {
-  if (!(at::GradMode::is_enabled() && (x.requires_grad() || scale.requires_grad()))) {
-    static const auto fq = op<FqSig>("qcompile::fake_quant");
+  static const auto fq = op<FqSig>("qcompile::fake_quant");
+  static const auto fwd = op<FwdSig>("qcompile::fake_quant_ste_fwd");
+  if (!needs_grad(x, scale)) {
     at::AutoDispatchBelowADInplaceOrView guard;
     return fq.call(x, scale, zero_point, quant_min, quant_max);
   }
-  return FakeQuantSTE::apply(x, scale, zero_point, quant_min, quant_max);
+  auto node = new_node<FakeQuantSTEBackward>(x, scale);
+  Tensor out, mask;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(out, mask) = fwd.call(x, scale, zero_point, quant_min, quant_max);
+  }
+  node->mask = SavedVariable(mask, false);
+  node->stride = out.sym_strides().vec();
+  torch::autograd::set_history(out, node);
+  return out;
 }
 
 Tensor fake_quant_lsq_autograd(const Tensor& x, const Tensor& scale, const Tensor& zero_point,
                                int64_t quant_min, int64_t quant_max, double grad_factor) {
-  if (!(at::GradMode::is_enabled() && (x.requires_grad() || scale.requires_grad()))) {
-    static const auto fq = op<FqSig>("qcompile::fake_quant");
+  static const auto fq = op<FqSig>("qcompile::fake_quant");
+  Tensor out;
+  {
     at::AutoDispatchBelowADInplaceOrView guard;
-    return fq.call(x, scale, zero_point, quant_min, quant_max);
+    out = fq.call(x, scale, zero_point, quant_min, quant_max);
   }
-  return FakeQuantLSQ::apply(x, scale, zero_point, quant_min, quant_max, grad_factor);
+  if (!needs_grad(x, scale)) return out;
+  auto node = new_node<FakeQuantLSQBackward>(x, scale);
+  node->x = SavedVariable(x, false);
+  node->scale = SavedVariable(scale, false);
+  node->zero_point = SavedVariable(zero_point.to(at::kFloat), false);
+  node->quant_min = quant_min;
+  node->quant_max = quant_max;
+  node->grad_factor = grad_factor;
+  torch::autograd::set_history(out, node);
+  return out;
 }
 
 Tensor fake_quant_lsq_cpu(const Tensor& x, const Tensor& scale, const Tensor& zero_point,
@@ -652,6 +814,7 @@ TORCH_LIBRARY(qcompile, m) {
   m.def("fake_quant_lsq_bwd(Tensor grad, Tensor x, Tensor scale, Tensor zero_point, "
         "int quant_min, int quant_max, float grad_factor) -> (Tensor, Tensor)");
   m.def("fake_quant_isa() -> str", &qcompile_fq::isa);
+  m.def("fake_quant_release_cache() -> int", &qcompile_fq::release_cache);
 }
 
 TORCH_LIBRARY_IMPL(qcompile, CPU, m) {
@@ -706,6 +869,17 @@ struct ArrayP {  // one scale per element
   float Z(int64_t i) const { return z[i]; }
 };
 
+// c ? a : b with both computed, as integer bit operations (vectorised; see lsq_block)
+static inline float select(bool c, float a, float b) {
+  uint32_t ua, ub;
+  std::memcpy(&ua, &a, sizeof ua);
+  std::memcpy(&ub, &b, sizeof ub);
+  const uint32_t m = 0u - static_cast<uint32_t>(c), r = (ua & m) | (ub & ~m);
+  float f;
+  std::memcpy(&f, &r, sizeof f);
+  return f;
+}
+
 static inline float clampf(float q, float lo, float hi) {  // NaN passes, like torch.clamp
   const float c = q < lo ? lo : q;
   return c > hi ? hi : c;
@@ -746,7 +920,17 @@ static void for_segments(const Job& j, int64_t b, int64_t e, F&& f) {
 
 // Bit masks: 8 mask bytes (0 / 1) <-> one byte, bit k for element k.
 static inline void pack_bits(const uint8_t* __restrict m, uint8_t* __restrict out, int64_t n) {
-  for (int64_t k = 0; k < n; ++k) {
+  int64_t k = 0;
+#ifdef __AVX2__
+  // 32 mask bytes -> 4 bytes with one movemask (the multiply below needs 64-bit vector
+  // products, which AVX2 lacks: packing cost as much as the rest of the forward)
+  for (; k + 4 <= n; k += 4) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 * k));
+    const uint32_t bits = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(v, 7)));
+    std::memcpy(out + k, &bits, sizeof bits);
+  }
+#endif
+  for (; k < n; ++k) {
     uint64_t v;
     std::memcpy(&v, m + 8 * k, sizeof v);
     out[k] = static_cast<uint8_t>((v * 0x0102040810204080ULL) >> 56);
@@ -846,8 +1030,11 @@ static void lsq_block(const T* __restrict x, const T* __restrict g, T* __restric
     const bool in = (q >= lo) & (q <= hi);
     const float cz = clampf(q, lo, hi) - z;
     const float gv = load_f(g, i);
-    store_f(gx, i, gv * (in ? 1.0f : 0.0f));
-    t[i] = gv * (in ? cz - xs : cz);
+    // Selected bitwise: GCC sinks the operands of a `?:` into its branches and, without
+    // fast-math (they may trap), will not if-convert them back, which left this loop
+    // scalar (13x the forward's time per element).
+    store_f(gx, i, gv * select(in, 1.0f, 0.0f));
+    t[i] = gv * select(in, cz - xs, cz);
   }
 }
 

@@ -116,3 +116,27 @@ def test_the_grid_is_the_quantizers_own(granularity, group, symmetric):
         mine = round_to_grid(w.reshape(w.shape[0], -1), scale, zp, q.quant_min, q.quant_max)
         with torch.no_grad():
             assert torch.equal(mine.reshape(w.shape), q(w.clone()))
+
+
+@pytest.mark.parametrize("model", ["branches", "conv"])
+def test_the_walker_gives_what_running_every_level_from_the_inputs_gives(model, monkeypatch):
+    """Continuing each batch from where the last level stopped (``Walker``) rounds and
+    corrects exactly as re-running the graph from the inputs for every level does."""
+    from qcompile.runtime.layerwise import Walker
+
+    algorithms = [{"kind": "gptq", "block_size": 4}, {"kind": "bias_correction"}]
+    if model == "branches":
+        build, batches, arg = Branches, [torch.randn(3, 4, 8) for _ in range(3)], "x"
+    else:
+        build, batches, arg = ConvNet, [conv_data(4, s) for s in range(3)], "x"
+    s = spec(algorithms, batch_arg=arg)
+
+    def run():
+        gm = qc.qcompile(build(), s, example_inputs=(batches[0],))
+        return qc.calibrate(gm, batches, progress=False).state_dict()
+    walked = run()
+    monkeypatch.setattr(Walker, "fits", staticmethod(lambda gm: False))
+    rerun = run()
+    assert walked.keys() == rerun.keys()
+    assert all(torch.equal(walked[k], rerun[k]) for k in walked), [
+        k for k in walked if not torch.equal(walked[k], rerun[k])]
