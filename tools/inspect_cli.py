@@ -15,11 +15,12 @@ stdout and diagnostics on stderr):
   quantized graph against the float model, worst first.
 
 ``REF`` is ``package.module:factory`` or ``path/to/file.py:factory`` (a callable returning
-the model). ``--format json`` gives stable, documented JSON; ``--graph dot|svg|html``
-writes a picture with quantizers and stage colours. Exit codes: 0 ok, 1 invalid spec or
-model error (``explain`` too, after explaining, when a rule matches nothing), 2 usage
-(bad arguments or ``--calib`` data). ``--debug`` shows tracebacks. Measuring (``sqnr``)
-leaves the model as the factory built it.
+the model). ``--format json`` gives stable, documented JSON; ``--graph svg|html|dot``
+(``show``, ``sqnr``) writes a picture drawn by ``qcompile.tools.inspect_picture`` (no
+Graphviz needed; ``--layout``, ``--depth``, ``--focus`` shape it). Exit codes: 0 ok,
+1 invalid spec or model error (``explain`` too, after explaining, when a rule matches
+nothing), 2 usage (bad arguments or ``--calib`` data). ``--debug`` shows tracebacks.
+Measuring (``sqnr``) leaves the model as the factory built it.
 
 Example:
     >>> from qcompile.tools.inspect_cli import main
@@ -34,13 +35,11 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
-import json
 import shutil
 import subprocess
 import sys
 import traceback
 from collections.abc import Callable
-from html import escape
 from pathlib import Path
 from typing import Any
 
@@ -231,76 +230,79 @@ def summary(gm: Any) -> dict[str, Any]:
             "trace_method": report.trace_method}
 
 
-# -- pictures -----------------------------------------------------------------------------------
-_COLOURS = ["#dbeafe", "#dcfce7", "#fef9c3", "#fce7f3", "#ede9fe", "#ffedd5"]
+# -- pictures (drawn by qcompile.tools.inspect_picture) ---------------------------------------
+TABLE_COLUMNS = ["node", "op", "target", "shape", "rule_match", "weight", "activation",
+                 "quantizer", "stage", "device"]
 
 
-def to_dot(rows: list[dict[str, Any]], gm: Any) -> str:
-    lines = ["digraph qcompile {", '  node [shape=box, style="rounded,filled", '
-             'fontname="Helvetica", fontsize=10];']
-    graphs = [c for n, c in gm.named_children() if n.startswith("stage_")] or [gm]
-    index = 0
-    for s, g in enumerate(graphs):
-        for n in g.graph.nodes:
-            row = rows[index]
-            index += 1
-            colour = _COLOURS[s % len(_COLOURS)] if len(graphs) > 1 else "#f3f4f6"
-            if row["quantizer"]:
-                colour = "#fca5a5"
-            label = f"{row['node'][:60]}\\n{row['target'][:60]}".replace('"', "'")
-            if row["shape"]:
-                label += f"\\n{row['shape']}"
-            lines.append(f'  "s{s}_{n.name}" [label="{label}", fillcolor="{colour}"];')
-            for i in n.all_input_nodes:
-                lines.append(f'  "s{s}_{i.name}" -> "s{s}_{n.name}";')
-    lines.append("}")
-    return "\n".join(lines)
+def picture_graph(args: argparse.Namespace, gm: Any, sqnr: dict[str, float] | None = None
+                  ) -> tuple[Any, int | None]:
+    """The compiled graph as a collapsed ``PictureGraph`` (``--depth``, ``--focus``) and
+    the depth used (None: every node)."""
+    from qcompile.tools.inspect_picture import collapse, graph
+
+    depth = collapse.parse_depth(getattr(args, "depth", None))
+    pg = graph.from_graph_module(gm, sqnr)
+    if depth == "auto":
+        depth = collapse.auto_depth(pg)
+    return collapse.collapse(pg, depth, getattr(args, "focus", None),
+                             classes=graph.module_classes(gm)), depth
 
 
-def to_html(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
-    cols = ["node", "op", "target", "shape", "rule_match", "weight", "activation", "quantizer",
-            "stage", "device"]
-    head = "".join(f"<th>{c}</th>" for c in cols)
-    body = []
-    for r in rows:
-        colour = "#fca5a5" if r["quantizer"] else (
-            _COLOURS[r["stage"] % len(_COLOURS)] if r["stage"] is not None else "#ffffff")
-        cells = "".join(f"<td>{escape('' if r[c] is None else str(r[c]))}</td>" for c in cols)
-        body.append(f'<tr style="background:{colour}">{cells}</tr>')
-    return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>qcompile graph</title>"
-            "<style>body{font-family:sans-serif}table{border-collapse:collapse}"
-            "td,th{border:1px solid #ccc;padding:2px 6px;font-size:12px}</style></head><body>"
-            f"<h1>qcompile graph</h1><pre>{escape(json.dumps(info, indent=1, default=str))}"
-            f"</pre><table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-            "</body></html>\n")
+def _svg_by_dot(dot_text: str, dot_path: Path, svg_path: Path) -> None:
+    exe = shutil.which("dot")
+    if exe is None:
+        raise QCompileError("--layout dot needs Graphviz's `dot`, which is not installed",
+                            fix="use --layout python (no Graphviz needed), or install graphviz "
+                            "(apt-get install graphviz)")
+    dot_path.write_text(dot_text, encoding="utf-8")
+    subprocess.run([exe, "-Tsvg", str(dot_path), "-o", str(svg_path)], check=True)
 
 
 def write_picture(args: argparse.Namespace, rows: list[dict[str, Any]], gm: Any,
-                  info: dict[str, Any]) -> list[str]:
+                  info: dict[str, Any], sqnr: dict[str, float] | None = None
+                  ) -> tuple[list[str], dict[str, Any] | None]:
+    """Write ``--graph dot|svg|html``; returns the files written and what was drawn."""
     if not getattr(args, "graph", None):
-        return []
+        return [], None
+    from qcompile.tools.inspect_picture import dot, html, svg
+
     out = Path(args.out or f"qcompile-graph.{args.graph}")
+    pg, depth = picture_graph(args, gm, sqnr)
+    layout = args.layout
+    if layout == "auto":  # Graphviz when installed (svg only), else the Python layout
+        layout = "dot" if args.graph == "svg" and shutil.which("dot") else "python"
+    if args.graph == "html" and layout == "dot":
+        note("note: --graph html always uses the Python layout (the page needs its markup)")
+        layout = "python"
     written = []
-    if args.graph in ("dot", "svg"):
-        dot_path = out.with_suffix(".dot")
-        dot_path.write_text(to_dot(rows, gm), encoding="utf-8")
-        written.append(str(dot_path))
-        if args.graph == "svg":
-            exe = shutil.which("dot")
-            if exe is None:
-                raise QCompileError("--graph svg needs Graphviz's `dot`, which is not installed "
-                                    f"(the DOT file is at {dot_path})",
-                                    fix="install graphviz (apt-get install graphviz), or use "
-                                    "--graph html, which needs no extra tools")
-            subprocess.run([exe, "-Tsvg", str(dot_path), "-o", str(out.with_suffix(".svg"))],
-                           check=True)
-            written.append(str(out.with_suffix(".svg")))
+    if args.graph == "dot":
+        out.with_suffix(".dot").write_text(dot.to_dot(pg) + "\n", encoding="utf-8")
+        written.append(str(out.with_suffix(".dot")))
+        layout = None
+    elif args.graph == "svg" and layout == "dot":
+        _svg_by_dot(dot.to_dot(pg) + "\n", out.with_suffix(".dot"), out.with_suffix(".svg"))
+        written += [str(out.with_suffix(".dot")), str(out.with_suffix(".svg"))]
+    elif args.graph == "svg":
+        out.with_suffix(".svg").write_text(svg.to_svg(pg), encoding="utf-8")
+        written.append(str(out.with_suffix(".svg")))
     else:
-        out.with_suffix(".html").write_text(to_html(rows, info), encoding="utf-8")
+        text = (f"mode {info['mode']} · traced by {info['trace_method']} · "
+                f"{sum(info['quantizers'].values())} quantizers · "
+                f"{len(info['stages']) or 'no'} pipeline stage(s) · depth "
+                f"{'full' if depth is None else depth}"
+                + (f" · focus {args.focus}" if getattr(args, "focus", None) else ""))
+        page = html.to_html(pg, svg.to_svg(pg), title=f"qcompile graph: {args.model}",
+                            info=text, rows=rows, columns=TABLE_COLUMNS)
+        out.with_suffix(".html").write_text(page, encoding="utf-8")
         written.append(str(out.with_suffix(".html")))
     for path in written:
         note(f"wrote {path}")
-    return written
+    drawn = {"boxes": len(pg.nodes), "depth": "full" if depth is None else depth,
+             "focus": getattr(args, "focus", None), "layout": layout,
+             "clusters": len(pg.stages), "groups": len(pg.groups),
+             "cut_edges": sum(e.cut for e in pg.edges)}
+    return written, drawn
 
 
 # -- subcommands ----------------------------------------------------------------------------------
@@ -341,7 +343,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     gm, spec, _ = compile_graph(args)
     rows = node_rows(gm, spec)
     info = summary(gm)
-    written = write_picture(args, rows, gm, info)
+    written, drawn = write_picture(args, rows, gm, info)
     cols = ["node", "op", "target", "shape", "rule_match", "weight", "activation", "quantizer"]
     if info["stages"]:
         cols += ["stage", "device"]
@@ -359,7 +361,10 @@ def cmd_show(args: argparse.Namespace) -> int:
                          f"in {s['bytes_in']} B, out {s['bytes_out']} B")
     else:
         lines.append("stages: none (no pipeline section)")
-    emit(args, {"nodes": rows, "summary": info, "files": written}, "\n".join(lines))
+    data = {"nodes": rows, "summary": info, "files": written}
+    if drawn is not None:
+        data["picture"] = drawn
+    emit(args, data, "\n".join(lines))
     return 0
 
 
@@ -556,8 +561,12 @@ def cmd_sqnr(args: argparse.Namespace) -> int:
     gm.eval()
     rows = qc.sqnr(gm, model, batches)  # measures a copy of the model, in eval mode
     text = table([{**r, "sqnr_db": f"{r['sqnr_db']:.2f}"} for r in rows], ["node", "sqnr_db"])
-    emit(args, {"layers": rows, "batches": len(batches)},
-         text if rows else "no quantized activations")
+    data: dict[str, Any] = {"layers": rows, "batches": len(batches)}
+    if args.graph:  # the picture, each measured layer coloured by its SQNR
+        files, drawn = write_picture(args, node_rows(gm, spec), gm, summary(gm),
+                                     sqnr={r["node"]: r["sqnr_db"] for r in rows})
+        data.update(files=files, picture=drawn)
+    emit(args, data, text if rows else "no quantized activations")
     return 0
 
 
@@ -581,6 +590,19 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="example input dtype (float32)")
 
 
+def _picture_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--graph", choices=["dot", "svg", "html"],
+                   help="also write a picture: svg, an interactive html page, or dot")
+    p.add_argument("--out", help="picture file name (default qcompile-graph.<kind>)")
+    p.add_argument("--layout", choices=["auto", "python", "dot"], default="auto",
+                   help="svg layout: python (built in), dot (Graphviz), auto (dot when "
+                   "installed, else python; html always uses python)")
+    p.add_argument("--depth", default="auto",
+                   help="collapse modules deeper than N into boxes: N >= 1, full, or auto "
+                   "(the most detail that keeps the picture under 60 boxes)")
+    p.add_argument("--focus", help="expand one module subtree fully (e.g. layers.3)")
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="qcompile-inspect",
                                    description="Inspect what qcompile does to a model.")
@@ -596,8 +618,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_schema)
     p = sub.add_parser("show", parents=[common], help="the compiled graph as a table")
     _model_args(p)
-    p.add_argument("--graph", choices=["dot", "svg", "html"], help="also write a picture")
-    p.add_argument("--out", help="picture file name (default qcompile-graph.<kind>)")
+    _picture_args(p)
     p.set_defaults(fn=cmd_show)
     p = sub.add_parser("explain", parents=[common], help="which rule matched what, and why")
     _model_args(p)
@@ -617,6 +638,7 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--calib", help="a .pt file: a list of input tuples (or tensors)")
     src.add_argument("--random", type=_positive, default=4,
                      help="N random batches (default 4, at least 1)")
+    _picture_args(p)
     p.set_defaults(fn=cmd_sqnr)
     return root
 

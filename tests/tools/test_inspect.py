@@ -223,32 +223,31 @@ class HTMLChecker(HTMLParser):
             self._cell.append(data)
 
 
-def check_dot(text: str, rows: list[dict[str, Any]]) -> None:
+def check_dot(text: str, picture: dict[str, Any]) -> list[str]:
+    """A well-formed DOT picture: one node statement per drawn box (ids unique), clusters
+    balanced, every edge between declared nodes. Returns the node ids."""
     lines = text.strip().splitlines()
     assert lines[0].startswith("digraph ") and lines[0].endswith("{")
     assert lines[-1] == "}"
+    assert lines[1].startswith("  node [")  # the default node style
     nodes = [m.group(1) for line in lines
              if (m := re.match(r'\s*"([^"]+)" \[label="(?:[^"\\]|\\.)*", fillcolor="#[0-9a-f]{6}"'
                                r"\];$", line))]
-    assert len(nodes) == len(rows)
+    assert len(nodes) == picture["boxes"]
     assert len(set(nodes)) == len(nodes)
-    assert lines[1].startswith("  node [")  # the default node style
-    declared = set()
+    depth = 0
     edges = 0
-    for line in lines[2:-1]:  # every other line is a node statement or an edge
-        m = re.match(r'\s*"([^"]+)" -> "([^"]+)";$', line)
-        if m:
-            # inputs are declared before their users (a topological order)
-            assert m.group(1) in declared and m.group(2) in declared, line
+    for line in lines[2:-1]:
+        if re.match(r"\s*subgraph cluster_\w+ \{$", line):
+            depth += 1
+        elif line.strip() == "}":
+            depth -= 1
+        elif (m := re.match(r'\s*"([^"]+)" -> "([^"]+)"( \[.*\])?;$', line)):
+            assert m.group(1) in nodes and m.group(2) in nodes, line
             edges += 1
-        else:
-            m = re.match(r'\s*"([^"]+)" \[label="', line)
-            assert m is not None, f"not a node or an edge: {line}"
-            declared.add(m.group(1))
-    assert edges > 0
-    # each row's node name is in the label of the node statement of the same position
-    for name, row in zip(nodes, rows):
-        assert name.endswith("_" + row["node"])
+        assert depth >= 0, line
+    assert depth == 0 and edges > 0
+    return nodes
 
 
 # -- validate / schema ---------------------------------------------------------------------
@@ -445,20 +444,30 @@ def test_show_graph_dot_pipeline(capsys: pytest.CaptureFixture[str], work: Path,
     data = json.loads(out)
     assert data["files"] == [str(out_file)]
     text = out_file.read_text(encoding="utf-8")
-    check_dot(text, data["nodes"])
-    assert '"s0_linear"' in text and '"s1_linear_2"' in text  # one cluster of ids per stage
+    nodes = check_dot(text, data["picture"])
+    assert "s0.linear" in nodes and "s1.linear_2" in nodes  # stage-prefixed ids
+    assert "subgraph cluster_stage0 {" in text and "subgraph cluster_stage1 {" in text
+    # the value crossing the cut, with its bytes (2x32 float32)
+    assert re.search(r'-> "s1\.linear_2" \[label="fp32 256 B", color="#dc2626"', text)
 
 
-@pytest.mark.skipif(shutil.which("dot") is not None, reason="Graphviz is installed")
 def test_show_graph_svg_without_graphviz(capsys: pytest.CaptureFixture[str], work: Path,
-                                         tmp_path: Path) -> None:
+                                         tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                         ) -> None:
+    """No Graphviz: the SVG comes from the built-in layout; --layout dot says what to do."""
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no `dot` on PATH
     rc, out, err = run(capsys, "show", "int8-qat", "--model", ref(work, "net"), *NET_SHAPE,
-                       "--graph", "svg", "--out", str(tmp_path / "g.svg"))
-    reason = assert_user_error(rc, out, err, "`dot`", "Graphviz")
-    assert str(tmp_path / "g.dot") in reason
-    assert "graphviz" in err.splitlines()[1] and "--graph html" in err
-    assert (tmp_path / "g.dot").read_text(encoding="utf-8").startswith("digraph")
-    assert not (tmp_path / "g.svg").exists()
+                       "--graph", "svg", "--out", str(tmp_path / "g.svg"), "--format", "json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["files"] == [str(tmp_path / "g.svg")] and data["picture"]["layout"] == "python"
+    assert _count_svg_nodes(tmp_path / "g.svg") == data["picture"]["boxes"]
+    assert not (tmp_path / "g.dot").exists()
+    rc, out, err = run(capsys, "show", "int8-qat", "--model", ref(work, "net"), *NET_SHAPE,
+                       "--graph", "svg", "--layout", "dot", "--out", str(tmp_path / "h.svg"))
+    assert_user_error(rc, out, err, "--layout dot", "Graphviz")
+    assert "--layout python" in err.splitlines()[1]
+    assert not (tmp_path / "h.svg").exists()
 
 
 FAKE_DOT = '''\
@@ -496,7 +505,8 @@ def test_show_graph_svg_runs_dot(capsys: pytest.CaptureFixture[str], work: Path,
     assert rc == 0, err
     data = json.loads(out)
     assert data["files"] == [str(tmp_path / "g.dot"), str(tmp_path / "g.svg")]
-    assert _count_svg_nodes(tmp_path / "g.svg") == len(data["nodes"])
+    assert data["picture"]["layout"] == "dot"  # auto: Graphviz when it is installed
+    assert _count_svg_nodes(tmp_path / "g.svg") == data["picture"]["boxes"]
 
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="needs Graphviz's dot")
@@ -505,7 +515,7 @@ def test_show_graph_svg_with_graphviz(capsys: pytest.CaptureFixture[str], work: 
     rc, out, err = run(capsys, "show", "int8-qat", "--model", ref(work, "net"), *NET_SHAPE,
                        "--graph", "svg", "--out", str(tmp_path / "g.svg"), "--format", "json")
     assert rc == 0, err
-    assert _count_svg_nodes(tmp_path / "g.svg") == len(json.loads(out)["nodes"])
+    assert _count_svg_nodes(tmp_path / "g.svg") == json.loads(out)["picture"]["boxes"]
 
 
 def test_show_subprocess(work: Path, tmp_path: Path) -> None:
