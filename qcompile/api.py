@@ -83,6 +83,12 @@ def calibrate(gm: nn.Module, batches: Iterable[Any], *, sync: bool | None = None
         sync = bool(getattr(gm, "meta", {}).get(SYNC_OBSERVERS_KEY, False))
     signature = graph_inputs(gm)
     if todo:  # the data-driven quant.algorithms first: the observers see the final weights
+        shard = sharded_by(gm)
+        if shard is not None:
+            raise QCompileError(
+                f"calibrate: {shard}, and quant.algorithms[{todo[0]}] rewrites whole weights "
+                "from calibration data", fix="run qc.calibrate on the graph before sharding it "
+                "(every rank, with its own batches: the statistics are summed across ranks)")
         batches = list(batches)
         calls = call_args(batches, inputs, signature)
         if not calls:
