@@ -41,8 +41,8 @@ from torch.fx import GraphModule
 from qcompile.graph.context import Context
 from qcompile.graph.pipeline import graph_pass
 from qcompile.passes.equalize import algorithm_entry
-from qcompile.runtime.algorithms import Data, fix_grid, no_data, plan, set_parameter, usable, where
-from qcompile.runtime.layerwise import output_error, round_to_grid, weight_grid
+from qcompile.runtime.algorithms import Data, plan, round_layers
+from qcompile.runtime.layerwise import output_error, round_to_grid
 from qcompile.specs.quant import AdaRound
 
 _ZETA, _GAMMA = 1.1, -0.1  # the rectified sigmoid's stretch (the paper's values)
@@ -122,31 +122,9 @@ def adaround(w: torch.Tensor, gram: torch.Tensor, rows: int, scale: torch.Tensor
 
 def apply(data: Data, index: int, entry: AdaRound) -> list[str]:
     """Learn every usable layer's rounding, level by level (``qc.calibrate``)."""
-    gm, here = data.gm, where(index, "adaround")
-    layers, skipped = usable(gm, gram=True)
-    notes = []
-    for group, stats in data.by_level(layers, gram=True, desc="adaround"):
-        for layer in group:
-            if not stats.rows.get(layer):
-                raise no_data(here, layer)
-            q = layer.get_quantizer(gm)
-            weight = layer.get_weight(gm)
-            w = weight.detach().float().reshape(weight.shape[0], -1)
-            scale, zero_point = weight_grid(q, weight)
-            gram, rows = stats.gram[layer], stats.rows[layer]
-            new, flipped = adaround(w, gram, rows, scale, zero_point, q.quant_min, q.quant_max,
-                                    iterations=entry.iterations, reg_weight=entry.reg_weight,
-                                    lr=entry.lr, warmup=entry.warmup)
-            g = gram.double()
-            before = output_error(round_to_grid(w, scale, zero_point, q.quant_min,
-                                                q.quant_max).double() - w.double(), g, rows)
-            after = output_error(new.double() - w.double(), g, rows)
-            name = f"{layer.owner}.{layer.weight}" if layer.owner else layer.weight
-            set_parameter(gm, name, new.to(weight.device))
-            fix_grid(gm, layer)
-            share = f"{100 * after / before:.0f}% of" if before > 0 else "vs"
-            notes.append(f"{layer.name} ({'x'.join(map(str, w.shape))}): output error "
-                         f"{before:.3g} -> {after:.3g} ({share} round-to-nearest), "
-                         f"{flipped} of {w.numel()} weights rounded the other way")
-    notes += [f"{name} left to round-to-nearest: {reason}" for name, reason in skipped]
-    return notes
+    def solve(w, gram, rows, scale, zero_point, quant_min, quant_max):
+        new, flipped = adaround(w, gram, rows, scale, zero_point, quant_min, quant_max,
+                                iterations=entry.iterations, reg_weight=entry.reg_weight,
+                                lr=entry.lr, warmup=entry.warmup)
+        return new, f", {flipped} of {w.numel()} weights rounded the other way"
+    return round_layers(data, index, "adaround", solve)

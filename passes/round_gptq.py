@@ -43,8 +43,8 @@ from torch.fx import GraphModule
 from qcompile.graph.context import Context
 from qcompile.graph.pipeline import graph_pass
 from qcompile.passes.equalize import algorithm_entry
-from qcompile.runtime.algorithms import Data, fix_grid, no_data, plan, set_parameter, usable, where
-from qcompile.runtime.layerwise import output_error, round_to_grid, weight_grid
+from qcompile.runtime.algorithms import Data, plan, round_layers
+from qcompile.runtime.layerwise import round_to_grid
 from qcompile.specs.quant import GPTQ
 
 _MAX_DAMP_RETRIES = 6  # each multiplies damp by 10 when H is not positive definite
@@ -123,31 +123,8 @@ def gptq(w: torch.Tensor, gram: torch.Tensor, scale: torch.Tensor, zero_point: t
 
 def apply(data: Data, index: int, entry: GPTQ) -> list[str]:
     """Round every usable layer's weight with GPTQ, level by level (``qc.calibrate``)."""
-    gm, here = data.gm, where(index, "gptq")
-    layers, skipped = usable(gm, gram=True)
-    notes = []
-    for group, stats in data.by_level(layers, gram=True, desc="gptq"):
-        for layer in group:
-            if not stats.rows.get(layer):
-                raise no_data(here, layer)
-            q = layer.get_quantizer(gm)
-            weight = layer.get_weight(gm)
-            w = weight.detach().float().reshape(weight.shape[0], -1)
-            scale, zero_point = weight_grid(q, weight)
-            gram, rows = stats.gram[layer].double(), stats.rows[layer]
-            new, used = gptq(w, gram, scale, zero_point, q.quant_min, q.quant_max,
-                             block_size=entry.block_size, damp=entry.damp,
-                             act_order=entry.act_order)
-            before = output_error(
-                round_to_grid(w, scale, zero_point, q.quant_min, q.quant_max).double() - w.double(),
-                gram, rows)
-            after = output_error(new.double() - w.double(), gram, rows)
-            name = f"{layer.owner}.{layer.weight}" if layer.owner else layer.weight
-            set_parameter(gm, name, new.to(weight.device))
-            fix_grid(gm, layer)
-            share = f"{100 * after / before:.0f}% of" if before > 0 else "vs"
-            notes.append(f"{layer.name} ({'x'.join(map(str, w.shape))}): output error "
-                         f"{before:.3g} -> {after:.3g} ({share} round-to-nearest)"
-                         + (f"; damp raised to {used:g}" if used != entry.damp else ""))
-    notes += [f"{name} left to round-to-nearest: {reason}" for name, reason in skipped]
-    return notes
+    def solve(w, gram, rows, scale, zero_point, quant_min, quant_max):
+        new, used = gptq(w, gram, scale, zero_point, quant_min, quant_max,
+                         block_size=entry.block_size, damp=entry.damp, act_order=entry.act_order)
+        return new, (f"; damp raised to {used:g}" if used != entry.damp else "")
+    return round_layers(data, index, "gptq", solve)

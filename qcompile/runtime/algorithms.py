@@ -257,3 +257,41 @@ def no_data(here: str, layer: QuantLayer) -> QCompileError:
                          "reached it)",
                          fix="give calibration batches that run the whole model, or leave "
                          "the layer unquantized with a rule {skip: true}")
+
+
+# A rounding solver: (weight [out, k], H = X^T X, rows, scale, zero point, quant_min,
+# quant_max) -> (the weight on its grid, what to add to the layer's note).
+Solver = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, int, int],
+                  tuple[torch.Tensor, str]]
+
+
+def round_layers(data: Data, index: int, kind: str, solve: Solver) -> list[str]:
+    """Round every usable layer's weight with ``solve``, level by level: write it, keep its
+    grid, and note its output error on the data against round-to-nearest's."""
+    from qcompile.runtime.layerwise import output_error, round_to_grid, weight_grid
+
+    gm, here = data.gm, where(index, kind)
+    layers, skipped = usable(gm, gram=True)
+    notes = []
+    for group, stats in data.by_level(layers, gram=True, desc=kind):
+        for layer in group:
+            if not stats.rows.get(layer):
+                raise no_data(here, layer)
+            q = layer.get_quantizer(gm)
+            weight = layer.get_weight(gm)
+            w = weight.detach().float().reshape(weight.shape[0], -1)
+            scale, zero_point = weight_grid(q, weight)
+            gram, rows = stats.gram[layer], stats.rows[layer]
+            new, extra = solve(w, gram, rows, scale, zero_point, q.quant_min, q.quant_max)
+            g, w64 = gram.double(), w.double()
+            nearest = round_to_grid(w, scale, zero_point, q.quant_min, q.quant_max)
+            before = output_error(nearest.double() - w64, g, rows)
+            after = output_error(new.double() - w64, g, rows)
+            name = f"{layer.owner}.{layer.weight}" if layer.owner else layer.weight
+            set_parameter(gm, name, new.to(weight.device))
+            fix_grid(gm, layer)
+            share = f"{100 * after / before:.0f}% of" if before > 0 else "vs"
+            notes.append(f"{layer.name} ({'x'.join(map(str, w.shape))}): output error "
+                         f"{before:.3g} -> {after:.3g} ({share} round-to-nearest){extra}")
+    notes += [f"{name} left to round-to-nearest: {reason}" for name, reason in skipped]
+    return notes
