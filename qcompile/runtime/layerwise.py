@@ -381,13 +381,15 @@ class Walker:
         self.reduce = reduce
         ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
         helper = Sweep(gm, batches)
-        self.envs: list[dict[Node, Any]] = []
+        self.envs: list[dict[Node, Any]] = []  # per batch: the values still needed
+        self.done: list[set[Node]] = []  # per batch: the nodes that have run for good
         for batch in batches:
             args = list(gm.graph.process_inputs(*helper._positional(batch)))
             env: dict[Node, Any] = {}
             for i, n in enumerate(ph):
                 env[n] = args[i] if i < len(args) else (n.args[0] if n.args else None)
             self.envs.append(env)
+            self.done.append(set(ph))
         self.interp = Interpreter(gm)
         self.nodes: list[Node] = []
         self.constant: set[Node] = set()
@@ -425,7 +427,7 @@ class Walker:
         watched = {layer.node: layer for layer in (*gram, *mean)}
         consts: dict[Node, Any] = {}
 
-        for index, env in enumerate(self.envs):
+        for index, (env, done) in enumerate(zip(self.envs, self.done)):
             def value(a: Node, env: dict[Node, Any] = env) -> Any:
                 if a in self.constant:
                     if a not in consts:
@@ -435,9 +437,9 @@ class Walker:
             held: set[Node] = set()
             try:
                 for n in self.nodes:
-                    if n in env or n in self.constant:
+                    if n in done or n in self.constant:
                         continue
-                    if any(a in held or (a not in env and a not in self.constant)
+                    if any(a in held or (a not in done and a not in self.constant)
                            for a in n.all_input_nodes):
                         held.add(n)
                         continue
@@ -450,12 +452,11 @@ class Walker:
                         held.add(n)  # runs again next sweep, with what the algorithm changed
                         continue
                     env[n] = self._run(n, value)
+                    done.add(n)
             except Exception as e:
                 raise BatchFailed(index) from e
-            pending_users = {a for n in held for a in n.all_input_nodes}
-            for n in [n for n in env if n not in pending_users and n.op != "placeholder"]:
-                if all(u in env for u in n.users):
-                    del env[n]  # every reader has run: not needed again
+            for n in [n for n in env if all(u in done for u in n.users)]:
+                del env[n]  # every reader has run for good: not needed again
         if self.reduce is not None:
             collect._reduce()
         return collect.stats
