@@ -136,3 +136,51 @@ def test_compile_once_shards_every_variant(capsys: pytest.CaptureFixture[str]) -
     assert builds == [2, 1], builds  # rank 0: meta + real; rank 1: meta only
     for rank in rows[2, "checkpoint"]["phases"]:
         assert [p[0] for p in rank].count("built") == 1  # meta only, on every rank
+
+
+def test_algorithms_lm_data_is_deterministic_and_the_model_compiles() -> None:
+    import torch
+
+    import qcompile as qc
+    from qcompile.tools.bench import lm
+    from qcompile.tools.bench.suites.algorithms import CONFIGS, spec
+
+    cfg = lm.LMConfig(layers=1, dim=32, heads=2, hidden=64, context=16, train_chars=30_000,
+                      val_chars=2_000)
+    a, b = lm.load_text(cfg), lm.load_text(cfg)
+    assert a.vocab == b.vocab and torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
+    assert a.vocab[0] == "<unk>" and len(a.train) == 30_000 and len(a.val) == 2_000
+    model = lm.TinyLlama(cfg, len(a.vocab)).eval()
+    calib = lm.batches(a.train, cfg.context, 4, 2, seed=0)
+    for config in CONFIGS:
+        gm = qc.qcompile(model, spec("LM", config, []), example_inputs=(calib[0],))
+        qc.calibrate(gm, calib, progress=False)
+        assert lm.perplexity(gm, a.val, cfg.context) < 2 * len(a.vocab)
+
+
+def test_algorithms_lm_weights_are_cached(tmp_path: object,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from qcompile.tools.bench import lm
+
+    monkeypatch.setenv("QCOMPILE_BENCH_CACHE", str(tmp_path))
+    cfg = lm.LMConfig(layers=1, dim=16, heads=2, hidden=32, context=16, train_chars=20_000,
+                      val_chars=1_000, steps=2, batch=2, warmup=1)
+    data = lm.load_text(cfg)
+    first, info = lm.trained(cfg, data)
+    again, info2 = lm.trained(cfg, data)
+    assert not info["cached"] and info2["cached"] and info["path"] == info2["path"]
+    assert all(v.equal(again.state_dict()[k]) for k, v in first.state_dict().items())
+
+
+def test_quick_algorithms_suite(capsys: pytest.CaptureFixture[str], tmp_path: object,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QCOMPILE_BENCH_CACHE", str(tmp_path))  # trains its tiny LM afresh
+    assert main(["algorithms", "--quick", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    for model in ("MLP", "LM"):
+        rows = data[model]["methods"]
+        assert set(data[model]["configs"]) == {"w4 g32", "w8a8"}
+        assert isinstance(rows["round-to-nearest"]["w8a8"]["value"], float)
+        assert rows["round-to-nearest"]["w8a8"]["s"] > 0
+    assert "smoothquant" in data["LM"]["methods"]
+    assert "cross_layer_equalization" in data["MLP"]["methods"]

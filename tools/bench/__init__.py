@@ -28,15 +28,19 @@ Subcommands:
   integer kernels) vs the fp32 ONNX model vs ``qc.convert``, and its file size vs fp32.
 - ``fakequant``: fake-quant throughput (GB/s, forward and forward+backward) per-tensor /
   per-channel / per-group / LSQ next to ``y.copy_(x)`` and torch's built-in ops.
+- ``algorithms``: accuracy / perplexity of each ``quant.algorithms`` PTQ algorithm (CLE,
+  SmoothQuant, bias correction, AdaRound, GPTQ) vs round-to-nearest at int8 per-tensor,
+  w4 per-group, w3 per-channel and w8a8, on the digits CNN/MLP and a small Llama-style
+  character LM trained on the stdlib's source (``lm``; weights cached), next to torchao.
 
 ``--quick`` runs smaller workloads; ``--format json`` (or ``--json``) prints the result
 dict as JSON instead of text, through the output sink shared with ``qcompile-inspect``
 (``qcompile.tools.output``).
 
-The package: ``models`` (the model zoo), ``competitors`` (torch.ao, torchao and
-``symbolic_trace`` adapters), ``measure`` (timing, peak RSS), ``workers`` (what runs in
-spawned processes) and ``suites`` (one module per suite group, and the ``SUITES``
-registry this command line dispatches on).
+The package: ``models`` (the model zoo), ``lm`` (the character LM), ``competitors``
+(torch.ao, torchao and ``symbolic_trace`` adapters), ``measure`` (timing, peak RSS),
+``workers`` (what runs in spawned processes) and ``suites`` (one module per suite group,
+and the ``SUITES`` registry this command line dispatches on).
 
 Example:
     >>> from qcompile.tools.bench import deep_mlp

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from qcompile.tools.bench.suites.algorithms import algorithms_text, bench_algorithms
 from qcompile.tools.bench.suites.compile import bench_compile, bench_memory
 from qcompile.tools.bench.suites.convert import bench_convert
 from qcompile.tools.bench.suites.distributed import (
@@ -53,4 +54,5 @@ SUITES: dict[str, Suite] = {
     "fakequant": Suite(bench_fakequant, threads=2),
     "convert": Suite(bench_convert, threads=2),
     "onnx": Suite(bench_onnx, threads=2),
+    "algorithms": Suite(bench_algorithms, algorithms_text, threads=2),
 }
