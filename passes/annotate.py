@@ -94,7 +94,8 @@ def assign_rules(gm: GraphModule, rules: list[Rule]) -> Assignment:
     return Assignment(won, matched, frozenset(modules_seen), frozenset(ops_seen))
 
 
-@graph_pass(requires=("graph", "fusion_groups"), provides=("annotations",))
+@graph_pass(requires=("graph", "fusion_groups"), provides=("annotations",),
+            needs_code=False)
 def annotate(gm: GraphModule, ctx: Context) -> GraphModule:
     """Attach the winning rule (if any) to every call node; a rule that selects nothing
     is an error."""

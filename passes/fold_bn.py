@@ -217,7 +217,7 @@ def _set_param(gm: GraphModule, target: str, value: nn.Parameter) -> None:
     setattr(gm.get_submodule(parent) if parent else gm, leaf, value)
 
 
-@graph_pass(requires=("graph",), provides=("fusion_groups",))
+@graph_pass(requires=("graph",), provides=("fusion_groups",), needs_code=False)
 def fold_bn(gm: GraphModule, ctx: Context) -> GraphModule:
     """Record fusion groups; fold BatchNorm for static/dynamic quantization."""
     quant = ctx.spec.quant

@@ -16,7 +16,9 @@ Mode decides how quantizers start: ``qat`` observes and fake-quantizes; ``static
 observes activations with fake-quant off until ``qc.calibrate``; ``dynamic`` computes
 activation qparams from each batch, at the *input* of weighted ops (Linear, Conv...,
 ``<module>.input_fake_quant``), which is what dynamic integer kernels quantize. Weight
-qparams are computed here from the weights (and keep tracking them during QAT).
+qparams are computed here from the weights (and keep tracking them during QAT), so a
+compiled graph's weight scales are real before any forward: export, ``qc.sqnr`` and
+inspection of an untrained QAT graph read them as they are.
 
 Example:
     >>> import torch, qcompile as qc
@@ -85,6 +87,13 @@ def _free_name(gm: GraphModule, base: str) -> str:
         k += 1
         name = f"{leaf}_{k}"
     return f"{parent}.{name}" if parent else name
+
+
+def _to(fq: FakeQuantize, device: torch.device) -> None:
+    """``fq.to(device)``; a quantizer is built on the CPU, where ``Module.to`` would only
+    walk its tensors to find nothing to move."""
+    if device.type != "cpu":
+        fq.to(device)
 
 
 def _add(gm: GraphModule, base: str, fq: FakeQuantize) -> str:
@@ -203,7 +212,7 @@ def _dynamic_input(gm: GraphModule, ctx: Context, op: Node, qs: Any) -> None:
         return
     fq = _build(qs.activation, ctx, role="activation", shape=shape, dynamic=True,
                 where=f"node {op.name!r}", field=f"quant.rules[{qs.rule}].activation")
-    fq.to(_device(gm))
+    _to(fq, _device(gm))
     module = layer_of(op)
     base = f"{module}.input_fake_quant" if module else f"{op.name}_input_fake_quant"
     name = _add(gm, base, fq)
@@ -246,7 +255,7 @@ def _activations(gm: GraphModule, ctx: Context) -> None:
                     dynamic=mode == "dynamic",
                     where=f"node {last.name!r}", field=field)
         _set_activation_mode(fq, mode)
-        fq.to(device)
+        _to(fq, device)
         name = _add(gm, _activation_name(gm, head), fq)
         _insert_after(gm, last, name)
         ctx.quantizers.append(_record(name, fq, "activation", last.name, qs.rule))
@@ -289,7 +298,7 @@ def _weights(gm: GraphModule, ctx: Context) -> None:
                 fix="use granularity per_channel for this layer, or skip it with a rule")
         fq = _build(qs.weight, ctx, role="weight", shape=tuple(weight.shape), dynamic=False,
                     where=where, field=field, channel_axis=use.axis % weight.dim())
-        fq.to(weight.device)  # a quantizer lives where its tensor does (cuda, meta, ...)
+        _to(fq, weight.device)  # a quantizer lives where its tensor does (cuda, meta, ...)
         fq.observe_tensor(weight)
         # Weights move only in QAT: keep tracking them there, freeze them otherwise.
         fq.observe = mode == "qat" and not fq.learnable
@@ -318,13 +327,14 @@ def _inputs(gm: GraphModule, ctx: Context) -> None:
                     dynamic=ctx.spec.quant.mode == "dynamic",
                     where=f"input {node.target!r}", field="quant.inputs")
         _set_activation_mode(fq, ctx.spec.quant.mode)
-        fq.to(device)
+        _to(fq, device)
         name = _add(gm, f"{node.target}_input_fake_quant", fq)
         _insert_after(gm, node, name)
         ctx.quantizers.append(_record(name, fq, "input", node.name, None))
 
 
-@graph_pass(requires=("annotations", "fusion_groups"), provides=("quantizers",))
+@graph_pass(requires=("annotations", "fusion_groups"), provides=("quantizers",),
+            needs_code=False)
 def insert_quant(gm: GraphModule, ctx: Context) -> GraphModule:
     """Insert activation, weight and input quantizers."""
     # Activations first: fusion groups name the nodes as traced, before weights are

@@ -13,7 +13,7 @@ qcompile's (``gm.meta[COMPILED_KEY]``); ``compile_model`` makes the finished gra
 whole with ``torch.save`` (``saving.keep_whole``).
 
 Inside the package imports run one way: this pass -> ``capture_symbolic``, ``shape_prop``,
-``capture_export``; ``capture_symbolic`` and ``shape_prop`` -> ``model_copy``.
+``capture_export``; each of those three -> ``model_copy``.
 
 Example:
     >>> import torch, qcompile as qc
@@ -189,7 +189,8 @@ def trace(gm: GraphModule | None, ctx: Context) -> GraphModule:
             else:
                 ctx.note("no example inputs: shapes unknown (pass example_inputs or "
                          "trace.inputs)")
-            mark_compiled(gm, ctx)  # GraphModule() generated the code of this very graph
+            if not ctx.code_may_wait:
+                mark_compiled(gm, ctx)  # GraphModule() generated the code of this very graph
             return gm
     gm = capture_export.capture(ctx, _inputs(ctx), failure)
     _mark(gm, model)

@@ -36,7 +36,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import io
 import logging
@@ -56,6 +55,7 @@ from qcompile.errors import QCompileError
 from qcompile.graph.context import Context
 from qcompile.graph.meta import NN_MODULE_STACK, TENSOR_META, VAL
 from qcompile.graph.state_layout import keep_state_layout
+from qcompile.passes.trace.model_copy import copy_model
 from qcompile.runtime.modes import ModeAwareBatchNorm, ModeAwareSDPA
 
 aten = torch.ops.aten
@@ -296,14 +296,18 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict,
     Raises whatever ``torch.export`` raises when it cannot capture the model."""
     notes: list[str] = []
     flags = {name: m.training for name, m in model.named_modules()}
-    root = (model if inplace else copy.deepcopy(model)).train()
+    root = (model if inplace else copy_model(model)).train()
     shapes = dynamic_shapes(model, args, kwargs, dims)
     with _quiet_torch_logs():
         ep = torch.export.export(root, tuple(args), dict(kwargs), dynamic_shapes=shapes,
                                  strict=False)
     exported = ep.module()
-    # An unowned copy: nodes can then call modules that exist only on ``root``.
-    graph = copy.deepcopy(exported.graph)
+    # The graph is taken over (nodes will call modules that exist only on ``root``): the
+    # stateful module it came from is only read for the constants and the input guard, and
+    # then dropped. (A deep copy would cost more than the rest of this front end, and
+    # deep-copying export's pytree codegen warns.)
+    graph = exported.graph
+    graph.owning_module = None  # unowned until re-rooted: fx checks call targets on owners
     for node in graph.nodes:  # constants and the input guard live on the exported module
         if node.op in ("get_attr", "call_module") and _lookup(root, str(node.target)) is None:
             value = _lookup(exported, str(node.target))

@@ -97,9 +97,31 @@ def capture(ctx: Context) -> GraphModule:
     for p in sorted(set(ctx.spec.trace.leaf_modules) - tracer.used_patterns):
         ctx.note(f"trace.leaf_modules entry {p!r} matched no module")
     _resolve_annotations(graph, model)
-    gm = GraphModule(tracer.root, graph, type(model).__name__)
+    gm = _graph_module(tracer.root, graph, type(model).__name__,
+                       generate_code=not ctx.code_may_wait)
     keep_state_layout(gm, tracer.root)
     return gm
+
+
+def _graph_module(root: nn.Module, graph: Graph, name: str, *, generate_code: bool
+                  ) -> GraphModule:
+    """``GraphModule(root, graph, name)``; without ``generate_code``, minus the code of the
+    graph, which its constructor generates (the graph setter recompiles) and the pipeline
+    generates again after the passes that rewrite the graph next. Until then the module
+    has no ``forward`` or ``code`` (either raises), so stale code never runs."""
+    if generate_code:
+        return GraphModule(root, graph, name)
+    gm = GraphModule.__new__(GraphModule, root, graph, name)
+    gm.__dict__["recompile"] = _no_code  # shadows the method for the constructor only
+    try:
+        GraphModule.__init__(gm, root, graph, name)
+    finally:
+        del gm.__dict__["recompile"]
+    return gm
+
+
+def _no_code() -> None:
+    return None
 
 
 def _resolve_annotations(graph: Graph, model: nn.Module) -> None:

@@ -37,6 +37,9 @@ class Context:
     has_shapes: bool = False
     shapes: str | None = None  # how node shapes were recorded (Report.shapes)
     code_state: Any = None  # what the graph's code was last generated from (pipeline.py)
+    # the pass running may leave the graph's code ungenerated: the next pass does not
+    # need it and the pipeline generates it later (pipeline.py)
+    code_may_wait: bool = False
     stages: list[StageRecord] = field(default_factory=list)
     balance: str | None = None
     conversion: Any = None  # qc.convert: the state its steps share (passes/convert)

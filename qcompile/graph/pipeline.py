@@ -2,10 +2,11 @@
 
 A pass is a plain function ``(GraphModule | None, Context) -> GraphModule`` wrapped by
 ``graph_pass`` with the facts it requires and provides. ``Pipeline`` checks that chain
-once when built, runs the passes in order, lints the graph after each and recompiles it
-when the pass changed it (so every pass, and every instrument, gets a valid graph whose
-``forward`` is its code), records a ``PassRecord`` per pass and calls the instruments
-(graph dumps, timing), which live outside the passes.
+once when built, runs the passes in order, lints the graph after each pass that changed
+it and recompiles it (so every pass, and every instrument, gets a valid graph whose
+``forward`` is its code; passes that only rewrite nodes, ``needs_code=False``, share one
+code generation after the last of them), records a ``PassRecord`` per pass and calls the
+instruments (graph dumps, timing), which live outside the passes.
 
 Example:
     >>> from qcompile.graph.pipeline import graph_pass, Pipeline
@@ -53,30 +54,37 @@ def same_code_state(a: tuple | None, b: tuple) -> bool:
 
 def mark_compiled(gm: torch.fx.GraphModule, ctx: Context) -> None:
     """Tell the pipeline that ``gm.code`` is current (a pass that just built the
-    GraphModule, which compiles it), so it is not recompiled unless changed."""
+    GraphModule, which compiles it), so it is not recompiled unless changed. The graph is
+    linted here, as the pipeline lints only the graphs it sees change."""
+    gm.graph.lint()
     ctx.code_state = code_state(gm)
 
 
 @dataclass(frozen=True)
 class Pass:
-    """A named graph pass and the facts it requires / provides."""
+    """A named graph pass and the facts it requires / provides. ``needs_code``: the pass
+    runs the graph or reads its code, so it gets a graph whose code is current; a pass
+    that only reads and rewrites nodes says False, and the code of the graph it gets may
+    still be that of an earlier graph (the pipeline generates it once for a run of such
+    passes, ``Context.code_may_wait``)."""
 
     name: str
     fn: PassFn
     requires: frozenset[str] = frozenset()
     provides: frozenset[str] = frozenset()
+    needs_code: bool = True
 
     def __call__(self, gm: torch.fx.GraphModule | None, ctx: Context) -> torch.fx.GraphModule:
         return self.fn(gm, ctx)
 
 
 def graph_pass(
-    *, requires: Iterable[str] = (), provides: Iterable[str] = ()
+    *, requires: Iterable[str] = (), provides: Iterable[str] = (), needs_code: bool = True
 ) -> Callable[[PassFn], Pass]:
     """Decorator turning a function into a ``Pass`` named after the function."""
 
     def wrap(fn: PassFn) -> Pass:
-        return Pass(fn.__name__, fn, frozenset(requires), frozenset(provides))
+        return Pass(fn.__name__, fn, frozenset(requires), frozenset(provides), needs_code)
 
     return wrap
 
@@ -117,17 +125,24 @@ class Pipeline:
         instruments: Sequence[Instrument] = (),
     ) -> tuple[torch.fx.GraphModule, list[PassRecord]]:
         records: list[PassRecord] = []
+        stale = False  # gm's code is not that of its graph yet
         for i, p in enumerate(self.passes, start=1):
             before = {n.name for n in gm.graph.nodes} if gm is not None else set()
             ctx.notes = []
+            # Code generation costs more than most passes: only for a changed graph (a pass
+            # that only annotates nodes leaves the code as it was, and the graph as linted),
+            # and once for a run of passes that only rewrite nodes, unless instruments look.
+            later = self.passes[i] if i < len(self.passes) else None
+            ctx.code_may_wait = later is not None and not later.needs_code and not instruments
             t0 = time.perf_counter()
             gm = p(gm, ctx)
-            gm.graph.lint()
-            # Code generation costs more than most passes: only for a changed graph (a pass
-            # that only annotates nodes leaves the code as it was).
             state = code_state(gm)
             if not same_code_state(ctx.code_state, state):
+                gm.graph.lint()
+                stale = True
+            if stale and not ctx.code_may_wait:
                 gm.recompile()
+                stale = False
             ctx.code_state = state
             seconds = time.perf_counter() - t0
             after = [n.name for n in gm.graph.nodes]

@@ -3,6 +3,8 @@ are named, how they start per mode, and the errors for schemes a tensor cannot t
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -496,3 +498,84 @@ def test_x86_activation_values_stay_in_7_bits(mode: str) -> None:
     lo, hi = inp.min().clamp(max=0), inp.max().clamp(min=0)
     step = (levels[1:] - levels[:-1]).min()
     torch.testing.assert_close(step, (hi - lo) / 127, rtol=1e-4, atol=0)
+
+
+# -- QAT weights: observed when compiling ----------------------------------------------
+
+def _conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+
+
+@pytest.mark.parametrize("weight", [
+    W8C,
+    {"dtype": "int4", "granularity": "per_group", "group_size": 9},
+    {**W8C, "observer": {"kind": "moving_average", "momentum": 0.5}},
+    {**W8C, "learnable": True},
+])
+def test_an_untrained_qat_graph_has_its_weights_ranges(weight):
+    """Compiling observes every weight: before any forward the weight quantizers' qparams
+    are those of the weights (what export_encodings, qc.sqnr and inspect read), equal to a
+    fresh quantizer observing the weight."""
+    from qcompile.runtime.calibration import weight_quantizers
+
+    spec = qc.CompileSpec.model_validate(qspec(
+        {"match": {"module": ["Conv2d", "Linear"]}, "weight": weight, "activation": A8}))
+    gm = qc.qcompile(_conv_net(), spec, (torch.randn(4, 3, 6, 6),))
+    found = weight_quantizers(gm)
+    assert len(found) == 2
+    for fq, w in found:
+        twin = copy.deepcopy(fq)
+        twin.reset_parameters()
+        twin.observe_tensor(w.detach())
+        assert torch.equal(fq.scale.detach(), twin.scale.detach())
+        assert torch.equal(fq.zero_point, twin.zero_point)
+        assert not torch.equal(fq.scale.detach(), torch.ones_like(fq.scale))
+
+
+def test_untrained_qat_graph_freezes_with_its_weight_ranges():
+    """``qc.freeze`` of a QAT graph that never ran: the frozen weight qparams are those of
+    the weights."""
+    model = _conv_net()
+    gm = qc.qcompile(model, qspec({"match": {"module": ["Conv2d", "Linear"]}, "weight": W8C,
+                                   "activation": A8}), (torch.randn(2, 3, 6, 6),))
+    fq = qc.quantizers(gm)["0.weight_fake_quant"]
+    assert fq.observe  # QAT: the weight is tracked while training
+    qc.freeze(gm)
+    ref = FakeQuantize("int8", granularity="per_channel", axis=0, channels=4)
+    ref.observe_tensor(model[0].weight)
+    assert not fq.observe and torch.equal(fq.scale, ref.scale)
+    assert torch.equal(fq.zero_point, ref.zero_point)
+
+
+@pytest.mark.parametrize("kw", [
+    {"dtype": "int8", "granularity": "per_channel", "axis": 0, "channels": 4},
+    {"dtype": "uint8", "symmetric": False, "observer": "moving_average", "per_example": True,
+     "reduce_range": True},
+    {"dtype": "int4", "granularity": "per_group", "group_size": 8, "channels": 6,
+     "learnable": True},
+    {"dtype": "int8", "granularity": "per_token", "dynamic": True},
+    {"dtype": "fp8_e4m3", "observer": "histogram"},
+])
+def test_from_scheme_builds_what_the_constructor_builds(kw):
+    """``FakeQuantize.from_scheme`` skips re-validating the spec's scheme and the
+    ``__setattr__`` chain: the module is the one ``FakeQuantize(...)`` builds."""
+    from qcompile.specs import Scheme
+
+    a = FakeQuantize(**kw)
+    fields = {k: kw[k] for k in ("dtype", "symmetric", "granularity", "axis", "group_size",
+                                 "observer", "learnable") if k in kw}
+    role = "activation" if kw.get("per_example") else "weight"
+    shape = {1: None, 4: (4, 3), 6: (6, 8)}[kw.get("channels", 1)]
+    b = FakeQuantize.from_scheme(Scheme(**fields), role=role, shape=shape,
+                                 dynamic=kw.get("dynamic", False),
+                                 target="x86" if kw.get("reduce_range") else "generic")
+    strip = ("_modules", "_parameters", "_buffers")
+    assert {k: v for k, v in vars(a).items() if k not in strip} == {
+        k: v for k, v in vars(b).items() if k not in strip}
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert [type(p) for p in a.parameters()] == [type(p) for p in b.parameters()]
+    assert type(a.observer) is type(b.observer)
+    assert repr(a) == repr(b)

@@ -173,3 +173,40 @@ def test_graph_dumps_writes_report_json(tmp_path):
     path = tmp_path / "report.json"
     assert path.exists()
     assert "insert_quant" in json.dumps(json.loads(path.read_text(encoding="utf-8")))
+
+
+@pytest.mark.parametrize("spec, codegens", [("int8-qat", 1), ("int8-static", 1),
+                                             ({"quant": {"mode": "none"}}, 1)])
+def test_passes_that_only_rewrite_nodes_share_one_code_generation(monkeypatch, spec,
+                                                                  codegens):
+    """trace -> fold_bn -> annotate -> insert_quant generate the graph's code once, after
+    insert_quant (the traced graph's code is never generated), and that code is the
+    graph's: the same as a fresh GraphModule's, and it runs."""
+    generated: list[int] = []
+    real = torch.fx.Graph.python_code
+
+    def counting(self, *args, **kwargs):
+        generated.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.fx.Graph, "python_code", counting)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
+    x = torch.randn(2, 3, 6, 6)
+    gm = qc.qcompile(model, spec, (x,))
+    assert len(generated) == codegens
+    assert gm.code == torch.fx.GraphModule(gm, gm.graph).code
+    assert gm(x).shape == (2, 2)
+    # with an instrument looking after every pass, every pass's graph has its code
+    seen: list[str] = []
+
+    class Codes:
+        def after_pass(self, index, record, g, ctx):
+            seen.append(g.code)
+            assert g.code == torch.fx.GraphModule(g, g.graph).code
+
+        def finish(self, report, g):
+            pass
+
+    qc.qcompile(model, spec, (x,), instruments=[Codes()])
+    assert len(seen) == len(qc.report(gm).passes)

@@ -134,7 +134,7 @@ def test_dynamic_mode_runs_only_the_algorithm():
     qc.calibrate(gm, CALIB, progress=False)
     assert output_mse(gm, m, TEST) < 0.8 * rtn
     plain = qc.qcompile(m, spec([], mode="dynamic", activation=True), example_inputs=(CALIB[0],))
-    with pytest.raises(QCompileError, match="calibration is for quant.mode 'static'"):
+    with pytest.raises(QCompileError, match=r"calibration is for quant.mode 'static'"):
         qc.calibrate(plain, CALIB)
 
 

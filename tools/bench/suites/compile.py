@@ -3,6 +3,7 @@
 - ``compile``: compile time of qcompile int8-qat (also ``inplace=True``), torch.ao
   ``prepare_qat_fx`` and, when installed, torchao's QAT, relative to
   ``torch.fx.symbolic_trace``, on the MLP, the ResNet-18-style CNN and the transformer;
+  the export front end (``trace: {method: export}``) relative to ``torch.export.export``;
   then compile time of 50..400-block MLPs (scaling);
 - ``memory``: peak RSS of compile + 2 QAT steps of the transformer, each way in a fresh
   process.
@@ -34,25 +35,34 @@ from qcompile.tools.bench.competitors import (
     symbolic_trace,
     torchao_qat,
 )
+from qcompile.tools.bench.measure import median_seconds
 from qcompile.tools.bench.models import deep_mlp, workloads
 from qcompile.tools.bench.workers import memory_worker
 
 
 def bench_compile(quick: bool) -> dict[str, Any]:
     """Compile time: symbolic_trace vs qcompile int8-qat (also ``inplace=True``, which skips
-    qcompile's copy of the model) vs prepare_qat_fx (on a copy, as qcompile makes one), and
-    scaling with depth. Each model's contenders run once untimed (warm-up), then in
-    interleaved rounds; medians of the rounds. Models are built outside the timings."""
+    qcompile's copy of the model) vs prepare_qat_fx (on a copy, as qcompile makes one); the
+    export front end (qcompile with ``trace.method: export`` and ``quant.mode: none``, so
+    the trace pass alone) vs ``torch.export.export(strict=False)``; and scaling with depth.
+    Each model's contenders run once untimed (warm-up), then in interleaved rounds; medians
+    of the rounds, and each ratio's range over the rounds (round by round, side by side).
+    Models and specs are built outside the timings (``spec_load_s``: parsing the preset)."""
     rounds = 3 if quick else 5
-    out: dict[str, Any] = {}
+    spec = qc.load_spec("int8-qat")
+    export_spec = qc.CompileSpec.model_validate({"quant": {"mode": "none"},
+                                                 "trace": {"method": "export"}})
+    out: dict[str, Any] = {"spec_load_s": median_seconds(lambda: qc.load_spec("int8-qat"), 5)}
     for name, (make, x) in workloads(quick).items():
         torch.manual_seed(0)
         model = make()
         runs = {
             "symbolic_trace": lambda m, x=x: symbolic_trace(m),
-            "qcompile": lambda m, x=x: qc.qcompile(m, "int8-qat", (x,)),
-            "qcompile_inplace": lambda m, x=x: qc.qcompile(m, "int8-qat", (x,), inplace=True),
+            "qcompile": lambda m, x=x: qc.qcompile(m, spec, (x,)),
+            "qcompile_inplace": lambda m, x=x: qc.qcompile(m, spec, (x,), inplace=True),
             "prepare_qat_fx": lambda m, x=x: prepare_qat_fx(copy.deepcopy(m), x),
+            "torch_export": lambda m, x=x: torch.export.export(m, (x,), strict=False),
+            "qcompile_export": lambda m, x=x: qc.qcompile(m, export_spec, (x,)),
         }
         if has_torchao():  # optional competitor (Linear layers only)
             runs["torchao_qat"] = lambda m: torchao_qat(copy.deepcopy(m))
@@ -67,22 +77,34 @@ def bench_compile(quick: bool) -> dict[str, Any]:
         t = {k: statistics.median(v) for k, v in times.items()}
         out[name] = {f"{k}_s": v for k, v in t.items()}
         for k in t:
-            if k != "symbolic_trace":
-                out[name][f"{k}_vs_trace"] = t[k] / t["symbolic_trace"]
+            if k in ("symbolic_trace", "torch_export", "qcompile_export"):
+                continue
+            out[name][f"{k}_vs_trace"] = t[k] / t["symbolic_trace"]
+            out[name][f"{k}_vs_trace_range"] = _range(times[k], times["symbolic_trace"])
+        out[name]["export_front_end_vs_export"] = t["qcompile_export"] / t["torch_export"]
+        out[name]["export_front_end_vs_export_range"] = _range(times["qcompile_export"],
+                                                               times["torch_export"])
     sizes = (50, 100) if quick else (50, 100, 200, 400)
-    qc.qcompile(deep_mlp(10), "int8-qat", (torch.randn(4, 64),))  # warm up imports and caches
+    qc.qcompile(deep_mlp(10), spec, (torch.randn(4, 64),))  # warm up imports and caches
     scaling: dict[int, float] = {}
     for n in sizes:
         times_n = []
         for _ in range(rounds):
             m, x = deep_mlp(n), torch.randn(4, 64)
             t0 = time.perf_counter()
-            qc.qcompile(m, "int8-qat", (x,))
+            qc.qcompile(m, spec, (x,))
             times_n.append(time.perf_counter() - t0)
         scaling[n] = statistics.median(times_n)
     out["scaling_s"] = scaling
     out["scaling_ratio"] = scaling[sizes[-1]] / scaling[sizes[0]]
     return out
+
+
+def _range(a: list[float], b: list[float]) -> list[float]:
+    """[lowest, highest] of the round-by-round ratios a[i] / b[i] (each round runs the
+    contenders back to back, so a ratio shares its round's machine load)."""
+    ratios = [x / y for x, y in zip(a, b)]
+    return [min(ratios), max(ratios)]
 
 
 def bench_memory(quick: bool) -> dict[str, Any]:
