@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qcompile.runtime import weight_cache
+from qcompile.runtime import kernels, weight_cache
 from qcompile.runtime.observers import MinMaxObserver, make_observer
 from qcompile.runtime.quant_math import (
     FP8_DTYPES,
@@ -232,12 +232,43 @@ class FakeQuantize(nn.Module):
         """Fold ``x`` into the observer and recompute ``scale`` / ``zero_point``."""
         if x.numel() == 0 or self.observer is None:
             return
+        if self._observe_fused(x):
+            # observer statistics and qparams updated in place, as refresh_qparams would
+            weight_cache.clear(self)
+            self.observed = True
+            return
         if getattr(self.observer, "needs_data", False):
             self.observer.observe(x)  # histogram-based: the whole tensor
         else:
             mn, mx = self._minmax(x.detach().float())
             self.observer.update(mn, mx)
         self._observed()
+
+    def _observe_fused(self, x: torch.Tensor) -> bool:
+        """Observe ``x`` with one C++ call (``qcompile::observe_minmax``: the observer's
+        running min / max and the qparams, one pass over ``x``, the same bits) where that
+        applies: a plain min-max observer, per-tensor or per-channel along dim 0 (a
+        weight's output channels), fixed integer scales, plain contiguous float32 CPU
+        tensors, nothing tracing. Returns whether it did."""
+        obs = self.observer
+        if type(obs) is not MinMaxObserver or self.learnable or self.dtype in FP8_DTYPES:
+            return False
+        if not (self.granularity == "per_tensor"
+                or (self.granularity == "per_channel" and self.axis == 0)):
+            return False
+        state = (obs.min_val, obs.max_val, self.scale, self.zero_point)
+        if not (type(x) in (torch.Tensor, nn.Parameter) and x.dtype == torch.float32
+                and x.is_cpu and x.is_contiguous() and not x.is_inference()
+                and all(type(t) is torch.Tensor and t.is_cpu for t in state)):
+            return False
+        if weight_cache.tracing() or not kernels.available():
+            return False
+        rows = 1 if self.granularity == "per_tensor" else x.shape[0]
+        if obs.min_val.numel() != rows or x.dim() == 0:
+            return False
+        torch.ops.qcompile.observe_minmax(x.detach(), *state, self.quant_min, self.quant_max,
+                                          self.symmetric)
+        return True
 
     @torch.no_grad()
     def observe_range(self, mn: torch.Tensor, mx: torch.Tensor) -> None:
@@ -318,6 +349,18 @@ class FakeQuantize(nn.Module):
         return out.reshape(src.shape) if self.granularity == "per_group" else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The commonest call once observers are off (calibrated, frozen): a plain CPU
+        # tensor through a fixed per-tensor integer quantizer, straight to the kernel.
+        # Each Python layer of the general path below costs about a microsecond, together
+        # more than the kernel on a small tensor; this is the operator call (and the
+        # arguments) the general path ends in for such a call.
+        if (type(x) is torch.Tensor and self.enabled and not self.observe
+                and self.granularity == "per_tensor" and not self.learnable
+                and not self.dynamic and self.dtype not in FP8_DTYPES and x.is_cpu
+                and x.is_floating_point() and x.numel() != 0
+                and not torch.compiler.is_dynamo_compiling() and kernels.available()):
+            return torch.ops.qcompile.fake_quant(x, self.scale, self.zero_point,
+                                                 self.quant_min, self.quant_max)
         # Only floating-point tensors are quantized: indices, masks and sizes pass through.
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
             return x

@@ -15,7 +15,11 @@ them run under ``torch.compile`` and ``torch.export``):
 - the pieces they are made of: ``fake_quant_ste_fwd`` (output and bit mask),
   ``fake_quant_ste_bwd``, ``fake_quant_lsq_bwd``; ``fake_quant_bwd(grad, mask)`` (a bool
   mask of ``grad``'s shape); ``fake_quant_isa()`` (the instruction set in use) and
-  ``fake_quant_release_cache()`` (see ``release_cache``).
+  ``fake_quant_release_cache()`` (see ``release_cache``);
+- ``qcompile::observe_minmax(x, min_val, max_val, scale, zero_point, quant_min, quant_max,
+  symmetric)``: a min-max observer's update and the qparams it gives, per row of ``x``
+  (per-channel along dim 0, or per-tensor), in place, in one pass over ``x`` (what
+  ``FakeQuantize.observe_tensor`` runs for weights; bit-identical to the Python path).
 
 With gradients, a call records exactly one autograd node (``FakeQuantSTEBackward`` /
 ``FakeQuantLSQBackward``, C++ nodes like torch's generated ones: no Python runs in the

@@ -31,6 +31,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <sys/mman.h>
@@ -44,6 +45,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <mutex>
 #include <string>
@@ -83,6 +85,7 @@ struct KernelTable {
   void (*bwd_mask)(const Job&, int64_t, int64_t);       // elements [b, e)
   void (*bwd_bits)(const Job&, int64_t, int64_t);       // elements [b, e), b % 64 == 0
   void (*lsq_bwd)(const Job&, int64_t, int64_t);        // tasks [b, e)
+  void (*minmax)(const float*, int64_t, float*, float*);  // n floats -> min, max
 };
 
 }  // namespace qcompile_fq
@@ -93,17 +96,21 @@ struct KernelTable {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
 #define QCOMPILE_FQ_ISA_NAME "avx512"
+#define QCOMPILE_FQ_AVX2 1  // GCC's target pragma does not define __AVX2__: our own flag
 namespace qcompile_fq::isa_avx512 {
 #include __FILE__
 }  // namespace qcompile_fq::isa_avx512
+#undef QCOMPILE_FQ_AVX2
 #undef QCOMPILE_FQ_ISA_NAME
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,bmi2")
 #define QCOMPILE_FQ_ISA_NAME "avx2"
+#define QCOMPILE_FQ_AVX2 1
 namespace qcompile_fq::isa_avx2 {
 #include __FILE__
 }  // namespace qcompile_fq::isa_avx2
+#undef QCOMPILE_FQ_AVX2
 #undef QCOMPILE_FQ_ISA_NAME
 #pragma GCC pop_options
 #endif
@@ -794,6 +801,70 @@ Tensor fake_quant_lsq_meta(const Tensor& x, const Tensor&, const Tensor&, int64_
   return at::empty_like(x);
 }
 
+// -- observation ---------------------------------------------------------------------------
+// A min-max observer's update and the qparams it gives, per row of x (per-channel along
+// dim 0, or one row: per-tensor), in one pass and one call: the Python path reads the
+// weight twice (amin, amax) and runs ~15 small ops per quantizer. Bit-identical to
+// MinMaxObserver.update + quant_math.qparams_from_minmax (float32, the same operations in
+// the same order; NaN propagates as in torch.minimum / maximum / clamp).
+static inline float nan_min(float a, float b) { return (a != a || b != b) ? NAN : (b < a ? b : a); }
+static inline float nan_max(float a, float b) { return (a != a || b != b) ? NAN : (b > a ? b : a); }
+static inline float clamp_lo(float v, float lo) { return v != v ? v : (v < lo ? lo : v); }
+static inline float clamp_hi(float v, float hi) { return v != v ? v : (v > hi ? hi : v); }
+
+void observe_minmax_cpu(const Tensor& x, const Tensor& min_val, const Tensor& max_val,
+                        const Tensor& scale, const Tensor& zero_point, int64_t quant_min,
+                        int64_t quant_max, bool symmetric) {
+  const int64_t rows = min_val.numel();
+  auto ok = [&](const Tensor& t, at::ScalarType dt) {
+    return t.scalar_type() == dt && t.is_contiguous() && t.numel() == rows && t.is_cpu();
+  };
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && rows > 0 &&
+                  x.numel() % rows == 0 && ok(min_val, at::kFloat) && ok(max_val, at::kFloat) &&
+                  ok(scale, at::kFloat) && ok(zero_point, at::kInt),
+              "qcompile observe_minmax: expects contiguous float32 x, float32 min / max / "
+              "scale and int32 zero point of one value per row of x");
+  const int64_t len = x.numel() / rows;
+  const float* xp = x.const_data_ptr<float>();
+  float* mnp = min_val.mutable_data_ptr<float>();
+  float* mxp = max_val.mutable_data_ptr<float>();
+  float* sp = scale.mutable_data_ptr<float>();
+  int32_t* zp = zero_point.mutable_data_ptr<int32_t>();
+  const float eps = std::numeric_limits<float>::epsilon();
+  const float lo = static_cast<float>(quant_min), hi = static_cast<float>(quant_max);
+  const int64_t zsym = quant_min < 0 ? 0 : (quant_min + quant_max + 1) / 2;
+  const float steps = static_cast<float>(std::min(quant_max - zsym, zsym - quant_min));
+  const float levels = static_cast<float>(quant_max - quant_min);
+  const auto& k = kernels();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(len, 1)),
+                   [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      float mn, mx;
+      k.minmax(xp + r * len, len, &mn, &mx);
+      mn = nan_min(mnp[r], mn);
+      mx = nan_max(mxp[r], mx);
+      mnp[r] = mn;
+      mxp[r] = mx;
+      const float min_neg = clamp_hi(mn, 0.0f), max_pos = clamp_lo(mx, 0.0f);
+      float s, z;
+      if (symmetric) {
+        s = clamp_lo(nan_max(-min_neg, max_pos) / steps, eps);
+        z = static_cast<float>(zsym);
+      } else {
+        s = clamp_lo((max_pos - min_neg) / levels, eps);
+        z = clamp_hi(clamp_lo(lo - std::nearbyint(min_neg / s), lo), hi);
+      }
+      sp[r] = s;
+      zp[r] = z != z ? std::numeric_limits<int32_t>::min() : static_cast<int32_t>(z);
+    }
+  });
+  // written through pointers: bump the version counters as copy_ does (the weight cache
+  // and autograd's saved-tensor checks read them)
+  for (const Tensor* t : {&min_val, &max_val, &scale, &zero_point}) {
+    if (!t->is_inference()) torch::autograd::impl::bump_version(*t);
+  }
+}
+
 std::string isa() { return kernels().name; }
 
 }  // namespace qcompile_fq
@@ -815,6 +886,8 @@ TORCH_LIBRARY(qcompile, m) {
         "int quant_min, int quant_max, float grad_factor) -> (Tensor, Tensor)");
   m.def("fake_quant_isa() -> str", &qcompile_fq::isa);
   m.def("fake_quant_release_cache() -> int", &qcompile_fq::release_cache);
+  m.def("observe_minmax(Tensor x, Tensor(a!) min_val, Tensor(b!) max_val, Tensor(c!) scale, "
+        "Tensor(d!) zero_point, int quant_min, int quant_max, bool symmetric) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(qcompile, CPU, m) {
@@ -824,6 +897,7 @@ TORCH_LIBRARY_IMPL(qcompile, CPU, m) {
   m.impl("fake_quant_bwd", &qcompile_fq::fake_quant_bwd_cpu);
   m.impl("fake_quant_ste_bwd", &qcompile_fq::fake_quant_ste_bwd_cpu);
   m.impl("fake_quant_lsq_bwd", &qcompile_fq::fake_quant_lsq_bwd_cpu);
+  m.impl("observe_minmax", &qcompile_fq::observe_minmax_cpu);
 }
 
 TORCH_LIBRARY_IMPL(qcompile, Meta, m) {
@@ -921,7 +995,7 @@ static void for_segments(const Job& j, int64_t b, int64_t e, F&& f) {
 // Bit masks: 8 mask bytes (0 / 1) <-> one byte, bit k for element k.
 static inline void pack_bits(const uint8_t* __restrict m, uint8_t* __restrict out, int64_t n) {
   int64_t k = 0;
-#ifdef __AVX2__
+#ifdef QCOMPILE_FQ_AVX2
   // 32 mask bytes -> 4 bytes with one movemask (the multiply below needs 64-bit vector
   // products, which AVX2 lacks: packing cost as much as the rest of the forward)
   for (; k + 4 <= n; k += 4) {
@@ -1145,6 +1219,40 @@ static void lsq_bwd(const Job& j, int64_t b, int64_t e) {
   j.bf16 ? lsq_bwd_t<uint16_t>(j, b, e) : lsq_bwd_t<float>(j, b, e);
 }
 
-static const KernelTable table{QCOMPILE_FQ_ISA_NAME, fwd, bwd_mask, bwd_bits, lsq_bwd};
+// min and max of n floats, both NaN when one is (as torch.amin / torch.amax)
+static void minmax(const float* __restrict x, int64_t n, float* mn_out, float* mx_out) {
+  int64_t i = 0;
+  float mn = INFINITY, mx = -INFINITY;
+  bool nan = false;
+#ifdef QCOMPILE_FQ_AVX2
+  // a min/max reduction GCC does not vectorise without fast-math (signed zeros, NaN)
+  __m256 vmn = _mm256_set1_ps(INFINITY), vmx = _mm256_set1_ps(-INFINITY);
+  __m256 vnan = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    vmn = _mm256_min_ps(vmn, v);
+    vmx = _mm256_max_ps(vmx, v);
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  alignas(32) float a[8], b[8];
+  _mm256_store_ps(a, vmn);
+  _mm256_store_ps(b, vmx);
+  for (int k = 0; k < 8; ++k) {
+    mn = a[k] < mn ? a[k] : mn;
+    mx = b[k] > mx ? b[k] : mx;
+  }
+  nan = _mm256_movemask_ps(vnan) != 0;
+#endif
+  for (; i < n; ++i) {
+    const float v = x[i];
+    nan = nan || v != v;
+    mn = v < mn ? v : mn;
+    mx = v > mx ? v : mx;
+  }
+  *mn_out = nan ? NAN : mn;
+  *mx_out = nan ? NAN : mx;
+}
+
+static const KernelTable table{QCOMPILE_FQ_ISA_NAME, fwd, bwd_mask, bwd_bits, lsq_bwd, minmax};
 
 #endif  // QCOMPILE_FQ_KERNEL_BODY

@@ -80,7 +80,7 @@ def test_a_sweep_stops_each_batch_after_its_layers_and_sums_across_ranks():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     gm = qc.qcompile(m, spec([]), example_inputs=(torch.randn(2, 4),))
-    first, second = quantized_layers(gm)
+    first, _ = quantized_layers(gm)
     ran = []
     second_fq = qc.quantizers(gm)["2.weight_fake_quant"]
     second_fq.register_forward_hook(lambda *a: ran.append(1))

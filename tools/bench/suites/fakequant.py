@@ -14,13 +14,22 @@ Example:
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from qcompile.tools.bench.measure import median_seconds
+
+def clock() -> Callable[[], float]:
+    """The clock the ``fakequant`` and ``step`` suites time with: wall time, or this
+    thread's CPU time with ``QCOMPILE_BENCH_CLOCK=cpu`` (only meaningful with
+    ``OMP_NUM_THREADS=1``: on a machine shared with other jobs it leaves out the time the
+    process waits for a core, which wall time on 2 busy cores mostly measures)."""
+    cpu = os.environ.get("QCOMPILE_BENCH_CLOCK") == "cpu"
+    return time.thread_time if cpu else time.perf_counter
 
 
 def fakequant_cases(x: torch.Tensor, only: tuple[str, ...] = ()) -> dict[str, tuple[Any, Any]]:
@@ -42,7 +51,7 @@ def fakequant_cases(x: torch.Tensor, only: tuple[str, ...] = ()) -> dict[str, tu
     for name, kw in kinds.items():
         if only and name not in only:
             continue
-        fq = FakeQuantize("int8", **kw)
+        fq = FakeQuantize("int8", **kw).to(x.device)
         fq(x)
         fq.observe = False
         s, z = fq.scale.detach().clone(), fq.zero_point.clone()
@@ -73,39 +82,56 @@ def bench_fakequant(quick: bool) -> dict[str, Any]:
     the output (2 x 4 bytes per element, like the copy); forward+backward also reads the
     output's gradient and writes x's (4 x 4 bytes; saved state such as a mask is not
     counted). The backward gets a dense upstream gradient (``out.backward(g)``).
-    ``small_64x64_us``: per-call time on a 64x64 tensor (dispatch overhead)."""
+    ``small_64x64_us``: per-call time on a 64x64 tensor (dispatch overhead), next to
+    ``autograd_floor_fwd_bwd_us``, the same harness around ``torch.neg``.
+
+    ``QCOMPILE_BENCH_DEVICE=cuda`` runs it on a GPU (where qcompile runs the eager formula
+    unless compiled); ``QCOMPILE_BENCH_COMPILED=1`` adds ``<kind>_compiled`` rows:
+    the quantizer under ``torch.compile`` (Inductor's fused kernel, compile time not
+    counted)."""
     from qcompile.runtime import kernels
 
+    device = torch.device(os.environ.get("QCOMPILE_BENCH_DEVICE", "cpu"))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     n = (1 if quick else 16) * 1024 * 1024
     rounds = 3 if quick else 7
-    x = torch.randn(n // 1024, 1024)
+    x = torch.randn(n // 1024, 1024, device=device)
     g = torch.randn_like(x)
     y = torch.empty_like(x)
     nbytes = x.numel() * x.element_size()
 
     def fwd(fn: Any, t: torch.Tensor = x) -> Any:
-        return lambda: fn(t)
+        def run() -> None:
+            fn(t)
+            sync()
+        return run
 
     def fwd_bwd(fn: Any, t: torch.Tensor = x, grad: torch.Tensor = g) -> Any:
         def run() -> None:
             fn(t.detach().requires_grad_(True)).backward(grad)
+            sync()
         return run
 
     cases = fakequant_cases(x)
+    if os.environ.get("QCOMPILE_BENCH_COMPILED") == "1":
+        for name in ("per_tensor", "per_channel", "lsq"):
+            fq, builtin = cases[name]
+            cases[f"{name}_compiled"] = (torch.compile(fq, dynamic=False), builtin)
     runs: list[tuple[str, Any]] = []
     for name, (fq, builtin) in cases.items():
-        runs.append(("copy", lambda: y.copy_(x)))  # a copy next to every case
+        runs.append(("copy", fwd(lambda t: y.copy_(t))))  # a copy next to every case
         for impl, fn in (("qcompile", fq), ("torch", builtin)):
             runs.append((f"{name}.{impl}_fwd", fwd(fn)))
             runs.append((f"{name}.{impl}_fwd_bwd", fwd_bwd(fn)))
     times: dict[str, list[float]] = {k: [] for k, _ in runs}
     for _, fn in runs:  # warm up (allocator, first-call paths)
         fn()
+    now = clock()
     for _ in range(rounds):
         for key, fn in runs:
-            t0 = time.perf_counter()
+            t0 = now()
             fn()
-            times[key].append(time.perf_counter() - t0)
+            times[key].append(now() - t0)
     t = {k: statistics.median(v) for k, v in times.items()}
     copy_gbps = 2 * nbytes / t["copy"] / 1e9
     out: dict[str, Any] = {"elements": n, "copy_GBps": copy_gbps,
@@ -118,18 +144,25 @@ def bench_fakequant(quick: bool) -> dict[str, Any]:
             row[f"speedup_{key}"] = t[f"{name}.torch_{key}"] / t[f"{name}.qcompile_{key}"]
             row[f"{key}_vs_copy"] = row[f"qcompile_{key}_GBps"] / copy_gbps
         out[name] = row
-    # per-call overhead: a 64x64 per-tensor quantizer, forward and forward+backward
-    small = torch.randn(64, 64)
+    # per-call overhead: a 64x64 per-tensor quantizer, forward and forward+backward, next
+    # to the floor under any fake-quant's fwd+bwd here: one built-in elementwise op (a C++
+    # autograd node) in the same harness (the Python backward() round trip dominates it)
+    small = torch.randn(64, 64, device=device)
     fq, builtin = fakequant_cases(small, ("per_tensor",))["per_tensor"]
     gs = torch.randn_like(small)
     calls = 50 if quick else 500
-    row = {}
-    for impl, fn in (("qcompile", fq), ("torch", builtin)):
-        for key, run in (("fwd", fwd(fn, small)), ("fwd_bwd", fwd_bwd(fn, small, gs))):
-            def many(run: Any = run) -> None:
-                for _ in range(calls):
-                    run()
-            many()
-            row[f"{impl}_{key}_us"] = median_seconds(many, rounds) / calls * 1e6
+    small_runs = {f"{impl}_{key}_us": run
+                  for impl, fn in (("qcompile", fq), ("torch", builtin))
+                  for key, run in (("fwd", fwd(fn, small)), ("fwd_bwd", fwd_bwd(fn, small, gs)))}
+    small_runs["autograd_floor_fwd_bwd_us"] = fwd_bwd(torch.neg, small, gs)
+    small_times: dict[str, list[float]] = {k: [] for k in small_runs}
+    for r in range(rounds + 1):  # interleaved; round 0 warms up
+        for key, run in small_runs.items():
+            t0 = now()
+            for _ in range(calls):
+                run()
+            if r:
+                small_times[key].append((now() - t0) / calls * 1e6)
+    row = {k: statistics.median(v) for k, v in small_times.items()}
     out["small_64x64_us"] = row
     return out

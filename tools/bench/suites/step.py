@@ -5,13 +5,14 @@ torchao's QAT, on the MLP, the ResNet-18-style CNN and the transformer. Prints a
 
 Example:
     >>> from qcompile.tools.bench.suites.step import bench_step
-    >>> bench_step.__doc__
+    >>> bench_step.__doc__.splitlines()[0]
     'Training step (fwd + bwd + SGD) relative to fp32 eager.'
 """
 
 from __future__ import annotations
 
 import copy
+import statistics
 from typing import Any
 
 import torch
@@ -19,23 +20,30 @@ from torch import nn
 
 import qcompile as qc
 from qcompile.tools.bench.competitors import has_torchao, prepare_qat_fx, torchao_qat
-from qcompile.tools.bench.measure import median_seconds
 from qcompile.tools.bench.models import workloads
+from qcompile.tools.bench.suites.fakequant import clock
 
 
 def bench_step(quick: bool) -> dict[str, Any]:
-    """Training step (fwd + bwd + SGD) relative to fp32 eager."""
+    """Training step (fwd + bwd + SGD) relative to fp32 eager.
+
+    The steps of all libraries are interleaved, round by round (a shared machine's load
+    changes within seconds: timing one library's steps after another's measured the load
+    as much as the step). Medians over the rounds; ``*_vs_fp32_range`` is the
+    interquartile range of the per-round ratios. ``QCOMPILE_BENCH_CLOCK=cpu``: see
+    ``fakequant.clock``."""
     out: dict[str, Any] = {}
+    rounds = 3 if quick else 15
     for name, (make, x) in workloads(quick).items():
         torch.manual_seed(0)
         model = make()
-        results = {}
         builds: list[tuple[str, Any]] = [
             ("fp32", lambda m: m),
             ("qcompile", lambda m, x=x: qc.qcompile(m, "int8-qat", (x,))),
             ("prepare_qat_fx", lambda m, x=x: prepare_qat_fx(m, x))]
         if has_torchao():  # optional competitor (fake-quantizes Linear layers only)
             builds.append(("torchao_qat", torchao_qat))
+        steps: dict[str, Any] = {}
         for label, build in builds:
             m = build(copy.deepcopy(model).train())
             opt = torch.optim.SGD(m.parameters(), lr=1e-4)
@@ -45,11 +53,25 @@ def bench_step(quick: bool) -> dict[str, Any]:
                 m(x).float().square().mean().backward()
                 opt.step()
 
-            step()
-            results[label] = median_seconds(step, 3 if quick else 10)
-        out[name] = {**{f"{k}_s": v for k, v in results.items()},
-                     **{f"{k}_vs_fp32": v / results["fp32"] for k, v in results.items()
-                        if k != "fp32"}}
+            step()  # warm-up: first-call paths, observers initialised
+            steps[label] = step
+        times: dict[str, list[float]] = {label: [] for label in steps}
+        now = clock()
+        for _ in range(rounds):
+            for label, step in steps.items():
+                t0 = now()
+                step()
+                times[label].append(now() - t0)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        row: dict[str, Any] = {f"{k}_s": v for k, v in med.items()}
+        for k in steps:
+            if k == "fp32":
+                continue
+            ratios = sorted(a / b for a, b in zip(times[k], times["fp32"]))
+            row[f"{k}_vs_fp32"] = med[k] / med["fp32"]
+            row[f"{k}_vs_fp32_range"] = [ratios[len(ratios) // 4],
+                                         ratios[(3 * len(ratios)) // 4]]
+        out[name] = row
     if not has_torchao():
         out["note"] = "torchao not installed (pip install .[bench]): its QAT is not compared"
     return out

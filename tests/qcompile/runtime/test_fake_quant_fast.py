@@ -1,0 +1,188 @@
+"""The fast paths of the fused fake-quant (issue 18): one autograd node per call, output
+buffers recycled from a small pool, the vectorised LSQ backward, amin/amax statistics,
+and the eager formula under ``torch.compile`` (tested in ``test_kernels``).
+
+Numerics are compared bit for bit with the eager formulation
+(``quant_math.fake_quantize_eager``), as ``test_kernels`` does for the other paths.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qcompile.runtime import kernels, quant_math
+from qcompile.runtime.fake_quant import FakeQuantize
+
+OPS = kernels.load()
+needs_ext = pytest.mark.skipif(OPS is None,
+                               reason="no C++ kernels (QCOMPILE_NO_EXT=1 or no compiler)")
+
+
+@needs_ext
+@pytest.mark.parametrize("learnable", [False, True])
+def test_one_autograd_node_per_call(learnable: bool) -> None:
+    """The output's grad_fn is the operator's own node, wired straight to the leaves."""
+    x = torch.randn(8, 16, requires_grad=True)
+    s = torch.tensor([0.05], requires_grad=learnable)
+    z = torch.zeros(1, dtype=torch.int32)
+    y = quant_math.fake_quantize(x, s, z, -128, 127, learnable=learnable)
+    name = "FakeQuantLSQBackward" if learnable else "FakeQuantSTEBackward"
+    assert y.grad_fn.name() == name
+    nexts = [type(f).__name__ if f is not None else None for f, _ in y.grad_fn.next_functions]
+    assert nexts == ["AccumulateGrad", "AccumulateGrad" if learnable else None]
+    g = torch.randn_like(y)
+    y.backward(g, retain_graph=True)
+    first = x.grad.clone()
+    y.backward(g)  # saved tensors still there with retain_graph
+    assert torch.equal(x.grad, 2 * first)
+    with pytest.raises(RuntimeError, match="second time"):
+        y.backward(g)  # ... and released after the last backward
+
+
+@needs_ext
+@pytest.mark.parametrize("learnable", [False, True])
+def test_node_gradients_match_eager(learnable: bool) -> None:
+    """Gradients of x (and the scale) from the node equal the eager autograd Functions'."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(33, 70, generator=gen) * 3
+    s = torch.rand(33, 1, generator=gen) * 0.05 + 0.01
+    z = torch.randint(-5, 5, (33, 1), generator=gen, dtype=torch.int32)
+    g = torch.randn(33, 70, generator=gen)
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        xl, sl = x.clone().requires_grad_(True), s.clone().requires_grad_(learnable)
+        if fused:
+            y = quant_math.fake_quantize(xl, sl, z, -128, 127, learnable=learnable, batch=1)
+        else:
+            factor = quant_math.lsq_grad_factor(x, s, 127, 1) if learnable else 0.0
+            y = quant_math.fake_quantize_eager(xl, sl, z, -128, 127, learnable=learnable,
+                                               grad_factor=factor)
+        y.backward(g)
+        return [y.detach(), xl.grad] + ([sl.grad] if learnable else [])
+
+    fused, eager = run(True), run(False)
+    assert torch.equal(fused[0], eager[0]) and torch.equal(fused[1], eager[1])
+    if learnable:  # a sum in another order than torch's
+        torch.testing.assert_close(fused[2], eager[2], rtol=2e-5, atol=1e-6)
+
+
+@needs_ext
+def test_unused_output_and_no_grad() -> None:
+    x = torch.randn(4, 4, requires_grad=True)
+    s, z = torch.tensor([0.1]), torch.zeros(1, dtype=torch.int32)
+    y = quant_math.fake_quantize(x, s, z, -8, 7)
+    (gx,) = torch.autograd.grad([y.sum(), x.sum()], [x], allow_unused=True)
+    assert torch.equal(gx, (x.detach() / s).round().abs().le(7).float() + 1)
+    with torch.no_grad():
+        assert quant_math.fake_quantize(x, s, z, -8, 7).grad_fn is None
+
+
+@needs_ext
+def test_checkpointing_saves_through_hooks() -> None:
+    """Saved-tensor hooks (non-reentrant checkpointing) see the node's saved mask."""
+    x = torch.randn(16, 32, requires_grad=True)
+    s, z = torch.tensor([0.02]), torch.zeros(1, dtype=torch.int32)
+    packed = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = quant_math.fake_quantize(x, s, z, -128, 127)
+    assert packed == [torch.Size([16 * 32 // 8])]  # the 1-bit mask
+    y.sum().backward()
+    ref = torch.utils.checkpoint.checkpoint(
+        lambda t: quant_math.fake_quantize(t, s, z, -128, 127), x.detach().requires_grad_(True),
+        use_reentrant=False)
+    assert torch.equal(ref, y)
+
+
+@needs_ext
+def test_large_outputs_reuse_freed_buffers() -> None:
+    """Outputs of 1 MB and more come back from the pool (no fresh pages to fault in),
+    stay ordinary tensors, and the pool can be emptied."""
+    x = torch.randn(512, 1024)  # 2 MB
+    s, z = torch.tensor([0.02]), torch.zeros(1, dtype=torch.int32)
+    first = OPS.fake_quant(x, s, z, -128, 127)
+    ptr = first.data_ptr()
+    del first
+    again = OPS.fake_quant(x, s, z, -128, 127)
+    assert again.data_ptr() == ptr  # the freed block, reused
+    assert torch.equal(again, quant_math.fake_quantize_eager(x, s, z, -128, 127))
+    again.resize_(1024, 1024).fill_(1.0)  # resizable, as torch's own
+    assert again.sum().item() == 1024 * 1024
+    del again
+    assert OPS.fake_quant_release_cache() >= 512 * 1024 * 4
+    assert OPS.fake_quant_release_cache() == 0
+
+
+def test_minmax_statistics_match_aminmax() -> None:
+    """amin/amax (the fast reductions the quantizer uses) give torch.aminmax's values,
+    NaN included, for every granularity."""
+    x = torch.randn(6, 8, 32)
+    x[1, 2, 3] = float("nan")
+    cases = [({"granularity": "per_channel", "axis": 1, "channels": 8},
+              lambda t: torch.aminmax(t.movedim(1, 0).reshape(8, -1), dim=1)),
+             ({"granularity": "per_group", "group_size": 16, "channels": 6 * 16},
+              lambda t: [v.reshape(-1) for v in torch.aminmax(t.reshape(6, -1, 16), dim=-1)]),
+             ({"granularity": "per_token", "dynamic": True},
+              lambda t: torch.aminmax(t, dim=-1, keepdim=True))]
+    for kw, ref in cases:
+        fq = FakeQuantize("int8", **kw)
+        for got, want in zip(fq._minmax(x), ref(x)):
+            assert torch.equal(got, want) or torch.allclose(got, want, equal_nan=True)
+
+
+@needs_ext
+@pytest.mark.parametrize("isa", ["", "avx2", "base"])
+@pytest.mark.parametrize(("dtype", "symmetric", "granularity"), [
+    ("int8", True, "per_channel"), ("uint8", False, "per_channel"),
+    ("int4", False, "per_tensor"), ("uint8", True, "per_tensor")])
+def test_fused_observation_matches_python(monkeypatch: pytest.MonkeyPatch, isa: str,
+                                          dtype: str, symmetric: bool,
+                                          granularity: str) -> None:
+    """``observe_minmax`` (one pass, in C++) leaves the observer's statistics and the
+    qparams bit-identical to MinMaxObserver.update + qparams_from_minmax, over a sequence
+    of observations (running min / max), odd row lengths, all-zero and NaN rows."""
+    monkeypatch.setenv("QCOMPILE_FQ_ISA", isa)
+    gen = torch.Generator().manual_seed(7)
+    kw = {"granularity": granularity, "axis": 0, "channels": 12} \
+        if granularity == "per_channel" else {}
+    fused = FakeQuantize(dtype, symmetric=symmetric, **kw)
+    python = FakeQuantize(dtype, symmetric=symmetric, **kw)
+    monkeypatch.setattr(python, "_observe_fused", lambda x: False)
+    for step in range(4):
+        x = torch.randn(12, 37, generator=gen) * (10.0 ** (step - 2)) + step * 0.3
+        x[3] = 0.0  # a constant row: scale eps
+        if step == 2:
+            x[5, 7] = float("nan")
+        assert fused._observe_fused(x.clone()) is True
+        fused.observed = True
+        python.observe_tensor(x)
+        for a, b in ((fused.observer.min_val, python.observer.min_val),
+                     (fused.observer.max_val, python.observer.max_val),
+                     (fused.scale, python.scale), (fused.zero_point, python.zero_point)):
+            assert torch.equal(a, b) or torch.allclose(a, b, equal_nan=True), (step, a, b)
+    # and the forward the quantizer runs with them (the NaN row's scale stays NaN)
+    x = torch.randn(12, 37, generator=gen)
+    torch.testing.assert_close(fused(x), python(x), rtol=0, atol=0, equal_nan=True)
+
+
+@needs_ext
+def test_fused_observation_keeps_weight_cache_rules() -> None:
+    """A weight quantizer observing through the fused call still caches and invalidates as
+    before (versions bumped, entry dropped on observation)."""
+    w = torch.nn.Parameter(torch.randn(8, 16))
+    fq = FakeQuantize("int8", granularity="per_channel", axis=0, channels=8)
+    v = fq.scale._version
+    a = fq(w)
+    assert fq.scale._version > v and fq.observed
+    assert fq(w).data_ptr() == a.data_ptr()  # a hit
+    with torch.no_grad():
+        w.mul_(3.0)
+    b = fq(w)
+    assert b.data_ptr() != a.data_ptr()
+    assert torch.equal(fq.observer.max_val, torch.maximum(w.detach().amax(1) / 3,
+                                                          w.detach().amax(1)))
