@@ -24,6 +24,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from qcompile.errors import QCompileError
+from qcompile.graph.algorithms import Applier
 from qcompile.graph.context import Context
 from qcompile.graph.meta import COMPILED_KEY, REPORT_KEY, SPEC_KEY, SYNC_OBSERVERS_KEY
 from qcompile.graph.pipeline import Instrument, Pass, Pipeline
@@ -42,7 +43,6 @@ from qcompile.passes import (
     trace,
 )
 from qcompile.passes.trace.saving import keep_whole
-from qcompile.runtime.algorithms import Applier
 from qcompile.specs import CompileSpec
 from qcompile.version import __version__
 

@@ -34,11 +34,11 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from qcompile.graph.algorithms import Data, no_data, plan, set_parameter, usable, where
 from qcompile.graph.context import Context
+from qcompile.graph.layerwise import QuantLayer
 from qcompile.graph.pipeline import graph_pass
 from qcompile.passes.equalize import algorithm_entry
-from qcompile.runtime.algorithms import Data, no_data, plan, set_parameter, usable, where
-from qcompile.runtime.layerwise import QuantLayer
 from qcompile.specs.quant import BiasCorrection
 
 

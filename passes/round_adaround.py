@@ -38,11 +38,11 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
+from qcompile.graph.algorithms import Data, plan, round_layers
 from qcompile.graph.context import Context
+from qcompile.graph.layerwise import output_error, round_to_grid
 from qcompile.graph.pipeline import graph_pass
 from qcompile.passes.equalize import algorithm_entry
-from qcompile.runtime.algorithms import Data, plan, round_layers
-from qcompile.runtime.layerwise import output_error, round_to_grid
 from qcompile.specs.quant import AdaRound
 
 _ZETA, _GAMMA = 1.1, -0.1  # the rectified sigmoid's stretch (the paper's values)
@@ -76,7 +76,7 @@ def adaround(w: torch.Tensor, gram: torch.Tensor, rows: int, scale: torch.Tensor
         >>> q, flipped = adaround(w, x.T @ x, 256, s, z, -8, 7, iterations=200)
         >>> bool(((q / s).round() == q / s).all())  # on the grid
         True
-        >>> from qcompile.runtime.layerwise import output_error, round_to_grid
+        >>> from qcompile.graph.layerwise import output_error, round_to_grid
         >>> output_error(q - w, x.T @ x, 256) < output_error(round_to_grid(w, s, z, -8, 7) - w,
         ...                                                   x.T @ x, 256)
         True

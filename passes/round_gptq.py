@@ -13,7 +13,7 @@ energy first. The scales and zero points are the weight quantizer's (per tensor,
 or group, from the original weights): only the integers change, so the result converts
 and exports as any calibrated graph does.
 
-Layers go level by level (``qcompile.runtime.layerwise.levels``): each level's inputs come
+Layers go level by level (``qcompile.graph.layerwise.levels``): each level's inputs come
 from the graph with the levels before it already rounded, as in the paper. Memory is one
 ``k x k`` matrix per layer of the level being measured.
 
@@ -40,11 +40,11 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
+from qcompile.graph.algorithms import Data, plan, round_layers
 from qcompile.graph.context import Context
+from qcompile.graph.layerwise import round_to_grid
 from qcompile.graph.pipeline import graph_pass
 from qcompile.passes.equalize import algorithm_entry
-from qcompile.runtime.algorithms import Data, plan, round_layers
-from qcompile.runtime.layerwise import round_to_grid
 from qcompile.specs.quant import GPTQ
 
 _MAX_DAMP_RETRIES = 6  # each multiplies damp by 10 when H is not positive definite
@@ -72,7 +72,7 @@ def gptq(w: torch.Tensor, gram: torch.Tensor, scale: torch.Tensor, zero_point: t
         >>> q, _ = gptq(w, x.T @ x, s, z, -8, 7, block_size=4)
         >>> bool(((q / s).round() == q / s).all())  # on the grid
         True
-        >>> from qcompile.runtime.layerwise import output_error, round_to_grid
+        >>> from qcompile.graph.layerwise import output_error, round_to_grid
         >>> output_error(q - w, x.T @ x, 256) < output_error(round_to_grid(w, s, z, -8, 7) - w,
         ...                                                   x.T @ x, 256)
         True

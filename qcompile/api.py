@@ -20,6 +20,8 @@ from torch.fx import GraphModule
 
 from qcompile.distributed.data_parallel import sum_across_ranks, sync_observers
 from qcompile.errors import QCompileError
+from qcompile.graph.algorithms import pending, refuse_pending, run_pending
+from qcompile.graph.layerwise import BatchFailed
 from qcompile.graph.meta import (
     FIXED_GRID_KEY,
     REPORT_KEY,
@@ -32,7 +34,6 @@ from qcompile.graph.records import Report, report
 from qcompile.graph.signature import graph_inputs
 from qcompile.passes import DATA_ALGORITHMS
 from qcompile.passes.convert import convert_graph
-from qcompile.runtime.algorithms import pending, refuse_pending, run_pending
 from qcompile.runtime.calibration import (
     call_args,
     check_calibratable,
@@ -46,7 +47,6 @@ from qcompile.runtime.calibration import (
     weight_quantizers,
 )
 from qcompile.runtime.fake_quant import FakeQuantize
-from qcompile.runtime.layerwise import BatchFailed
 
 __all__ = ["Report", "calibrate", "convert", "freeze", "quantizers", "report",
            "weight_quantizers"]

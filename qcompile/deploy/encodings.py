@@ -55,8 +55,8 @@ import torch
 from torch import nn
 
 from qcompile.errors import QCompileError
+from qcompile.graph.algorithms import refuse_pending
 from qcompile.graph.records import report
-from qcompile.runtime.algorithms import refuse_pending
 from qcompile.runtime.calibration import uncalibrated
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.version import __version__

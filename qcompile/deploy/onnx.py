@@ -63,7 +63,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from qcompile.errors import QCompileError
-from qcompile.runtime.algorithms import refuse_pending
+from qcompile.graph.algorithms import refuse_pending
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.specs.quant import FP8_MAX
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import qcompile as qc
+from qcompile.graph.layerwise import output_error, round_to_grid
 from qcompile.passes import round_adaround
 from qcompile.passes.round_adaround import adaround
-from qcompile.runtime.layerwise import output_error, round_to_grid
 from tests.helpers.ptq_cases import (
     ConvNet,
     calibrated,

@@ -11,8 +11,8 @@ import torch
 
 import qcompile as qc
 from qcompile.errors import QCompileError
+from qcompile.graph.layerwise import output_error, round_to_grid
 from qcompile.passes.round_gptq import gptq
-from qcompile.runtime.layerwise import output_error, round_to_grid
 from tests.helpers.ptq_cases import (
     ConvNet,
     calibrated,

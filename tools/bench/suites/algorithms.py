@@ -165,7 +165,7 @@ def digits_case(name: str, quick: bool, calib_batches: int) -> Case:
 
 
 def lm_case(quick: bool, calib_batches: int) -> Case:
-    from qcompile.tools.bench import lm
+    import qcompile.tools.bench.lm as lm
 
     cfg = (lm.LMConfig(layers=1, dim=32, heads=2, hidden=64, context=32, train_chars=100_000,
                        val_chars=32 * 32 + 1, steps=30, batch=16, warmup=5)

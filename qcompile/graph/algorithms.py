@@ -10,7 +10,7 @@ record named ``<pass>.calibrate``. A failure restores every weight and bias it t
 
 Example:
     >>> import torch, qcompile as qc
-    >>> from qcompile.runtime.algorithms import pending
+    >>> from qcompile.graph.algorithms import pending
     >>> spec = qc.CompileSpec.model_validate({"quant": {"mode": "static",
     ...     "algorithms": [{"kind": "gptq"}],
     ...     "rules": [{"match": {"module": "Linear"}, "weight": {"dtype": "int4"}}]}})
@@ -36,10 +36,7 @@ from torch.fx import GraphModule
 
 from qcompile.errors import QCompileError
 from qcompile.graph.context import Context
-from qcompile.graph.meta import FIXED_GRID_KEY, PENDING_ALGORITHMS_KEY, REPORT_KEY, SPEC_KEY
-from qcompile.graph.records import PassRecord
-from qcompile.graph.running import untouched
-from qcompile.runtime.layerwise import (
+from qcompile.graph.layerwise import (
     QuantLayer,
     Reduce,
     Stats,
@@ -48,6 +45,9 @@ from qcompile.runtime.layerwise import (
     levels,
     quantized_layers,
 )
+from qcompile.graph.meta import FIXED_GRID_KEY, PENDING_ALGORITHMS_KEY, REPORT_KEY, SPEC_KEY
+from qcompile.graph.records import PassRecord
+from qcompile.graph.running import untouched
 from qcompile.specs.quant import FP8_MAX
 
 
@@ -165,8 +165,8 @@ class Data:
               float_model: bool = False) -> Stats:
         """One pass over the batches; ``float_model``: with every quantizer off and the
         original parameters (the float reference)."""
+        from qcompile.graph.layerwise import parameters_as
         from qcompile.runtime.calibration import quantizers
-        from qcompile.runtime.layerwise import parameters_as
 
         with parameters_as(self.gm, self.originals if float_model else {}), \
                 untouched(self.gm):
@@ -268,7 +268,7 @@ Solver = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, 
 def round_layers(data: Data, index: int, kind: str, solve: Solver) -> list[str]:
     """Round every usable layer's weight with ``solve``, level by level: write it, keep its
     grid, and note its output error on the data against round-to-nearest's."""
-    from qcompile.runtime.layerwise import output_error, round_to_grid, weight_grid
+    from qcompile.graph.layerwise import output_error, round_to_grid, weight_grid
 
     gm, here = data.gm, where(index, kind)
     layers, skipped = usable(gm, gram=True)

@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import qcompile as qc
-from qcompile.graph.running import untouched
-from qcompile.runtime.layerwise import (
+from qcompile.graph.layerwise import (
     Sweep,
     levels,
     quantized_layers,
     round_to_grid,
     weight_grid,
 )
+from qcompile.graph.running import untouched
 from tests.helpers.ptq_cases import ConvNet, conv_data, spec
 
 
@@ -122,7 +122,7 @@ def test_the_grid_is_the_quantizers_own(granularity, group, symmetric):
 def test_the_walker_gives_what_running_every_level_from_the_inputs_gives(model, monkeypatch):
     """Continuing each batch from where the last level stopped (``Walker``) rounds and
     corrects exactly as re-running the graph from the inputs for every level does."""
-    from qcompile.runtime.layerwise import Walker
+    from qcompile.graph.layerwise import Walker
 
     algorithms = [{"kind": "gptq", "block_size": 4}, {"kind": "bias_correction"}]
     if model == "branches":

@@ -14,7 +14,7 @@ statistics, so every rank makes the same choices.
 
 Example:
     >>> import torch, qcompile as qc
-    >>> from qcompile.runtime.layerwise import Sweep, levels, quantized_layers
+    >>> from qcompile.graph.layerwise import Sweep, levels, quantized_layers
     >>> m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     >>> gm = qc.qcompile(m, "int8-static", example_inputs=(torch.randn(3, 4),))
     >>> layers = quantized_layers(gm)
