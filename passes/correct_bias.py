@@ -56,12 +56,11 @@ def _add_bias(gm: GraphModule, layer: QuantLayer, channels: int, like: torch.Ten
     parent, _, _ = layer.weight.rpartition(".")
     holder = owner.get_submodule(parent) if parent else owner
     leaf = "bias"
-    while (leaf in holder._parameters and holder._parameters[leaf] is not None) or (
-            leaf not in holder._parameters and hasattr(holder, leaf)):
-        leaf = f"_{leaf}"  # a name the holder does not use for something else
-    if isinstance(holder, nn.Module):
-        holder.register_parameter(leaf, nn.Parameter(torch.zeros(channels, dtype=like.dtype,
-                                                                 device=like.device)))
+    # a free name: Linear(bias=False) registers ``bias`` as None; anything else is taken
+    while holder._parameters.get(leaf, 0) is not None and hasattr(holder, leaf):
+        leaf = f"_{leaf}"
+    holder.register_parameter(leaf, nn.Parameter(torch.zeros(channels, dtype=like.dtype,
+                                                             device=like.device)))
     target = f"{parent}.{leaf}" if parent else leaf
     node = next(n for n in owner.graph.nodes if n.name == layer.node)
     with owner.graph.inserting_before(node):

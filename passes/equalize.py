@@ -18,7 +18,7 @@ The pass rewrites the parameters of the traced copy (new ``nn.Parameter`` object
 user's model is untouched), under both front ends: ``call_module`` Linear/Conv layers
 (symbolic graphs) and functional linear/conv ops reading their weights from graph
 attributes (export graphs). It records one note per pair with the range of scales chosen.
-The helpers here (``weighted_layer``, ``set_param``, ``algorithm_entry``,
+The helpers here (``weighted_layer``, ``algorithm_entry``,
 ``skip_on_meta``) serve the other algorithm passes too.
 
 Example:
@@ -48,6 +48,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from qcompile.errors import QCompileError
+from qcompile.graph.algorithms import set_parameter
 from qcompile.graph.context import Context
 from qcompile.graph.matching import module_op, op_name, weight_use
 from qcompile.graph.meta import ALGORITHMS_SKIPPED_KEY
@@ -108,16 +109,6 @@ def weighted_layer(gm: GraphModule, node: Node) -> Layer | None:
         groups = g
     weight = str(use.param.target)
     return Layer(node, weight.rpartition(".")[0] or node.name, op, weight, bias, groups)
-
-
-def set_param(gm: GraphModule, target: str, value: torch.Tensor) -> None:
-    """Replace the parameter ``target`` of ``gm`` by a new one holding ``value`` (never
-    writing into the old tensor, which a non-``inplace`` compile shares with nobody, but
-    an ``inplace`` one shares with the user)."""
-    parent, _, leaf = target.rpartition(".")
-    old = gm.get_parameter(target)
-    setattr(gm.get_submodule(parent) if parent else gm, leaf,
-            nn.Parameter(value.detach().to(old.dtype), requires_grad=old.requires_grad))
 
 
 def algorithm_entry(ctx: Context, kind: str) -> tuple[int, Algorithm]:
@@ -240,12 +231,12 @@ def equalize_pair(gm: GraphModule, first: Layer, second: Layer) -> torch.Tensor:
         s = torch.where((r1 > 0) & (r2 > 0), (r1 * r2).sqrt() / r2.clamp_min(1e-300),
                         torch.ones_like(r1))
         shape1 = (-1,) + (1,) * (w1.dim() - 1)
-        set_param(gm, first.weight, w1.double() / s.view(shape1))
+        set_parameter(gm, first.weight, w1.double() / s.view(shape1))
         if first.bias is not None:
-            set_param(gm, first.bias, gm.get_parameter(first.bias).double() / s)
+            set_parameter(gm, first.bias, gm.get_parameter(first.bias).double() / s)
         shape2 = [1] * w2.dim()
         shape2[in_dim] = -1
-        set_param(gm, second.weight, w2.double() * s.view(shape2))
+        set_parameter(gm, second.weight, w2.double() * s.view(shape2))
     return s
 
 

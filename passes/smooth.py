@@ -45,6 +45,7 @@ from torch import nn
 from torch.fx import GraphModule, Interpreter, Node
 
 from qcompile.errors import QCompileError
+from qcompile.graph.algorithms import set_parameter
 from qcompile.graph.context import Context
 from qcompile.graph.matching import op_name
 from qcompile.graph.pipeline import graph_pass
@@ -53,7 +54,6 @@ from qcompile.passes.equalize import (
     Layer,
     algorithm_entry,
     exclusive,
-    set_param,
     shared_names,
     skip_on_meta,
     weighted_layer,
@@ -227,13 +227,13 @@ def smooth(gm: GraphModule, ctx: Context) -> GraphModule:
             s = torch.where((a > 0) & (w > 0) & torch.isfinite(s), s, torch.ones_like(s))
             pw = gm.get_parameter(targets[0])
             if pw.dim() == 2:  # a Linear producer: output rows
-                set_param(gm, targets[0], pw.double() / s[:, None])
+                set_parameter(gm, targets[0], pw.double() / s[:, None])
             else:  # a LayerNorm's weight
-                set_param(gm, targets[0], pw.double() / s)
+                set_parameter(gm, targets[0], pw.double() / s)
             if len(targets) > 1:
-                set_param(gm, targets[1], gm.get_parameter(targets[1]).double() / s)
+                set_parameter(gm, targets[1], gm.get_parameter(targets[1]).double() / s)
             for lay in linears:
-                set_param(gm, lay.weight, gm.get_parameter(lay.weight).double() * s[None, :])
+                set_parameter(gm, lay.weight, gm.get_parameter(lay.weight).double() * s[None, :])
         ctx.note(f"smoothed {producer} -> {', '.join(lay.name for lay in linears)} "
                  f"({s.numel()} channels, alpha {alpha:g}): scales "
                  f"{s.min().item():.3g} .. {s.max().item():.3g}")

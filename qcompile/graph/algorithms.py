@@ -43,11 +43,16 @@ from qcompile.graph.layerwise import (
     Sweep,
     Walker,
     levels,
+    output_error,
+    parameters_as,
     quantized_layers,
+    round_to_grid,
+    weight_grid,
 )
 from qcompile.graph.meta import FIXED_GRID_KEY, PENDING_ALGORITHMS_KEY, REPORT_KEY, SPEC_KEY
 from qcompile.graph.records import PassRecord
 from qcompile.graph.running import untouched
+from qcompile.runtime.calibration import quantizers
 from qcompile.specs.quant import FP8_MAX
 
 
@@ -165,9 +170,6 @@ class Data:
               float_model: bool = False) -> Stats:
         """One pass over the batches; ``float_model``: with every quantizer off and the
         original parameters (the float reference)."""
-        from qcompile.graph.layerwise import parameters_as
-        from qcompile.runtime.calibration import quantizers
-
         with parameters_as(self.gm, self.originals if float_model else {}), \
                 untouched(self.gm):
             if float_model:
@@ -236,7 +238,7 @@ def run_pending(gm: GraphModule, batches: Sequence[tuple[tuple, dict]],
             for n, p in gm.named_parameters():
                 if n not in params:
                     p.zero_()
-        for _, q in _quantizers(gm):
+        for q in quantizers(gm).values():
             q.clear_weight_cache()
         gm.meta[FIXED_GRID_KEY] = fixed_before
         raise
@@ -244,12 +246,6 @@ def run_pending(gm: GraphModule, batches: Sequence[tuple[tuple, dict]],
     report = gm.meta.get(REPORT_KEY)
     if report is not None:
         report.passes.extend(records)
-
-
-def _quantizers(gm: nn.Module) -> list[tuple[str, Any]]:
-    from qcompile.runtime.calibration import quantizers
-
-    return list(quantizers(gm).items())
 
 
 def no_data(here: str, layer: QuantLayer) -> QCompileError:
@@ -268,8 +264,6 @@ Solver = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, 
 def round_layers(data: Data, index: int, kind: str, solve: Solver) -> list[str]:
     """Round every usable layer's weight with ``solve``, level by level: write it, keep its
     grid, and note its output error on the data against round-to-nearest's."""
-    from qcompile.graph.layerwise import output_error, round_to_grid, weight_grid
-
     gm, here = data.gm, where(index, kind)
     layers, skipped = usable(gm, gram=True)
     notes = []

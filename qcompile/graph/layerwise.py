@@ -20,7 +20,7 @@ Example:
     >>> layers = quantized_layers(gm)
     >>> [(layer.name, layer.op) for layer in layers], list(levels(gm, layers).values())
     ([('0', 'linear'), ('2', 'linear')], [1, 2])
-    >>> stats = Sweep(gm, [(torch.randn(5, 4),)], gram=layers[:1]).run()
+    >>> stats = Sweep(gm, [((torch.randn(5, 4),), {})], gram=layers[:1]).run()
     >>> stats.gram[layers[0]].shape, stats.rows[layers[0]]
     (torch.Size([4, 4]), 5)
 """
@@ -245,13 +245,14 @@ class _Run(Interpreter):
     def run_node(self, n: Node) -> Any:
         key = f"{self.owner}.{n.name}" if self.owner else n.name
         layer = self.sweep.watched.get(key)
-        if layer is not None and layer in self.sweep.gram_layers:
+        collect = self.sweep.collect
+        if layer is not None and layer in collect.gram_layers:
             x = self.env[n.args[0]] if isinstance(n.args[0], Node) else n.args[0]
-            self.sweep.add_gram(layer, x)
+            collect.add_gram(layer, x)
         out = super().run_node(n)
         if layer is not None:
-            if layer in self.sweep.mean_layers:
-                self.sweep.add_out(layer, out)
+            if layer in collect.mean_layers:
+                collect.add_out(layer, out)
             self.sweep.done(key)
         return out
 
@@ -263,24 +264,26 @@ class _Run(Interpreter):
         return super().call_module(target, args, kwargs)
 
 
-class Sweep:
-    """One pass of ``batches`` (``(args, kwargs)`` pairs or argument tuples) through
-    ``gm``, collecting ``gram`` layers' input Gram matrices and ``mean`` layers' output
-    sums. Run it inside ``qcompile.graph.running.untouched(gm)`` (eval, no grad, state
-    restored)."""
+def positional(gm: GraphModule, args: tuple, kwargs: dict) -> tuple:
+    """A batch's ``(args, kwargs)`` as the positional inputs of ``gm.forward``."""
+    if not kwargs:
+        return tuple(args)
+    bound = inspect.signature(gm.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return tuple(bound.arguments.values())
 
-    def __init__(self, gm: GraphModule, batches: Sequence[Any], *,
-                 gram: Sequence[QuantLayer] = (), mean: Sequence[QuantLayer] = (),
-                 reduce: Reduce | None = None) -> None:
-        self.gm = gm
-        self.batches = batches
+
+class Collector:
+    """Running statistics of the watched layers: ``X^T X`` of the inputs of ``gram``
+    layers, the per-channel sum of the outputs of ``mean`` layers; ``finish`` sums them
+    across ranks with ``reduce`` (when given)."""
+
+    def __init__(self, gram: Sequence[QuantLayer], mean: Sequence[QuantLayer],
+                 reduce: Reduce | None) -> None:
         self.gram_layers = set(gram)
         self.mean_layers = set(mean)
-        self.watched = {layer.key: layer for layer in (*gram, *mean)}
         self.reduce = reduce
         self.stats = Stats()
-        self._pending: set[str] = set()
-        self._signature = inspect.signature(gm.forward)
 
     def add_gram(self, layer: QuantLayer, x: torch.Tensor) -> None:
         cols = layer.columns(x.detach().float())
@@ -298,60 +301,68 @@ class Sweep:
         s.out_sum[layer] = s.out_sum[layer] + total if layer in s.out_sum else total
         s.out_count[layer] = s.out_count.get(layer, 0) + y.shape[0]
 
+    def finish(self) -> Stats:
+        if self.reduce is not None:
+            s = self.stats
+            self._reduce(self.gram_layers, s.gram, s.rows)
+            self._reduce(self.mean_layers, s.out_sum, s.out_count)
+        return self.stats
+
+    def _reduce(self, watched: set[QuantLayer], sums: dict[QuantLayer, torch.Tensor],
+                counts: dict[QuantLayer, int]) -> None:
+        """Sum one kind of statistic across ranks in one collective (every rank watches
+        the same layers, in the same order: the graphs are the same)."""
+        layers = sorted(watched, key=lambda m: m.key)
+        if not layers:
+            return
+        missing = [layer for layer in layers if layer not in sums]
+        if missing:  # every batch runs every layer: only no batches at all gets here
+            raise RuntimeError(f"no statistics for {missing[0].key} on this rank")
+        flat = torch.cat([sums[layer].reshape(-1).double() for layer in layers]
+                         + [torch.tensor([float(counts[layer]) for layer in layers],
+                                         dtype=torch.float64, device=sums[layers[0]].device)])
+        assert self.reduce is not None
+        self.reduce([flat])
+        offset = 0
+        for layer in layers:
+            n = sums[layer].numel()
+            sums[layer] = flat[offset:offset + n].reshape(sums[layer].shape).to(
+                sums[layer].dtype)
+            offset += n
+        for i, layer in enumerate(layers):
+            counts[layer] = round(float(flat[offset + i]))
+
+
+class Sweep:
+    """One pass of ``batches`` (``(args, kwargs)`` pairs) through ``gm`` from its inputs,
+    collecting ``gram`` layers' input Gram matrices and ``mean`` layers' output sums; each
+    batch stops once the watched layers have run. Run it inside
+    ``qcompile.graph.running.untouched(gm)`` (eval, no grad, state restored)."""
+
+    def __init__(self, gm: GraphModule, batches: Sequence[tuple[tuple, dict]], *,
+                 gram: Sequence[QuantLayer] = (), mean: Sequence[QuantLayer] = (),
+                 reduce: Reduce | None = None) -> None:
+        self.gm = gm
+        self.batches = batches
+        self.collect = Collector(gram, mean, reduce)
+        self.watched = {layer.key: layer for layer in (*gram, *mean)}
+        self._pending: set[str] = set()
+
     def done(self, key: str) -> None:
         self._pending.discard(key)
         if not self._pending:
             raise _Enough
 
-    def _positional(self, batch: Any) -> tuple:
-        args, kwargs = batch if (isinstance(batch, tuple) and len(batch) == 2
-                                 and isinstance(batch[1], dict)) else (batch, {})
-        if not kwargs:
-            return tuple(args)
-        bound = self._signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        return tuple(bound.arguments.values())
-
     def run(self) -> Stats:
-        for index, batch in enumerate(self.batches):
+        for index, (args, kwargs) in enumerate(self.batches):
             self._pending = set(self.watched)
             try:
-                _Run(self.gm, "", self).run(*self._positional(batch))
+                _Run(self.gm, "", self).run(*positional(self.gm, args, kwargs))
             except _Enough:
                 pass
             except Exception as e:
                 raise BatchFailed(index) from e
-        if self.reduce is not None:
-            self._reduce()
-        return self.stats
-
-    def _reduce(self) -> None:
-        """Sum every statistic across ranks in one collective per kind (all ranks watch
-        the same layers: the graphs are the same)."""
-        s = self.stats
-        for sums, counts in ((s.gram, s.rows), (s.out_sum, s.out_count)):
-            layers = sorted((layer for layer in self.watched.values()
-                             if layer in (self.gram_layers if sums is s.gram
-                                          else self.mean_layers)), key=lambda m: m.key)
-            if not layers:
-                continue
-            missing = [layer for layer in layers if layer not in sums]
-            if missing:  # this rank saw no data for them: contribute zeros
-                raise RuntimeError(f"no statistics for {missing[0].key} on this rank")
-            flat = torch.cat([sums[layer].reshape(-1).double() for layer in layers]
-                             + [torch.tensor([float(counts[layer]) for layer in layers],
-                                             dtype=torch.float64,
-                                             device=sums[layers[0]].device)])
-            assert self.reduce is not None
-            self.reduce([flat])
-            offset = 0
-            for layer in layers:
-                n = sums[layer].numel()
-                sums[layer] = flat[offset:offset + n].reshape(sums[layer].shape).to(
-                    sums[layer].dtype)
-                offset += n
-            for i, layer in enumerate(layers):
-                counts[layer] = round(float(flat[offset + i]))
+        return self.collect.finish()
 
 
 def _in_place(node: Node) -> bool:
@@ -375,16 +386,15 @@ class Walker:
     batch. Graphs with stages or in-place ops (whose cached values could be stale) use
     ``Sweep`` instead (``Walker.fits``)."""
 
-    def __init__(self, gm: GraphModule, batches: Sequence[Any], *,
+    def __init__(self, gm: GraphModule, batches: Sequence[tuple[tuple, dict]], *,
                  reduce: Reduce | None = None) -> None:
         self.gm = gm
         self.reduce = reduce
         ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        helper = Sweep(gm, batches)
         self.envs: list[dict[Node, Any]] = []  # per batch: the values still needed
         self.done: list[set[Node]] = []  # per batch: the nodes that have run for good
-        for batch in batches:
-            args = list(gm.graph.process_inputs(*helper._positional(batch)))
+        for batch_args, batch_kwargs in batches:
+            args = list(gm.graph.process_inputs(*positional(gm, batch_args, batch_kwargs)))
             env: dict[Node, Any] = {}
             for i, n in enumerate(ph):
                 env[n] = args[i] if i < len(args) else (n.args[0] if n.args else None)
@@ -423,7 +433,7 @@ class Walker:
               ) -> Stats:
         """Statistics of ``gram`` / ``mean`` layers (root-graph layers of one level)."""
         self._scan()
-        collect = Sweep(self.gm, (), gram=gram, mean=mean, reduce=self.reduce)
+        collect = Collector(gram, mean, self.reduce)
         watched = {layer.node: layer for layer in (*gram, *mean)}
         consts: dict[Node, Any] = {}
 
@@ -457,9 +467,7 @@ class Walker:
                 raise BatchFailed(index) from e
             for n in [n for n in env if all(u in done for u in n.users)]:
                 del env[n]  # every reader has run for good: not needed again
-        if self.reduce is not None:
-            collect._reduce()
-        return collect.stats
+        return collect.finish()
 
 
 def weight_grid(q: FakeQuantize, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
