@@ -54,10 +54,15 @@ class MovingAverageObserver(MinMaxObserver):
 
     @torch.no_grad()
     def update(self, batch_min: torch.Tensor, batch_max: torch.Tensor) -> None:
+        # torch.lerp's two formulas (exact at momentum 0 and 1), as separate roundings in
+        # this order (lerp's kernels may fuse them into an FMA): what
+        # qcompile::observe_minmax computes too
         m = self.momentum
         fresh = torch.isinf(self.min_val)
-        self.min_val.copy_(torch.where(fresh, batch_min, torch.lerp(self.min_val, batch_min, m)))
-        self.max_val.copy_(torch.where(fresh, batch_max, torch.lerp(self.max_val, batch_max, m)))
+        for old, new in ((self.min_val, batch_min), (self.max_val, batch_max)):
+            step = new - old
+            mean = old + step * m if m < 0.5 else new - step * (1.0 - m)
+            old.copy_(torch.where(fresh, new, mean))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, momentum={self.momentum}"

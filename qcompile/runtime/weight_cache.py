@@ -404,14 +404,21 @@ def forward(fq: Any, x: torch.Tensor) -> torch.Tensor:
     # miss: drop the old entry first (its memory is free for the new one)
     reused = entry is not None and entry.reused
     fq.__dict__[ATTR] = None
-    if fq.observe:
-        fq.observe_tensor(x)
     mask = None
     # Under saved-tensor hooks (checkpointing matches the forward's saves with its
     # recomputation's, which will hit), every forward goes through the cache's nodes.
     # (LSQ quantizers are not cached under saved-tensor hooks: FakeQuantize._may_reuse)
     hooked = needs_grad and saved_tensor_hooks_active()
-    if not needs_grad:
+    first = needs_grad and not (reused or hooked)
+    fused = fq._observe_fake_quant(x) if fq.observe and first else None
+    if fq.observe and fused is None:
+        fq.observe_tensor(x)
+    if fused is not None:
+        # first forward of the step, observed and fake-quantized in one pass: exactly
+        # observe_tensor and then the uncached computation below
+        result = fused
+        out = result.detach()
+    elif not needs_grad:
         with torch.inference_mode(False), torch.no_grad():  # a normal tensor, versioned
             out = fq._fake_quant(x, fq.scale, fq.zero_point, shaped=False)
         result = out.detach()

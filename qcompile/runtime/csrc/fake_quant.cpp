@@ -49,6 +49,7 @@
 #include <numeric>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace qcompile_fq {
@@ -701,8 +702,9 @@ using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
 struct FakeQuantSTEBackward final : public Node {
-  SavedVariable mask;              // 1 bit per element
+  SavedVariable mask;              // 1 bit per element (not kept when all are set)
   std::vector<c10::SymInt> stride;  // of the forward output (the gradient's layout)
+  bool all_in = false;             // no element was clamped: the gradient passes as is
 
   std::string name() const override { return "FakeQuantSTEBackward"; }
   void release_variables() override { mask.reset_data(); }
@@ -710,11 +712,38 @@ struct FakeQuantSTEBackward final : public Node {
     static const auto bwd = op<BwdSig>("qcompile::fake_quant_ste_bwd");
     variable_list out(num_outputs());  // x, scale (the scale gets none: straight-through)
     if (grads[0].defined() && should_compute_output(0)) {
-      out[0] = bwd.call(grads[0], mask.unpack(), stride);
+      // grad * 1 is grad, bit for bit: hand it on (as an identity's backward does)
+      // instead of reading it and writing a copy
+      out[0] = all_in ? std::move(grads[0]) : bwd.call(grads[0], mask.unpack(), stride);
     }
     return out;
   }
 };
+
+// A CPU tensor whose bytes can be read here (not a fake, functional or other Python
+// subclass tensor being traced: their storage has no data).
+static bool plain_cpu(const Tensor& t) {
+  const auto keys = t.key_set();
+  return keys.has(c10::DispatchKey::CPU) && !keys.has(c10::DispatchKey::Python) &&
+         !keys.has(c10::DispatchKey::Functionalize) && t.has_storage() &&
+         t.storage().data() != nullptr;
+}
+
+// Whether the first n bits of a packed mask are all set (the bits past n are zero).
+static bool all_set(const Tensor& bits, int64_t n) {
+  const uint8_t* p = bits.const_data_ptr<uint8_t>();
+  const int64_t full = n / 8;
+  int64_t i = 0;
+  uint64_t acc = ~uint64_t(0);
+  for (; i + 8 <= full; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + i, sizeof w);
+    acc &= w;
+  }
+  for (; i < full; ++i) acc &= 0xFFFFFFFFFFFFFF00ULL | p[i];
+  if (acc != ~uint64_t(0)) return false;
+  return n % 8 == 0 || p[full] == static_cast<uint8_t>((1u << (n % 8)) - 1);
+}
 
 struct FakeQuantLSQBackward final : public Node {
   SavedVariable x, scale, zero_point;  // zero_point as float, as of the forward
@@ -766,7 +795,10 @@ Tensor fake_quant_autograd(const Tensor& x, const Tensor& scale, const Tensor& z
     at::AutoDispatchBelowADInplaceOrView guard;
     std::tie(out, mask) = fwd.call(x, scale, zero_point, quant_min, quant_max);
   }
-  node->mask = SavedVariable(mask, false);
+  // Weights under a min-max observer are never clamped (the range covers them): their
+  // backward is then free. The check reads the n / 8 mask bytes just written.
+  node->all_in = plain_cpu(mask) && all_set(mask, x.numel());
+  if (!node->all_in) node->mask = SavedVariable(mask, false);
   node->stride = out.sym_strides().vec();
   torch::autograd::set_history(out, node);
   return out;
@@ -805,16 +837,56 @@ Tensor fake_quant_lsq_meta(const Tensor& x, const Tensor&, const Tensor&, int64_
 // A min-max observer's update and the qparams it gives, per row of x (per-channel along
 // dim 0, or one row: per-tensor), in one pass and one call: the Python path reads the
 // weight twice (amin, amax) and runs ~15 small ops per quantizer. Bit-identical to
-// MinMaxObserver.update + quant_math.qparams_from_minmax (float32, the same operations in
-// the same order; NaN propagates as in torch.minimum / maximum / clamp).
+// MinMaxObserver.update (momentum < 0) or MovingAverageObserver.update (momentum >= 0)
+// + quant_math.qparams_from_minmax (float32, the same operations in the same order; NaN
+// propagates as in torch.minimum / maximum / clamp).
 static inline float nan_min(float a, float b) { return (a != a || b != b) ? NAN : (b < a ? b : a); }
 static inline float nan_max(float a, float b) { return (a != a || b != b) ? NAN : (b > a ? b : a); }
 static inline float clamp_lo(float v, float lo) { return v != v ? v : (v < lo ? lo : v); }
 static inline float clamp_hi(float v, float hi) { return v != v ? v : (v > hi ? hi : v); }
 
-void observe_minmax_cpu(const Tensor& x, const Tensor& min_val, const Tensor& max_val,
-                        const Tensor& scale, const Tensor& zero_point, int64_t quant_min,
-                        int64_t quant_max, bool symmetric) {
+// An observer's state and the qparams it gives, as pointers (one value per row of x).
+struct Observation {
+  float* mn;
+  float* mx;
+  float* s;
+  int32_t* z;
+  float lo, hi, steps, levels, eps, m, m1;  // m1: 1 - momentum
+  int64_t zsym;
+  bool symmetric, average, low_m;            // low_m: momentum < 0.5 (lerp's two formulas)
+
+  // Fold row r's batch min / max in and compute its qparams; returns the zero point as
+  // the forward reads it (a float).
+  float update(int64_t r, float bmn, float bmx) const {
+    float a = bmn, b = bmx;
+    if (!average) {  // MinMaxObserver: running extremes
+      a = nan_min(mn[r], bmn);
+      b = nan_max(mx[r], bmx);
+    } else if (!std::isinf(mn[r])) {  // MovingAverageObserver; a fresh entry takes the batch's
+      a = low_m ? mn[r] + (bmn - mn[r]) * m : bmn - (bmn - mn[r]) * m1;
+      b = low_m ? mx[r] + (bmx - mx[r]) * m : bmx - (bmx - mx[r]) * m1;
+    }
+    mn[r] = a;
+    mx[r] = b;
+    const float min_neg = clamp_hi(a, 0.0f), max_pos = clamp_lo(b, 0.0f);
+    float sc, zf;
+    if (symmetric) {
+      sc = clamp_lo(nan_max(-min_neg, max_pos) / steps, eps);
+      zf = static_cast<float>(zsym);
+    } else {
+      sc = clamp_lo((max_pos - min_neg) / levels, eps);
+      zf = clamp_hi(clamp_lo(lo - std::nearbyint(min_neg / sc), lo), hi);
+    }
+    s[r] = sc;
+    z[r] = zf != zf ? std::numeric_limits<int32_t>::min() : static_cast<int32_t>(zf);
+    return static_cast<float>(z[r]);
+  }
+};
+
+static Observation observation(const Tensor& x, const Tensor& min_val, const Tensor& max_val,
+                               const Tensor& scale, const Tensor& zero_point,
+                               int64_t quant_min, int64_t quant_max, bool symmetric,
+                               double momentum, const char* who) {
   const int64_t rows = min_val.numel();
   auto ok = [&](const Tensor& t, at::ScalarType dt) {
     return t.scalar_type() == dt && t.is_contiguous() && t.numel() == rows && t.is_cpu();
@@ -822,47 +894,175 @@ void observe_minmax_cpu(const Tensor& x, const Tensor& min_val, const Tensor& ma
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && rows > 0 &&
                   x.numel() % rows == 0 && ok(min_val, at::kFloat) && ok(max_val, at::kFloat) &&
                   ok(scale, at::kFloat) && ok(zero_point, at::kInt),
-              "qcompile observe_minmax: expects contiguous float32 x, float32 min / max / "
+              "qcompile ", who, ": expects contiguous float32 x, float32 min / max / "
               "scale and int32 zero point of one value per row of x");
-  const int64_t len = x.numel() / rows;
-  const float* xp = x.const_data_ptr<float>();
-  float* mnp = min_val.mutable_data_ptr<float>();
-  float* mxp = max_val.mutable_data_ptr<float>();
-  float* sp = scale.mutable_data_ptr<float>();
-  int32_t* zp = zero_point.mutable_data_ptr<int32_t>();
-  const float eps = std::numeric_limits<float>::epsilon();
-  const float lo = static_cast<float>(quant_min), hi = static_cast<float>(quant_max);
-  const int64_t zsym = quant_min < 0 ? 0 : (quant_min + quant_max + 1) / 2;
-  const float steps = static_cast<float>(std::min(quant_max - zsym, zsym - quant_min));
-  const float levels = static_cast<float>(quant_max - quant_min);
+  Observation o;
+  o.mn = min_val.mutable_data_ptr<float>();
+  o.mx = max_val.mutable_data_ptr<float>();
+  o.s = scale.mutable_data_ptr<float>();
+  o.z = zero_point.mutable_data_ptr<int32_t>();
+  o.eps = std::numeric_limits<float>::epsilon();
+  o.lo = static_cast<float>(quant_min);
+  o.hi = static_cast<float>(quant_max);
+  o.zsym = quant_min < 0 ? 0 : (quant_min + quant_max + 1) / 2;
+  o.steps = static_cast<float>(std::min(quant_max - o.zsym, o.zsym - quant_min));
+  o.levels = static_cast<float>(quant_max - quant_min);
+  o.symmetric = symmetric;
+  o.average = momentum >= 0.0;
+  o.m = static_cast<float>(momentum);  // as torch multiplies a float32 tensor by it
+  o.m1 = static_cast<float>(1.0 - momentum);
+  o.low_m = momentum < 0.5;
+  return o;
+}
+
+// written through pointers: bump the version counters as copy_ does (the weight cache and
+// autograd's saved-tensor checks read them)
+static void bump(std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts) {
+    if (!t->is_inference()) torch::autograd::impl::bump_version(*t);
+  }
+}
+
+// min and max of each row of x viewed as [rows, len]: threads over rows, or over chunks
+// of the row when there are fewer rows than threads (a per-tensor activation)
+static void row_minmax(const float* xp, int64_t rows, int64_t len, float* mn, float* mx) {
   const auto& k = kernels();
-  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(len, 1)),
-                   [&](int64_t b, int64_t e) {
+  if (rows >= at::get_num_threads() || len < 2 * kGrain) {
+    at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(len, 1)),
+                     [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) k.minmax(xp + r * len, len, mn + r, mx + r);
+    });
+    return;
+  }
+  const int64_t nchunk = (len + kGrain - 1) / kGrain;
+  std::vector<float> cmn(rows * nchunk), cmx(rows * nchunk);
+  at::parallel_for(0, rows * nchunk, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t r = t / nchunk, at = (t % nchunk) * kGrain;
+      k.minmax(xp + r * len + at, std::min(kGrain, len - at), &cmn[t], &cmx[t]);
+    }
+  });
+  for (int64_t r = 0; r < rows; ++r) {  // exact: min / max do not depend on the order
+    float a = INFINITY, b = -INFINITY;
+    for (int64_t c = 0; c < nchunk; ++c) {
+      a = nan_min(a, cmn[r * nchunk + c]);
+      b = nan_max(b, cmx[r * nchunk + c]);
+    }
+    mn[r] = a;
+    mx[r] = b;
+  }
+}
+
+void observe_minmax_cpu(const Tensor& x, const Tensor& min_val, const Tensor& max_val,
+                        const Tensor& scale, const Tensor& zero_point, int64_t quant_min,
+                        int64_t quant_max, bool symmetric, double momentum) {
+  const Observation o = observation(x, min_val, max_val, scale, zero_point, quant_min,
+                                    quant_max, symmetric, momentum, "observe_minmax");
+  const int64_t rows = min_val.numel(), len = x.numel() / rows;
+  std::vector<float> bmn(rows), bmx(rows);
+  row_minmax(x.const_data_ptr<float>(), rows, len, bmn.data(), bmx.data());
+  for (int64_t r = 0; r < rows; ++r) o.update(r, bmn[r], bmx[r]);
+  bump({&min_val, &max_val, &scale, &zero_point});
+}
+
+// Observe x, then fake-quantize it with the qparams just computed (observe_minmax, then
+// fake_quant_ste_fwd when with_mask, else fake_quant: the same bits). Rows of a multiple
+// of 8 elements (a weight's output channels) go in one pass: each row's min / max, its
+// qparams, then its forward while the row is still in cache, instead of reading the
+// weight twice. x as observe_minmax takes it; scale / zero_point broadcast along dim 0.
+static std::tuple<Tensor, Tensor> observe_fwd(const Tensor& x, const Tensor& min_val,
+                                              const Tensor& max_val, const Tensor& scale,
+                                              const Tensor& zero_point, int64_t quant_min,
+                                              int64_t quant_max, bool symmetric,
+                                              double momentum, bool with_mask) {
+  const Observation o = observation(x, min_val, max_val, scale, zero_point, quant_min,
+                                    quant_max, symmetric, momentum, "fake_quant_observe");
+  const int64_t rows = min_val.numel(), len = x.numel() / rows;
+  Tensor bits = with_mask ? at::empty({packed_bytes(x.numel())}, x.options().dtype(at::kByte))
+                          : Tensor();
+  if (x.numel() == 0) {
+    bump({&min_val, &max_val, &scale, &zero_point});
+    return {at::empty_like(x), bits};
+  }
+  if (rows == 1 || len % 8 != 0 || x.dim() < 1 || x.size(0) != rows) {
+    observe_minmax_cpu(x, min_val, max_val, scale, zero_point, quant_min, quant_max, symmetric,
+                       momentum);
+    std::vector<int64_t> shape(std::max<int64_t>(x.dim(), 1), 1);
+    shape[0] = rows;
+    const Tensor s = rows == 1 ? scale : scale.view(shape);
+    const Tensor z = rows == 1 ? zero_point : zero_point.view(shape);
+    Layout L = make_layout(x, s, z);
+    Tensor out = empty_out_like(L.x, at::kFloat);
+    run_fwd(L, out, bits, quant_min, quant_max);
+    return {out, bits};
+  }
+  Tensor out = empty_out_like(x, at::kFloat);
+  std::vector<float> zf(rows);  // zero points as the forward reads them
+  Job j;
+  j.x = x.const_data_ptr();
+  j.y = out.mutable_data_ptr();
+  j.bits = with_mask ? static_cast<uint8_t*>(bits.mutable_data_ptr()) : nullptr;
+  j.s = o.s;
+  j.z = zf.data();
+  j.n = x.numel();
+  j.row = len;
+  j.C = rows;
+  j.rows = rows;
+  j.lo = o.lo;
+  j.hi = o.hi;
+  const auto& k = kernels();
+  const float* xp = x.const_data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / len), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       float mn, mx;
       k.minmax(xp + r * len, len, &mn, &mx);
-      mn = nan_min(mnp[r], mn);
-      mx = nan_max(mxp[r], mx);
-      mnp[r] = mn;
-      mxp[r] = mx;
-      const float min_neg = clamp_hi(mn, 0.0f), max_pos = clamp_lo(mx, 0.0f);
-      float s, z;
-      if (symmetric) {
-        s = clamp_lo(nan_max(-min_neg, max_pos) / steps, eps);
-        z = static_cast<float>(zsym);
-      } else {
-        s = clamp_lo((max_pos - min_neg) / levels, eps);
-        z = clamp_hi(clamp_lo(lo - std::nearbyint(min_neg / s), lo), hi);
-      }
-      sp[r] = s;
-      zp[r] = z != z ? std::numeric_limits<int32_t>::min() : static_cast<int32_t>(z);
+      zf[r] = o.update(r, mn, mx);
+      k.fwd(j, r * len, (r + 1) * len);  // whole mask bytes: len % 8 == 0
     }
   });
-  // written through pointers: bump the version counters as copy_ does (the weight cache
-  // and autograd's saved-tensor checks read them)
-  for (const Tensor* t : {&min_val, &max_val, &scale, &zero_point}) {
-    if (!t->is_inference()) torch::autograd::impl::bump_version(*t);
+  bump({&min_val, &max_val, &scale, &zero_point});
+  return {out, bits};
+}
+
+Tensor fake_quant_observe_cpu(const Tensor& x, const Tensor& min_val, const Tensor& max_val,
+                              const Tensor& scale, const Tensor& zero_point, int64_t quant_min,
+                              int64_t quant_max, bool symmetric, double momentum) {
+  return std::get<0>(observe_fwd(x, min_val, max_val, scale, zero_point, quant_min,
+                                 quant_max, symmetric, momentum, false));
+}
+
+Tensor fake_quant_observe_meta(const Tensor& x, const Tensor&, const Tensor&, const Tensor&,
+                               const Tensor&, int64_t, int64_t, bool, double) {
+  return at::empty_like(x);
+}
+
+// With gradients: the straight-through node of fake_quant, its mask from the same pass.
+Tensor fake_quant_observe_autograd(const Tensor& x, const Tensor& min_val,
+                                   const Tensor& max_val, const Tensor& scale,
+                                   const Tensor& zero_point, int64_t quant_min,
+                                   int64_t quant_max, bool symmetric, double momentum) {
+  using ObsSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                        const Tensor&, int64_t, int64_t, bool, double);
+  static const auto below = op<ObsSig>("qcompile::fake_quant_observe");
+  if (!needs_grad(x, scale)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return below.call(x, min_val, max_val, scale, zero_point, quant_min, quant_max, symmetric,
+                      momentum);
   }
+  TORCH_CHECK(plain_cpu(x), "qcompile fake_quant_observe: gradients need a plain CPU tensor; "
+              "elsewhere call observe_minmax, then fake_quant");
+  auto node = new_node<FakeQuantSTEBackward>(x, scale);
+  Tensor out, mask;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(out, mask) = observe_fwd(x.detach(), min_val, max_val, scale, zero_point,
+                                      quant_min, quant_max, symmetric, momentum, true);
+  }
+  node->all_in = all_set(mask, x.numel());
+  if (!node->all_in) node->mask = SavedVariable(mask, false);
+  node->stride = out.sym_strides().vec();
+  torch::autograd::set_history(out, node);
+  return out;
 }
 
 std::string isa() { return kernels().name; }
@@ -887,7 +1087,11 @@ TORCH_LIBRARY(qcompile, m) {
   m.def("fake_quant_isa() -> str", &qcompile_fq::isa);
   m.def("fake_quant_release_cache() -> int", &qcompile_fq::release_cache);
   m.def("observe_minmax(Tensor x, Tensor(a!) min_val, Tensor(b!) max_val, Tensor(c!) scale, "
-        "Tensor(d!) zero_point, int quant_min, int quant_max, bool symmetric) -> ()");
+        "Tensor(d!) zero_point, int quant_min, int quant_max, bool symmetric, "
+        "float momentum=-1.0) -> ()");
+  m.def("fake_quant_observe(Tensor x, Tensor(a!) min_val, Tensor(b!) max_val, "
+        "Tensor(c!) scale, Tensor(d!) zero_point, int quant_min, int quant_max, "
+        "bool symmetric, float momentum=-1.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(qcompile, CPU, m) {
@@ -898,6 +1102,7 @@ TORCH_LIBRARY_IMPL(qcompile, CPU, m) {
   m.impl("fake_quant_ste_bwd", &qcompile_fq::fake_quant_ste_bwd_cpu);
   m.impl("fake_quant_lsq_bwd", &qcompile_fq::fake_quant_lsq_bwd_cpu);
   m.impl("observe_minmax", &qcompile_fq::observe_minmax_cpu);
+  m.impl("fake_quant_observe", &qcompile_fq::fake_quant_observe_cpu);
 }
 
 TORCH_LIBRARY_IMPL(qcompile, Meta, m) {
@@ -907,11 +1112,13 @@ TORCH_LIBRARY_IMPL(qcompile, Meta, m) {
   m.impl("fake_quant_bwd", &qcompile_fq::fake_quant_bwd_meta);
   m.impl("fake_quant_ste_bwd", &qcompile_fq::fake_quant_ste_bwd_meta);
   m.impl("fake_quant_lsq_bwd", &qcompile_fq::fake_quant_lsq_bwd_meta);
+  m.impl("fake_quant_observe", &qcompile_fq::fake_quant_observe_meta);
 }
 
 TORCH_LIBRARY_IMPL(qcompile, Autograd, m) {
   m.impl("fake_quant", &qcompile_fq::fake_quant_autograd);
   m.impl("fake_quant_lsq", &qcompile_fq::fake_quant_lsq_autograd);
+  m.impl("fake_quant_observe", &qcompile_fq::fake_quant_observe_autograd);
 }
 
 #else  // QCOMPILE_FQ_KERNEL_BODY: compiled once per instruction set, inside its namespace
@@ -935,12 +1142,14 @@ struct ScalarP {  // one scale for the whole segment
   float s, z;
   float S(int64_t) const { return s; }
   float Z(int64_t) const { return z; }
+  ScalarP advanced(int64_t) const { return *this; }
 };
 struct ArrayP {  // one scale per element
   const float* __restrict s;
   const float* __restrict z;
   float S(int64_t i) const { return s[i]; }
   float Z(int64_t i) const { return z[i]; }
+  ArrayP advanced(int64_t k) const { return {s + k, z + k}; }
 };
 
 // c ? a : b with both computed, as integer bit operations (vectorised; see lsq_block)
@@ -959,10 +1168,70 @@ static inline float clampf(float q, float lo, float hi) {  // NaN passes, like t
   return c > hi ? hi : c;
 }
 
+#ifdef QCOMPILE_FQ_AVX2
+// Eight lanes of the forward: the scalar loop's IEEE operations, lane for lane (true
+// division, nearbyint's rounding, comparisons false for NaN, a clamp NaN passes through);
+// the in-range bits come back from one movemask. GCC vectorises the scalar loop without
+// the mask, but not with it (a byte store next to a float one): the mask doubled the
+// forward's time.
+static inline __m256 fq8(__m256 v, __m256 s, __m256 z, __m256 lo, __m256 hi, int* in) {
+  const __m256 q = _mm256_add_ps(
+      _mm256_round_ps(_mm256_div_ps(v, s), _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC), z);
+  *in = _mm256_movemask_ps(
+      _mm256_and_ps(_mm256_cmp_ps(q, lo, _CMP_GE_OQ), _mm256_cmp_ps(q, hi, _CMP_LE_OQ)));
+  __m256 c = _mm256_blendv_ps(q, lo, _mm256_cmp_ps(q, lo, _CMP_LT_OQ));
+  c = _mm256_blendv_ps(c, hi, _mm256_cmp_ps(c, hi, _CMP_GT_OQ));
+  return _mm256_mul_ps(_mm256_sub_ps(c, z), s);
+}
+
+// 8 bits -> 8 bytes of 0 / 1 (bit k -> byte k)
+static inline uint64_t spread_bits(uint32_t b) {
+  uint64_t t = (static_cast<uint64_t>(b) * 0x0101010101010101ULL) & 0x8040201008040201ULL;
+  return ((t + 0x7F7F7F7F7F7F7F7FULL) >> 7) & 0x0101010101010101ULL;
+}
+
+// What fwd_seg8 writes besides the output: nothing, a mask byte per element (m + i), or
+// the packed mask itself (byte m[i / 8]: the segment starts on a whole byte)
+enum MaskOut { kNoMask = 0, kMaskBytes = 1, kMaskBits = 2 };
+
+// float32, 8 at a time; returns how many elements it did (the caller does the rest)
+template <typename P, int kOut>
+static int64_t fwd_seg8(const float* __restrict x, float* __restrict y, uint8_t* __restrict m,
+                        int64_t n, P p, float lo_f, float hi_f) {
+  const __m256 lo = _mm256_set1_ps(lo_f), hi = _mm256_set1_ps(hi_f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 s, z;
+    if constexpr (std::is_same_v<P, ScalarP>) {
+      s = _mm256_set1_ps(p.s);
+      z = _mm256_set1_ps(p.z);
+    } else {
+      s = _mm256_loadu_ps(p.s + i);
+      z = _mm256_loadu_ps(p.z + i);
+    }
+    int in;
+    _mm256_storeu_ps(y + i, fq8(_mm256_loadu_ps(x + i), s, z, lo, hi, &in));
+    if constexpr (kOut == kMaskBytes) {
+      const uint64_t bytes = spread_bits(static_cast<uint32_t>(in));
+      std::memcpy(m + i, &bytes, sizeof bytes);
+    } else if constexpr (kOut == kMaskBits) {
+      m[i / 8] = static_cast<uint8_t>(in);
+    }
+  }
+  return i;
+}
+#endif
+
 template <typename T, typename P, bool kMask>
 static void fwd_seg(const T* __restrict x, T* __restrict y, uint8_t* __restrict m, int64_t n,
                     P p, float lo, float hi) {
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i0 = 0;
+#ifdef QCOMPILE_FQ_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    i0 = fwd_seg8<P, kMask ? kMaskBytes : kNoMask>(x, y, m, n, p, lo, hi);
+  }
+#endif
+  for (int64_t i = i0; i < n; ++i) {
     const float s = p.S(i), z = p.Z(i);
     const float q = std::nearbyint(load_f(x, i) / s) + z;
     if (kMask) m[i] = static_cast<uint8_t>((q >= lo) & (q <= hi));
@@ -1026,6 +1295,17 @@ static void fwd_rows16(const Job& j, int64_t b, int64_t e, const T* __restrict x
   int64_t r = b / j.row, c = r % j.C, left = ((r + 1) * j.row - b) / 16;
   for (int64_t i = b; i < e; i += 16) {
     const float s = j.s[c], z = j.z[c];
+#ifdef QCOMPILE_FQ_AVX2
+    if constexpr (std::is_same_v<T, float>) {
+      fwd_seg8<ScalarP, kMask ? kMaskBytes : kNoMask>(x + i, y + i, kMask ? m + (i - b) : nullptr,
+                                                      16, ScalarP{s, z}, j.lo, j.hi);
+      if (--left == 0) {
+        left = j.row / 16;
+        c = c + 1 == j.C ? 0 : c + 1;
+      }
+      continue;
+    }
+#endif
     for (int k = 0; k < 16; ++k) {
       const float q = std::nearbyint(load_f(x, i + k) / s) + z;
       if (kMask) m[i - b + k] = static_cast<uint8_t>((q >= j.lo) & (q <= j.hi));
@@ -1053,6 +1333,35 @@ static void fwd_t(const Job& j, int64_t b, int64_t e) {
     });
     return;
   }
+#ifdef QCOMPILE_FQ_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    if (j.row % 8 == 0) {  // every row, so every segment, starts on a whole mask byte
+      if (rows16) {
+        int64_t r = b / j.row, c = r % j.C, left = ((r + 1) * j.row - b) / 16;
+        for (int64_t i = b; i < e; i += 16) {
+          fwd_seg8<ScalarP, kMaskBits>(x + i, y + i, j.bits + i / 8, 16,
+                                       ScalarP{j.s[c], j.z[c]}, j.lo, j.hi);
+          if (--left == 0) {
+            left = j.row / 16;
+            c = c + 1 == j.C ? 0 : c + 1;
+          }
+        }
+        return;
+      }
+      for_segments(j, b, e, [&](int64_t at, int64_t n, auto p) {
+        const int64_t done =
+            fwd_seg8<decltype(p), kMaskBits>(x + at, y + at, j.bits + at / 8, n, p, j.lo, j.hi);
+        if (done < n) {  // the tensor's last few elements
+          alignas(8) uint8_t mb8[8] = {0};
+          fwd_seg<T, decltype(p), true>(x + at + done, y + at + done, mb8, n - done,
+                                        p.advanced(done), j.lo, j.hi);
+          pack_bits(mb8, j.bits + (at + done) / 8, 1);
+        }
+      });
+      return;
+    }
+  }
+#endif
   alignas(64) uint8_t mb[kTile];
   for (int64_t t0 = b; t0 < e; t0 += kTile) {  // b % 64 == 0: whole mask bytes
     const int64_t t1 = std::min(e, t0 + kTile), len = t1 - t0, nbytes = (len + 7) / 8;
@@ -1072,6 +1381,24 @@ template <typename T>
 static void bwd_bits_t(const Job& j, int64_t b, int64_t e) {
   const T* __restrict g = static_cast<const T*>(j.g);
   T* __restrict gx = static_cast<T*>(j.gx);
+#ifdef QCOMPILE_FQ_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    // grad * (0.0 or 1.0), as the scalar loop: a product, not a bitwise and (-0.0, and
+    // NaN for an infinite gradient outside the range, as the eager formula gives)
+    const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    int64_t i = b;
+    for (; i + 8 <= e; i += 8) {
+      const __m256i bit = _mm256_and_si256(_mm256_set1_epi32(j.bits[i / 8]), sel);
+      const __m256 f = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(bit, sel)), one);
+      _mm256_storeu_ps(gx + i, _mm256_mul_ps(_mm256_loadu_ps(g + i), f));
+    }
+    for (; i < e; ++i) {
+      gx[i] = g[i] * static_cast<float>((j.bits[i / 8] >> (i % 8)) & 1);
+    }
+    return;
+  }
+#endif
   alignas(64) uint8_t mb[kTile];
   for (int64_t t0 = b; t0 < e; t0 += kTile) {
     const int64_t t1 = std::min(e, t0 + kTile), len = t1 - t0;

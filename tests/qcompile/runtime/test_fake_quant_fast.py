@@ -23,7 +23,7 @@ needs_ext = pytest.mark.skipif(OPS is None,
 @pytest.mark.parametrize("learnable", [False, True])
 def test_one_autograd_node_per_call(learnable: bool) -> None:
     """The output's grad_fn is the operator's own node, wired straight to the leaves."""
-    x = torch.randn(8, 16, requires_grad=True)
+    x = (torch.randn(8, 16) * 10).requires_grad_(True)  # some clamped: the node saves a mask
     s = torch.tensor([0.05], requires_grad=learnable)
     z = torch.zeros(1, dtype=torch.int32)
     y = quant_math.fake_quantize(x, s, z, -128, 127, learnable=learnable)
@@ -38,6 +38,36 @@ def test_one_autograd_node_per_call(learnable: bool) -> None:
     assert torch.equal(x.grad, 2 * first)
     with pytest.raises(RuntimeError, match="second time"):
         y.backward(g)  # ... and released after the last backward
+
+
+@needs_ext
+@pytest.mark.parametrize("isa", ["", "avx2", "base"])
+def test_nothing_clamped_passes_the_gradient_on(monkeypatch: pytest.MonkeyPatch,
+                                                isa: str) -> None:
+    """When no element is clamped (a weight under its own min-max range) the straight-
+    through backward hands the incoming gradient on as is: the same tensor, so the same
+    bits as ``grad * 1``; one element clamped and it is the masked copy again."""
+    monkeypatch.setenv("QCOMPILE_FQ_ISA", isa)
+    for n in (1, 7, 64, 1000, 4099):  # partial mask bytes and words
+        w = torch.randn(n)
+        s = (w.abs().amax() / 127).reshape(1)
+        z = torch.zeros(1, dtype=torch.int32)
+        x = w.clone().requires_grad_(True)
+        y = quant_math.fake_quantize(x, s, z, -128, 127)
+        g = torch.randn(n)
+        y.backward(g)
+        assert x.grad is not None and torch.equal(x.grad, g), n
+        ref = x.detach().clone().requires_grad_(True)
+        quant_math.fake_quantize_eager(ref, s, z, -128, 127).backward(g)
+        assert torch.equal(x.grad, ref.grad)
+        # the last element beyond the range: that one gradient is 0, the rest pass
+        x2 = w.clone()
+        x2[-1] = 200 * s[0]
+        x2.requires_grad_(True)
+        quant_math.fake_quantize(x2, s, z, -128, 127).backward(g)
+        want = g.clone()
+        want[-1] = 0.0
+        assert torch.equal(x2.grad, want), n
 
 
 @needs_ext
@@ -138,21 +168,29 @@ def test_minmax_statistics_match_aminmax() -> None:
 
 @needs_ext
 @pytest.mark.parametrize("isa", ["", "avx2", "base"])
+@pytest.mark.parametrize("observer", ["minmax", "moving_average", "moving_average_0.7",
+                                      "moving_average_1.0"])
 @pytest.mark.parametrize(("dtype", "symmetric", "granularity"), [
     ("int8", True, "per_channel"), ("uint8", False, "per_channel"),
     ("int4", False, "per_tensor"), ("uint8", True, "per_tensor")])
 def test_fused_observation_matches_python(monkeypatch: pytest.MonkeyPatch, isa: str,
-                                          dtype: str, symmetric: bool,
+                                          observer: str, dtype: str, symmetric: bool,
                                           granularity: str) -> None:
     """``observe_minmax`` (one pass, in C++) leaves the observer's statistics and the
-    qparams bit-identical to MinMaxObserver.update + qparams_from_minmax, over a sequence
-    of observations (running min / max), odd row lengths, all-zero and NaN rows."""
+    qparams bit-identical to MinMaxObserver.update / MovingAverageObserver.update +
+    qparams_from_minmax, over a sequence of observations (running min / max, or averages
+    from a fresh start), odd row lengths, all-zero and NaN rows."""
     monkeypatch.setenv("QCOMPILE_FQ_ISA", isa)
     gen = torch.Generator().manual_seed(7)
-    kw = {"granularity": granularity, "axis": 0, "channels": 12} \
+    kw: dict = {"granularity": granularity, "axis": 0, "channels": 12} \
         if granularity == "per_channel" else {}
+    if observer.startswith("moving_average"):
+        momentum = float(observer.rsplit("_", 1)[1]) if observer.count("_") == 2 else 0.01
+        kw["observer"] = {"kind": "moving_average", "momentum": momentum}
     fused = FakeQuantize(dtype, symmetric=symmetric, **kw)
     python = FakeQuantize(dtype, symmetric=symmetric, **kw)
+    assert type(fused.observer).__name__ == ("MinMaxObserver" if observer == "minmax"
+                                             else "MovingAverageObserver")
     monkeypatch.setattr(python, "_observe_fused", lambda x: False)
     for step in range(4):
         x = torch.randn(12, 37, generator=gen) * (10.0 ** (step - 2)) + step * 0.3
@@ -187,3 +225,51 @@ def test_fused_observation_keeps_weight_cache_rules() -> None:
     assert b.data_ptr() != a.data_ptr()
     assert torch.equal(fq.observer.max_val, torch.maximum(w.detach().amax(1) / 3,
                                                           w.detach().amax(1)))
+
+
+@needs_ext
+@pytest.mark.parametrize("isa", ["", "avx2", "base"])
+@pytest.mark.parametrize(("shape", "kw"), [
+    ((12, 64), {"granularity": "per_channel", "axis": 0, "channels": 12}),  # one pass
+    ((12, 4, 3, 3), {"granularity": "per_channel", "axis": 0, "channels": 12}),  # rows of 36
+    ((12, 37), {"granularity": "per_channel", "axis": 0, "channels": 12}),  # two passes
+    ((3, 5, 40000), {}),  # per-tensor: min / max over chunks of the row
+    ((7, 9), {"observer": {"kind": "moving_average", "momentum": 0.3}}),
+    ((16, 24), {"granularity": "per_channel", "axis": 0, "channels": 16,
+                "observer": "moving_average", "symmetric": False, "dtype": "uint8"}),
+])
+def test_observe_and_fake_quant_in_one_call(monkeypatch: pytest.MonkeyPatch, isa: str,
+                                            shape: tuple[int, ...], kw: dict) -> None:
+    """``qcompile::fake_quant_observe`` (the forward of an observing quantizer in one
+    call) leaves the same observer state and qparams, and gives the same output and
+    gradient bits, as observing first and fake-quantizing after, over several steps
+    (running statistics), with a NaN row and a clamped element."""
+    monkeypatch.setenv("QCOMPILE_FQ_ISA", isa)
+    gen = torch.Generator().manual_seed(11)
+    fused = FakeQuantize(**{"dtype": "int8", **kw})
+    split = FakeQuantize(**{"dtype": "int8", **kw})
+    monkeypatch.setattr(split, "_observe_fake_quant", lambda x: None)
+    for step in range(3):
+        x = torch.randn(shape, generator=gen) * (step + 1)
+        if step == 1 and shape[0] > 3:
+            x[2] = float("nan")
+        g = torch.randn(shape, generator=gen)
+        got = []
+        for fq in (fused, split):
+            xl = x.clone().requires_grad_(True)
+            y = fq(xl)
+            y.backward(g)
+            got.append((y.detach(), xl.grad, fq.scale.clone(), fq.zero_point.clone(),
+                        fq.observer.min_val.clone(), fq.observer.max_val.clone()))
+        assert fused.observed and split.observed
+        for a, b in zip(*got):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    # an average moves only part of the way to an outlier: it is clamped, gradient 0
+    if fused.observer.__class__.__name__ == "MovingAverageObserver":
+        fused.observer.min_val.fill_(-1.0)
+        fused.observer.max_val.fill_(1.0)
+        x = torch.full(shape, 0.5)
+        x.view(-1)[0] = 1e6
+        x.requires_grad_(True)
+        fused(x).sum().backward()
+        assert x.grad.view(-1)[0] == 0 and (x.grad.view(-1)[1:] == 1).all()

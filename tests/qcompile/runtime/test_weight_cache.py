@@ -36,7 +36,7 @@ SCHEMES = {
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts fake-quant computations (quant_math's entry points, as FakeQuantize calls
-    them)."""
+    them, and the fused observe-and-fake-quant call)."""
     n = [0]
     for name in ("fake_quantize", "fake_quantize_fp8"):
         real = getattr(fq_mod, name)
@@ -46,6 +46,14 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(fq_mod, name, counted)
+    fused = fq_mod.FakeQuantize._observe_fake_quant
+
+    def counted_fused(self, x):
+        out = fused(self, x)
+        n[0] += out is not None
+        return out
+
+    monkeypatch.setattr(fq_mod.FakeQuantize, "_observe_fake_quant", counted_fused)
     return n
 
 
