@@ -17,9 +17,18 @@ them run under ``torch.compile`` and ``torch.export``):
   mask of ``grad``'s shape); ``fake_quant_isa()`` (the instruction set in use) and
   ``fake_quant_release_cache()`` (see ``release_cache``);
 - ``qcompile::observe_minmax(x, min_val, max_val, scale, zero_point, quant_min, quant_max,
-  symmetric)``: a min-max observer's update and the qparams it gives, per row of ``x``
-  (per-channel along dim 0, or per-tensor), in place, in one pass over ``x`` (what
-  ``FakeQuantize.observe_tensor`` runs for weights; bit-identical to the Python path).
+  symmetric, momentum=-1)``: a min-max (``momentum < 0``) or moving-average observer's
+  update and the qparams it gives, per row of ``x`` (per-channel along dim 0, or
+  per-tensor), in place, in one pass over ``x`` (what ``FakeQuantize.observe_tensor`` runs;
+  bit-identical to the Python path);
+- ``qcompile::fake_quant_observe(...)`` (the same arguments): ``observe_minmax`` and then
+  ``fake_quant`` with the new qparams, in one call, with the straight-through node; a
+  weight's rows are read once (each row's min / max, its qparams, then its forward while
+  the row is in cache). What an observing quantizer's forward runs.
+
+The straight-through node keeps no mask when nothing was clamped (a weight under its own
+min-max range): its backward then hands the incoming gradient on as is (``grad * 1``, the
+same bits) instead of reading it and writing a copy.
 
 With gradients, a call records exactly one autograd node (``FakeQuantSTEBackward`` /
 ``FakeQuantLSQBackward``, C++ nodes like torch's generated ones: no Python runs in the
