@@ -231,6 +231,7 @@ def test_fused_observation_keeps_weight_cache_rules() -> None:
 @pytest.mark.parametrize("isa", ["", "avx2", "base"])
 @pytest.mark.parametrize(("shape", "kw"), [
     ((12, 64), {"granularity": "per_channel", "axis": 0, "channels": 12}),  # one pass
+    ((6, 1064), {"granularity": "per_channel", "axis": 0, "channels": 6}),  # long rows
     ((12, 4, 3, 3), {"granularity": "per_channel", "axis": 0, "channels": 12}),  # rows of 36
     ((12, 37), {"granularity": "per_channel", "axis": 0, "channels": 12}),  # two passes
     ((3, 5, 40000), {}),  # per-tensor: min / max over chunks of the row
