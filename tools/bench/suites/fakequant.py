@@ -87,7 +87,8 @@ def bench_fakequant(quick: bool) -> dict[str, Any]:
     output's gradient and writes x's (4 x 4 bytes; saved state such as a mask is not
     counted). The backward gets a dense upstream gradient (``out.backward(g)``).
     ``small_64x64_us``: per-call time on a 64x64 tensor (dispatch overhead), next to
-    ``autograd_floor_fwd_bwd_us``, the same harness around ``torch.neg``.
+    ``autograd_floor_fwd_bwd_us``, the same harness around ``torch.neg``, and
+    ``mul_one_fwd_bwd_us``, around ``t * 1.0``.
 
     ``QCOMPILE_BENCH_DEVICE=cuda`` runs it on a GPU (where qcompile runs the eager formula
     unless compiled); ``QCOMPILE_BENCH_COMPILED=1`` adds ``<kind>_compiled`` rows:
@@ -159,6 +160,8 @@ def bench_fakequant(quick: bool) -> dict[str, Any]:
                   for impl, fn in (("qcompile", fq), ("torch", builtin))
                   for key, run in (("fwd", fwd(fn, small)), ("fwd_bwd", fwd_bwd(fn, small, gs)))}
     small_runs["autograd_floor_fwd_bwd_us"] = fwd_bwd(torch.neg, small, gs)
+    # the cheapest binary op (MulBackward0 keeps its scalar): what one node with state costs
+    small_runs["mul_one_fwd_bwd_us"] = fwd_bwd(lambda t: t * 1.0, small, gs)
     small_times: dict[str, list[float]] = {k: [] for k in small_runs}
     for r in range(rounds + 1):  # interleaved; round 0 warms up
         for key, run in small_runs.items():
