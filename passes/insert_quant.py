@@ -107,6 +107,21 @@ def _attr(gm: GraphModule, target: str) -> Any:
     return getattr(gm.get_submodule(parent) if parent else gm, leaf)
 
 
+def _quantizer_call(gm: GraphModule, name: str, x: Node) -> Node:
+    """``gm.graph.call_module(name, (x,))`` for a quantizer this pass just added: the node
+    it makes, without its look-up of the module (which it only warns about when absent)."""
+    return gm.graph.create_node("call_module", name, (x,))
+
+
+def _param_attr(g: torch.fx.Graph, m: nn.Module, target: str, name: str) -> Node:
+    """``g.get_attr("<target>.<name>")``; for a parameter of the module (what Linear / Conv
+    / Embedding hold), the node without ``get_attr``'s look-up, which only warns about an
+    attribute that is missing or not a parameter, buffer or module."""
+    if isinstance(m._parameters.get(name), nn.Parameter):
+        return g.create_node("get_attr", f"{target}.{name}")
+    return g.get_attr(f"{target}.{name}")
+
+
 def _functionalize(gm: GraphModule, node: Node, op: str) -> Node:
     """Replace ``call_module`` on a stock Linear/Conv/Embedding by its functional op on
     the same parameters (the module's own forward does exactly this)."""
@@ -115,8 +130,8 @@ def _functionalize(gm: GraphModule, node: Node, op: str) -> Node:
     g = gm.graph
     x = node.args[0] if node.args else next(iter(node.kwargs.values()))
     with g.inserting_before(node):
-        w = g.get_attr(f"{t}.weight")
-        b = g.get_attr(f"{t}.bias") if getattr(m, "bias", None) is not None else None
+        w = _param_attr(g, m, t, "weight")
+        b = _param_attr(g, m, t, "bias") if getattr(m, "bias", None) is not None else None
         if op == "linear":
             new = g.call_function(F.linear, (x, w, b))
         elif op == "embedding":
@@ -157,15 +172,23 @@ def _record(name: str, fq: FakeQuantize, role: str, node: str, rule: int | None)
                            scales=fq.scale.numel(), learnable=fq.learnable, dynamic=fq.dynamic)
 
 
+def _set_flag(fq: FakeQuantize, name: str, value: bool) -> None:
+    """``fq.<name> = value`` where it changes anything: setting a switch mirrors it into the
+    quantizer's flag buffer (a tensor write) and drops its weight cache, ~20 us each, and a
+    new quantizer already has ``enabled`` and ``observe`` on."""
+    if getattr(fq, name) is not value:
+        setattr(fq, name, value)
+
+
 def _set_activation_mode(fq: FakeQuantize, mode: str) -> None:
     if mode == "static":
-        fq.enabled = False  # observe float activations until qc.calibrate turns it on
-    fq.observe = True
+        _set_flag(fq, "enabled", False)  # observe float activations until qc.calibrate
+    _set_flag(fq, "observe", True)
 
 
 def _insert_after(gm: GraphModule, node: Node, name: str) -> Node:
     with gm.graph.inserting_after(node):
-        q = gm.graph.call_module(name, (node,))
+        q = _quantizer_call(gm, name, node)
     node.replace_all_uses_with(q, delete_user_cb=lambda u: u is not q)
     q.meta[TENSOR_META] = node.meta.get(TENSOR_META)
     if NN_MODULE_STACK in node.meta:
@@ -217,7 +240,7 @@ def _dynamic_input(gm: GraphModule, ctx: Context, op: Node, qs: Any) -> None:
     base = f"{module}.input_fake_quant" if module else f"{op.name}_input_fake_quant"
     name = _add(gm, base, fq)
     with gm.graph.inserting_before(op):
-        q = gm.graph.call_module(name, (x,))
+        q = _quantizer_call(gm, name, x)
     q.meta[TENSOR_META] = x.meta.get(TENSOR_META)
     if NN_MODULE_STACK in op.meta:
         q.meta[NN_MODULE_STACK] = op.meta[NN_MODULE_STACK]
@@ -301,10 +324,10 @@ def _weights(gm: GraphModule, ctx: Context) -> None:
         _to(fq, weight.device)  # a quantizer lives where its tensor does (cuda, meta, ...)
         fq.observe_tensor(weight)
         # Weights move only in QAT: keep tracking them there, freeze them otherwise.
-        fq.observe = mode == "qat" and not fq.learnable
+        _set_flag(fq, "observe", mode == "qat" and not fq.learnable)
         name = _add(gm, f"{target}_fake_quant", fq)
         with gm.graph.inserting_after(w_node):
-            q = gm.graph.call_module(name, (w_node,))
+            q = _quantizer_call(gm, name, w_node)
         q.meta.update({k: v for k, v in node.meta.items() if k == NN_MODULE_STACK})
         use.consumer.replace_input_with(w_node, q)
         by_param[id(weight)] = q

@@ -2,9 +2,9 @@
 
 Passes never mutate the user's model, so tracing works on ``copy_model(model)``: the same
 result as ``copy.deepcopy`` at a fraction of its Python cost on models of many modules.
-Shape propagation runs on ``meta_copy(root)``: the same module tree whose tensors are meta
-tensors (shape, dtype and strides, no data), so a forward run on it can change nothing of
-the model, its graph or the RNG.
+Shape propagation runs modules on meta copies (``MetaCopy``, ``meta_copy(root)``): the same
+module tree whose tensors are meta tensors (shape, dtype and strides, no data), so a
+forward run on it can change nothing of the model, its graph or the RNG.
 
 Example:
     >>> import torch
@@ -47,19 +47,25 @@ class _NotMeta(Exception):
     """A tensor the meta copy cannot stand in for (a subclass, sparse, quantized)."""
 
 
-def meta_copy(root: nn.Module) -> tuple[nn.Module, Callable[[Any], Any]]:
-    """A copy of the module tree whose parameters, buffers and tensor attributes are meta
-    tensors with the same shapes, dtypes and strides, every module in eval mode (as the
-    real run would be), plus the function converting values (the inputs) the same way.
+class MetaCopy:
+    """Meta stand-ins, made on demand: ``module(m)`` is a copy of ``m``'s module tree whose
+    parameters, buffers and tensor attributes are meta tensors with the same shapes,
+    dtypes and strides, every module in eval mode (as the real run would be); ``value(v)``
+    converts one attribute value, ``convert(v)`` the tensors in a pytree (the inputs).
 
     Modules are new objects with their own attribute dicts, so whatever a forward assigns
-    or updates lands on the copy: the model and the traced graph are never touched. Tied
-    tensors and shared modules stay tied and shared."""
-    tensors: dict[int, torch.Tensor] = {}
-    modules: dict[int, nn.Module] = {}
+    or updates lands on the copy: the model and the traced graph are never touched. One
+    instance remembers what it converted, so tied tensors and shared modules stay tied
+    and shared however many calls reach them; shape propagation converts only the
+    modules it runs (most calls it answers from metadata alone)."""
 
-    def tensor(t: torch.Tensor) -> torch.Tensor:
-        out = tensors.get(id(t))
+    def __init__(self) -> None:
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.modules: dict[int, nn.Module] = {}
+        self.keep: list[Any] = []  # the originals, so no id above is reused meanwhile
+
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        out = self.tensors.get(id(t))
         if out is None:
             if type(t) not in PLAIN_TENSORS or t.layout != torch.strided or t.is_quantized:
                 raise _NotMeta(f"a {type(t).__name__} ({t.layout}) has no meta stand-in")
@@ -68,42 +74,51 @@ def meta_copy(root: nn.Module) -> tuple[nn.Module, Callable[[Any], Any]]:
                 out = nn.Parameter(out, requires_grad=t.requires_grad)
             elif t.requires_grad:
                 out.requires_grad_()
-            tensors[id(t)] = out
+            self.tensors[id(t)] = out
+            self.keep.append(t)
         return out
 
-    def value(v: Any) -> Any:
+    def value(self, v: Any) -> Any:
         t = type(v)
         if t in SCALAR_TYPES:
             return v
         if isinstance(v, torch.Tensor):
-            return tensor(v)
+            return self.tensor(v)
         if t in (tuple, list) and any(isinstance(x, torch.Tensor) for x in v):
-            return t(value(x) for x in v)
+            return t(self.value(x) for x in v)
         if t in _CONTAINERS:
             return t(v)  # hook tables and the like: a forward may add to them
         if isinstance(v, (dict, list, set)):
             return copy.copy(v)
         return v
 
-    def module(m: nn.Module) -> nn.Module:
-        out = modules.get(id(m))
+    def module(self, m: nn.Module) -> nn.Module:
+        out = self.modules.get(id(m))
         if out is None:
-            out = modules[id(m)] = object.__new__(type(m))
+            out = self.modules[id(m)] = object.__new__(type(m))
+            self.keep.append(m)
+            value, tensor = self.value, self.tensor
             d = {k: value(v) for k, v in m.__dict__.items()  # (torch.compile's call: eager)
                  if k not in ("_parameters", "_buffers", "_modules", "_compiled_call_impl")}
             d["_parameters"] = {k: None if v is None else tensor(v)
                                 for k, v in m._parameters.items()}
             d["_buffers"] = {k: None if v is None else tensor(v) for k, v in m._buffers.items()}
-            d["_modules"] = {k: None if v is None else module(v) for k, v in m._modules.items()}
+            d["_modules"] = {k: None if v is None else self.module(v)
+                             for k, v in m._modules.items()}
             d["training"] = False
             object.__setattr__(out, "__dict__", d)
         return out
 
-    def convert(v: Any) -> Any:
-        return pytree.tree_map(lambda x: tensor(x) if isinstance(x, torch.Tensor) else x, v)
+    def convert(self, v: Any) -> Any:
+        return pytree.tree_map(lambda x: self.tensor(x) if isinstance(x, torch.Tensor) else x,
+                               v)
 
-    return module(root), convert
 
+def meta_copy(root: nn.Module) -> tuple[nn.Module, Callable[[Any], Any]]:
+    """The meta copy of ``root``'s whole module tree (``MetaCopy.module``) plus the
+    function converting values (the inputs) the same way."""
+    c = MetaCopy()
+    return c.module(root), c.convert
 
 
 # What copy.deepcopy returns as is (immutable): such attributes are shared, like deepcopy does.
@@ -113,12 +128,16 @@ _ATOMIC = frozenset({type(None), int, float, bool, complex, bytes, str, type, ra
 
 
 def _plain_module_class(cls: type) -> bool:
-    """Whether ``copy.deepcopy`` copies instances of ``cls`` by nn.Module's own
-    ``__getstate__`` / ``__setstate__`` (no class-specific copy or pickle protocol)."""
+    """Whether ``copy.deepcopy`` copies instances of ``cls`` by the pickle protocol's
+    default recipe, ``cls.__new__(cls)`` then ``__setstate__(deep copy of __getstate__())``
+    (no class-specific ``__deepcopy__`` / ``__reduce__`` / ``__getnewargs__``, no
+    ``__slots__``). The class's own ``__getstate__`` / ``__setstate__`` (Conv's fills in
+    ``padding_mode``) are part of that recipe, so ``copy_model`` calls them as deepcopy
+    does."""
     return (getattr(cls, "__deepcopy__", None) is None
             and cls.__reduce_ex__ is object.__reduce_ex__ and cls.__reduce__ is object.__reduce__
-            and cls.__getstate__ is nn.Module.__getstate__
-            and cls.__setstate__ is nn.Module.__setstate__
+            and getattr(cls, "__getnewargs_ex__", None) is None
+            and getattr(cls, "__getnewargs__", None) is None
             and cls not in copyreg.dispatch_table
             and not any("__slots__" in vars(c) for c in cls.__mro__))
 
@@ -128,11 +147,28 @@ def copy_model(model: nn.Module) -> nn.Module:
     of many modules: it follows deepcopy's own recipe for modules (``cls.__new__``, the
     state from ``__getstate__``, ``__setstate__``) without copying what deepcopy would
     return unchanged (numbers, strings, tuples of them, functions) or rebuilding empty hook
-    tables item by item. Tensors, parameters, non-empty containers, other objects and
-    modules with their own copy protocol go through ``copy.deepcopy`` with the shared memo,
-    so ties and shared objects stay tied and shared."""
+    tables item by item, and copies a plain ``nn.Parameter`` as its ``__deepcopy__`` does
+    (a clone of its data) without going through ``copy.deepcopy``'s dispatch. Buffers and
+    other tensors, non-empty containers, other objects and modules with their own copy
+    protocol go through ``copy.deepcopy`` with the shared memo, so ties and shared objects
+    stay tied and shared."""
     memo: dict[int, Any] = {}
     plain: dict[type, bool] = {}
+
+    def parameters(table: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for name, p in table.items():
+            if id(p) in memo:
+                out[name] = memo[id(p)]
+            elif type(p) is nn.Parameter:  # exactly: subclasses may copy more
+                # nn.Parameter.__deepcopy__, minus copy.deepcopy's dispatch per parameter
+                new = memo[id(p)] = nn.Parameter(
+                    p.data.clone(memory_format=torch.preserve_format), p.requires_grad)
+                memo.setdefault(id(memo), []).append(p)  # deepcopy's keep-alive
+                out[name] = new
+            else:
+                out[name] = copy.deepcopy(p, memo)
+        return out
 
     def module(m: nn.Module) -> nn.Module:
         if id(m) in memo:
@@ -140,16 +176,19 @@ def copy_model(model: nn.Module) -> nn.Module:
         cls = type(m)
         if cls not in plain:
             plain[cls] = _plain_module_class(cls)
-        if not plain[cls]:
+        got = m.__getstate__() if plain[cls] else None
+        if type(got) is not dict:
             return copy.deepcopy(m, memo)
         new = memo[id(m)] = cls.__new__(cls)
         state: dict[str, Any] = {}
-        for k, v in m.__getstate__().items():
+        for k, v in got.items():
             t = type(v)
             if t in _ATOMIC or (t is tuple and all(type(e) in _ATOMIC for e in v)):
                 state[k] = v
             elif k == "_modules" and t is dict:
                 state[k] = {n: None if c is None else module(c) for n, c in v.items()}
+            elif k == "_parameters" and t is dict:
+                state[k] = parameters(v)
             elif t in _CONTAINERS and not v:  # shared empty containers stay shared
                 if id(v) not in memo:
                     memo[id(v)] = t()

@@ -1,7 +1,8 @@
 """Shape propagation: ``node.meta[TENSOR_META]`` for every node of a symbolic graph.
 
 Shapes come from running the graph on *meta* tensors (shape, dtype and strides, no data)
-against a meta copy of the modules (``model_copy.meta_copy``): no kernel runs, so it costs
+against meta copies of the modules (``model_copy.MetaCopy``, made only for the modules and
+attributes the run reaches, as most calls are answered from metadata): no kernel runs, so it costs
 the same for a batch of 1 or 1,000, leaves the RNG, BatchNorm statistics and every module's
 state alone, and needs no device memory. (torch's FakeTensorMode does the same through a
 dispatch mode: 2.5-6x slower on the bench models.) A graph that cannot run on meta tensors
@@ -41,7 +42,7 @@ from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
 from qcompile.errors import QCompileError
 from qcompile.graph.context import Context
 from qcompile.graph.meta import TENSOR_META, TYPE
-from qcompile.passes.trace.model_copy import PLAIN_TENSORS, SCALAR_TYPES, meta_copy
+from qcompile.passes.trace.model_copy import PLAIN_TENSORS, SCALAR_TYPES, MetaCopy
 from qcompile.runtime.calibration import describe
 
 # the formats torch's _extract_tensor_metadata asks about, in its order (the first wins)
@@ -108,10 +109,11 @@ def _key(a: Any) -> Any:
         return ("T", tuple(a.shape), a.stride(), a.dtype, a.requires_grad)
     if t in SCALAR_TYPES:
         return (t, a)
+    # (list comprehensions: cheaper than generators for the few items calls have)
     if isinstance(a, (tuple, list)):  # fx passes lists as immutable_list, torch.Size...
-        return (t, tuple(_key(x) for x in a))
+        return (t, tuple([_key(x) for x in a]))
     if isinstance(a, dict):  # ... and kwargs as immutable_dict
-        return (t, tuple((k, _key(v)) for k, v in a.items()))
+        return (t, tuple([(k, _key(v)) for k, v in a.items()]))
     if t is slice:
         return (t, _key(a.start), _key(a.stop), _key(a.step))
     raise _Unkeyable
@@ -128,7 +130,7 @@ def _module_key(m: nn.Module) -> Any:
     try:
         for k, v in m.__dict__.items():
             if k in ("_parameters", "_buffers"):
-                items.append((k, tuple((name, _key(t)) for name, t in v.items())))
+                items.append((k, tuple([(name, _key(t)) for name, t in v.items()])))
             elif k not in _MODULE_INTERNALS:
                 items.append((k, _key(v)))
     except _Unkeyable:
@@ -169,6 +171,50 @@ def _rebuild(template: Any) -> Any:
     return cls(_rebuild(p) for p in parts)
 
 
+_CONV_DIMS = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
+
+
+def _conv_shape(m: nn.Module, x: torch.Tensor) -> tuple[int, ...] | None:
+    """The output shape of a stock Conv1d/2d/3d on a batched input, by the convolution
+    formula (as torch's meta kernel computes it); None for anything the kernel would
+    reject or treat specially (let it run and say why)."""
+    d, w = _CONV_DIMS[type(m)], m.weight
+    if (m.padding_mode != "zeros" or x.dim() != d + 2 or w.dim() != d + 2 or x.shape[0] == 0
+            or x.shape[1] == 0
+            or x.shape[1] != w.shape[1] * m.groups or not _same_dtype(x, w, m.bias)):
+        return None
+    if m.padding == "same":  # stride 1 (the module insists): the length is kept
+        return (x.shape[0], w.shape[0], *x.shape[2:])
+    padding = (0,) * d if m.padding == "valid" else m.padding
+    out = []
+    for n, k, stride, pad, dilation in zip(x.shape[2:], w.shape[2:], m.stride, padding,
+                                          m.dilation):
+        length = (n + 2 * pad - dilation * (k - 1) - 1) // stride + 1
+        if length <= 0:
+            return None
+        out.append(length)
+    return (x.shape[0], w.shape[0], *out)
+
+
+_ADAPTIVE_AVG_DIMS = {nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3}
+
+
+def _adaptive_avg_shape(m: nn.Module, x: torch.Tensor) -> tuple[int, ...] | None:
+    """The output shape of a stock AdaptiveAvgPool1d/2d/3d: the leading dims, then the
+    output size (None entries keep the input's)."""
+    d = _ADAPTIVE_AVG_DIMS[type(m)]
+    size = m.output_size
+    if size is None:  # (torch refuses a bare None: only tuples may hold None)
+        return None
+    sizes = (size,) * d if isinstance(size, int) else tuple(size)
+    if x.dim() not in (d + 1, d + 2) or x.numel() == 0 or len(sizes) != d:
+        return None
+    out = [n if s is None else s for s, n in zip(sizes, x.shape[x.dim() - d:])]
+    if any(type(s) is not int or s <= 0 for s in out):
+        return None
+    return (*x.shape[:x.dim() - d], *out)
+
+
 _ELEMENTWISE = frozenset({nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh,
                           nn.Hardswish, nn.Hardsigmoid, nn.LeakyReLU, nn.ELU, nn.Mish})
 _BN_DIMS = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
@@ -181,7 +227,8 @@ def _same_dtype(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
 def _stock_output(m: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The meta output of the commonest stock modules (exact class, eval mode) on a
     contiguous floating-point input, without torch's meta kernels, which for these are
-    Python decompositions costing up to ~2 ms a call (BatchNorm, LayerNorm, GELU, Linear):
+    Python decompositions costing up to ~2 ms a call (BatchNorm, LayerNorm, GELU, Linear;
+    a convolution's ~0.1 ms plus converting the module to meta tensors):
     shape and dtype by the module's definition, contiguous as the CPU kernels make them.
     None (run the module) for anything else, including inputs these modules would reject."""
     if kwargs or len(args) != 1 or getattr(m, "inplace", False):
@@ -202,9 +249,15 @@ def _stock_output(m: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor | Non
     elif (cls is nn.Linear and x.dim() >= 1 and x.shape[-1] == m.in_features
           and _same_dtype(x, m.weight, m.bias)):
         return x.new_empty((*x.shape[:-1], m.out_features))
+    elif cls in _CONV_DIMS or cls in _ADAPTIVE_AVG_DIMS:
+        shape = _conv_shape(m, x) if cls in _CONV_DIMS else _adaptive_avg_shape(m, x)
+        # contiguous, as torch's meta kernels and the CPU kernels make them for this input
+        return None if shape is None else x.new_empty(shape)
     else:
         same = False
-    return torch.empty_like(x) if same else None
+    # (x is contiguous: new_empty makes the same tensor as empty_like, without the
+    # Python reference implementation empty_like runs on meta tensors)
+    return x.new_empty(x.shape) if same else None
 
 
 class _MixedDtypes(Exception):
@@ -267,7 +320,9 @@ def _mutates(n: Node) -> bool:
 
 
 class _MetaShapeProp(_ShapeProp):
-    """Runs the graph on meta tensors against a meta copy of the modules (``meta_copy``).
+    """Runs the graph on meta tensors against meta copies of the modules and attributes
+    (``MetaCopy``), made when a node first reads one: the graph's own module is only read
+    (metadata, module configs), never run.
 
     Real models repeat themselves (the blocks of a transformer, the layers of a ResNet
     stage) and torch's meta kernels are Python: a call whose op (a torch function or
@@ -275,8 +330,9 @@ class _MetaShapeProp(_ShapeProp):
     metadata were seen before gets fresh meta outputs with the metadata recorded then.
     In-place calls and anything the key cannot describe always run."""
 
-    def __init__(self, gm: GraphModule, root: nn.Module) -> None:
-        super().__init__(root, graph=gm.graph)
+    def __init__(self, gm: GraphModule, metas: MetaCopy) -> None:
+        super().__init__(gm, graph=gm.graph)
+        self.metas = metas
         self.memo: dict[Any, Any] = {}
         self.module_keys: dict[str, Any] = {}
         # A memo hit returns a fresh tensor where the op may return its input (contiguous,
@@ -286,6 +342,16 @@ class _MetaShapeProp(_ShapeProp):
         hooks = torch.nn.modules.module
         self.memo_modules = not (hooks._global_forward_hooks
                                  or hooks._global_forward_pre_hooks)
+
+    def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        value = self.fetch_attr(target)
+        if isinstance(value, nn.Module):
+            return self.metas.module(value)
+        # a plain attribute of a module the meta copy would hold: converted the same way
+        return self.metas.value(value)
+
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return self.metas.module(self.fetch_attr(target))(*args, **kwargs)
 
     def _op_key(self, n: Node) -> Any:
         if n.op == "call_module":
@@ -353,9 +419,9 @@ def _meta_shapes(gm: GraphModule, args: list[Any]) -> str | None:
     """Record shapes by running ``gm`` on meta tensors; None when done, else why not."""
     prop: _MetaShapeProp | None = None
     try:
-        root, convert = meta_copy(gm)
-        meta_args = convert(list(args))
-        prop = _MetaShapeProp(gm, root)
+        metas = MetaCopy()
+        meta_args = metas.convert(list(args))
+        prop = _MetaShapeProp(gm, metas)
         with torch.no_grad():
             prop.run(*meta_args)
     except Exception as e:

@@ -28,7 +28,7 @@ import qcompile as qc
 from qcompile.graph.context import Context
 from qcompile.graph.pipeline import Pipeline, graph_pass
 from qcompile.passes.trace import shape_prop, trace
-from qcompile.passes.trace.model_copy import copy_model
+from qcompile.passes.trace.model_copy import MetaCopy, copy_model
 
 FALLBACK = "example inputs (ran the model on them: "
 
@@ -252,6 +252,46 @@ def test_cnn_matches_shapeprop(batch, c_in, ch, h, w, channels_last):
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
     assert check_against_shapeprop(model, x) == "meta tensors"
+
+
+@settings(max_examples=40)
+@given(d=st.integers(1, 3), c_in=st.integers(1, 4), groups=st.sampled_from([1, 2]),
+       k=st.integers(1, 4), stride=st.integers(1, 3), pad=st.sampled_from([0, 1, 2, "same",
+                                                                          "valid"]),
+       dilation=st.integers(1, 2), n=st.integers(1, 9), batch=st.integers(1, 2))
+def test_convolution_shapes_by_formula_match_the_meta_kernel(d, c_in, groups, k, stride, pad,
+                                                              dilation, n, batch):
+    """The stock Conv1d/2d/3d fast path gives torch's meta kernel's output (shape, dtype,
+    strides), or steps aside where the kernel would raise."""
+    if pad == "same":
+        stride = 1
+    conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[d - 1](c_in * groups, 3 * groups, k,
+                                                     stride=stride, padding=pad,
+                                                     dilation=dilation, groups=groups)
+    x = torch.empty(batch, c_in * groups, *[n] * d, device="meta")
+    fast = shape_prop._stock_output(conv, (x,), {})
+    try:
+        with torch.no_grad():
+            slow = MetaCopy().module(conv)(x)
+    except RuntimeError:
+        assert fast is None
+        return
+    assert fast is not None
+    assert (fast.shape, fast.stride(), fast.dtype) == (slow.shape, slow.stride(), slow.dtype)
+
+
+@settings(max_examples=30)
+@given(d=st.integers(1, 3), size=st.sampled_from([1, 2, 3, "mixed"]),
+       batched=st.booleans(), n=st.integers(1, 6))
+def test_adaptive_average_pooling_by_formula_matches_the_meta_kernel(d, size, batched, n):
+    if size == "mixed":  # None: the input's size along that dim
+        size = (2, None, 1)[:d] if d > 1 else 2
+    pool = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)[d - 1](size)
+    x = torch.empty(*([2, 3] if batched else [3]), *[n] * d, device="meta")
+    fast = shape_prop._stock_output(pool, (x,), {})
+    slow = MetaCopy().module(pool)(x)
+    assert fast is not None
+    assert (fast.shape, fast.stride(), fast.dtype) == (slow.shape, slow.stride(), slow.dtype)
 
 
 def test_cnn_in_train_mode_matches_shapeprop():
@@ -606,6 +646,48 @@ def test_copy_model_tied_weights_and_shared_modules():
         c.emb.weight.zero_()
     assert torch.count_nonzero(c.head.weight) == 0
     assert torch.count_nonzero(model.head.weight) > 0
+
+
+class StatefulSetstate(nn.Linear):
+    """A module class with its own ``__getstate__`` / ``__setstate__`` (as Conv has one)."""
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["saved_by_getstate"] = True
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.set_by_setstate = True
+
+
+def test_copy_model_modules_with_their_own_getstate_setstate():
+    """deepcopy copies them through their own __getstate__ / __setstate__; so does
+    copy_model (Conv's fills in padding_mode), and plain parameters are clones with the
+    original's requires_grad."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"),
+                          nn.BatchNorm2d(4), nn.Flatten(), StatefulSetstate(4 * 5 * 5, 2))
+    model[0].bias.requires_grad_(False)
+    c = check_copy(model, torch.randn(2, 3, 5, 5))
+    theirs = copy.deepcopy(model)
+    assert c[0].padding_mode == "reflect" and type(c[0]) is nn.Conv2d
+    assert c[3].saved_by_getstate and c[3].set_by_setstate
+    assert vars(c[3]).keys() == vars(theirs[3]).keys()
+    assert type(c[0].weight) is nn.Parameter and not c[0].bias.requires_grad
+    assert c[0].weight._version == theirs[0].weight._version
+
+
+def test_meta_copy_converts_on_demand_and_keeps_ties_across_calls():
+    """Shape propagation converts only what the run reaches; what two calls reach stays
+    one object (a tied weight, a shared module)."""
+    model = TiedLM()
+    metas = MetaCopy()
+    head = metas.module(model.head)
+    assert head.weight.device.type == "meta" and id(model.block) not in metas.modules
+    assert metas.module(model.emb).weight is head.weight
+    assert metas.module(model.again) is metas.module(model.block)
+    assert model.head.weight.device.type == "cpu" and model.head.training
 
 
 class Symmetric(nn.Module):
