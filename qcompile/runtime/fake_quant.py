@@ -25,7 +25,12 @@ import torch
 from torch import nn
 
 from qcompile.runtime import kernels, weight_cache
-from qcompile.runtime.observers import MinMaxObserver, MovingAverageObserver, make_observer
+from qcompile.runtime.observers import (
+    MinMaxObserver,
+    MovingAverageObserver,
+    add_buffers,
+    make_observer,
+)
 from qcompile.runtime.quant_math import (
     FP8_DTYPES,
     fake_quantize,
@@ -166,14 +171,14 @@ class FakeQuantize(nn.Module):
             observe=True,
             observed=False,  # observed since the last synchronisation
         )
-        self.register_buffer("mode_flags", torch.ones(2, dtype=torch.uint8))  # = the flags
         n = channels if granularity in ("per_channel", "per_group") else 1
         scale = torch.ones(n, dtype=torch.float32)
         if scheme.learnable:
             self.register_parameter("scale", nn.Parameter(scale))
+            add_buffers(self, mode_flags=torch.ones(2, dtype=torch.uint8))  # = the flags
         else:
-            self.register_buffer("scale", scale)
-        self.register_buffer("zero_point", torch.zeros(n, dtype=torch.int32))
+            add_buffers(self, mode_flags=torch.ones(2, dtype=torch.uint8), scale=scale)
+        add_buffers(self, zero_point=torch.zeros(n, dtype=torch.int32))
         # Per-token and dynamic quantizers derive qparams from each input: no statistics.
         if dynamic or granularity == "per_token":
             self.__dict__["observer"] = None
