@@ -1168,6 +1168,16 @@ static inline float clampf(float q, float lo, float hi) {  // NaN passes, like t
   return c > hi ? hi : c;
 }
 
+// 8 bits -> 8 bytes of 0 / 1 (bit k -> byte k)
+static inline uint64_t spread_bits(uint32_t b) {
+  uint64_t t = (static_cast<uint64_t>(b) * 0x0101010101010101ULL) & 0x8040201008040201ULL;
+  return ((t + 0x7F7F7F7F7F7F7F7FULL) >> 7) & 0x0101010101010101ULL;
+}
+
+// What the forward writes besides the output: nothing, a mask byte per element (m + i), or
+// the packed mask itself (byte m[i / 8]: the segment starts on a whole byte)
+enum MaskOut { kNoMask = 0, kMaskBytes = 1, kMaskBits = 2 };
+
 #ifdef QCOMPILE_FQ_AVX2
 // Eight lanes of the forward: the scalar loop's IEEE operations, lane for lane (true
 // division, nearbyint's rounding, comparisons false for NaN, a clamp NaN passes through);
@@ -1183,16 +1193,6 @@ static inline __m256 fq8(__m256 v, __m256 s, __m256 z, __m256 lo, __m256 hi, int
   c = _mm256_blendv_ps(c, hi, _mm256_cmp_ps(c, hi, _CMP_GT_OQ));
   return _mm256_mul_ps(_mm256_sub_ps(c, z), s);
 }
-
-// 8 bits -> 8 bytes of 0 / 1 (bit k -> byte k)
-static inline uint64_t spread_bits(uint32_t b) {
-  uint64_t t = (static_cast<uint64_t>(b) * 0x0101010101010101ULL) & 0x8040201008040201ULL;
-  return ((t + 0x7F7F7F7F7F7F7F7FULL) >> 7) & 0x0101010101010101ULL;
-}
-
-// What fwd_seg8 writes besides the output: nothing, a mask byte per element (m + i), or
-// the packed mask itself (byte m[i / 8]: the segment starts on a whole byte)
-enum MaskOut { kNoMask = 0, kMaskBytes = 1, kMaskBits = 2 };
 
 // float32, 8 at a time; returns how many elements it did (the caller does the rest)
 template <typename P, int kOut>
@@ -1281,35 +1281,38 @@ static inline void pack_bits(const uint8_t* __restrict m, uint8_t* __restrict ou
 }
 static inline void unpack_bits(const uint8_t* __restrict in, uint8_t* __restrict m, int64_t n) {
   for (int64_t k = 0; k < n; ++k) {
-    uint64_t t = (static_cast<uint64_t>(in[k]) * 0x0101010101010101ULL) & 0x8040201008040201ULL;
-    t = ((t + 0x7F7F7F7F7F7F7F7FULL) >> 7) & 0x0101010101010101ULL;
+    const uint64_t t = spread_bits(in[k]);
     std::memcpy(m + 8 * k, &t, sizeof t);
   }
 }
 
 // Short rows of a multiple of 16 elements: 16 elements at a time, each 16 with one scale
-// (no per-row loop set-up). Element i of [b, e) is in row i / j.row; b % 16 == 0.
-template <typename T, bool kMask>
+// (no per-row loop set-up). Element i of [b, e) is in row i / j.row; b % 16 == 0. With
+// kOut == kMaskBits the packed mask goes straight to m (two whole bytes per 16).
+template <typename T, int kOut>
 static void fwd_rows16(const Job& j, int64_t b, int64_t e, const T* __restrict x,
                        T* __restrict y, uint8_t* __restrict m) {
   int64_t r = b / j.row, c = r % j.C, left = ((r + 1) * j.row - b) / 16;
   for (int64_t i = b; i < e; i += 16) {
     const float s = j.s[c], z = j.z[c];
+    int64_t k0 = 0;
 #ifdef QCOMPILE_FQ_AVX2
     if constexpr (std::is_same_v<T, float>) {
-      fwd_seg8<ScalarP, kMask ? kMaskBytes : kNoMask>(x + i, y + i, kMask ? m + (i - b) : nullptr,
-                                                      16, ScalarP{s, z}, j.lo, j.hi);
-      if (--left == 0) {
-        left = j.row / 16;
-        c = c + 1 == j.C ? 0 : c + 1;
-      }
-      continue;
+      k0 = fwd_seg8<ScalarP, kOut>(x + i, y + i, kOut == kMaskBits ? m + i / 8 : m, 16,
+                                   ScalarP{s, z}, j.lo, j.hi);
     }
 #endif
-    for (int k = 0; k < 16; ++k) {
+    uint32_t bits = 0;
+    for (int64_t k = k0; k < 16; ++k) {
       const float q = std::nearbyint(load_f(x, i + k) / s) + z;
-      if (kMask) m[i - b + k] = static_cast<uint8_t>((q >= j.lo) & (q <= j.hi));
+      bits |= static_cast<uint32_t>((q >= j.lo) & (q <= j.hi)) << k;
       store_f(y, i + k, (clampf(q, j.lo, j.hi) - z) * s);
+    }
+    if constexpr (kOut == kMaskBits) {
+      if (k0 < 16) {  // the scalar loop ran: its 16 bits, two mask bytes
+        m[i / 8] = static_cast<uint8_t>(bits);
+        m[i / 8 + 1] = static_cast<uint8_t>(bits >> 8);
+      }
     }
     if (--left == 0) {
       left = j.row / 16;
@@ -1322,12 +1325,15 @@ template <typename T>
 static void fwd_t(const Job& j, int64_t b, int64_t e) {
   const T* x = static_cast<const T*>(j.x);
   T* y = static_cast<T*>(j.y);
-  const bool rows16 = !j.col && j.row < kRowLong && j.row % 16 == 0;
-  if (!j.bits) {
-    if (rows16) {
-      fwd_rows16<T, false>(j, b, e, x, y, nullptr);
-      return;
+  if (!j.col && j.row < kRowLong && j.row % 16 == 0) {  // b % 64 == 0: whole mask bytes
+    if (j.bits) {
+      fwd_rows16<T, kMaskBits>(j, b, e, x, y, j.bits);
+    } else {
+      fwd_rows16<T, kNoMask>(j, b, e, x, y, nullptr);
     }
+    return;
+  }
+  if (!j.bits) {
     for_segments(j, b, e, [&](int64_t at, int64_t len, auto p) {
       fwd_seg<T, decltype(p), false>(x + at, y + at, nullptr, len, p, j.lo, j.hi);
     });
@@ -1336,18 +1342,6 @@ static void fwd_t(const Job& j, int64_t b, int64_t e) {
 #ifdef QCOMPILE_FQ_AVX2
   if constexpr (std::is_same_v<T, float>) {
     if (j.row % 8 == 0) {  // every row, so every segment, starts on a whole mask byte
-      if (rows16) {
-        int64_t r = b / j.row, c = r % j.C, left = ((r + 1) * j.row - b) / 16;
-        for (int64_t i = b; i < e; i += 16) {
-          fwd_seg8<ScalarP, kMaskBits>(x + i, y + i, j.bits + i / 8, 16,
-                                       ScalarP{j.s[c], j.z[c]}, j.lo, j.hi);
-          if (--left == 0) {
-            left = j.row / 16;
-            c = c + 1 == j.C ? 0 : c + 1;
-          }
-        }
-        return;
-      }
       for_segments(j, b, e, [&](int64_t at, int64_t n, auto p) {
         const int64_t done =
             fwd_seg8<decltype(p), kMaskBits>(x + at, y + at, j.bits + at / 8, n, p, j.lo, j.hi);
@@ -1365,13 +1359,9 @@ static void fwd_t(const Job& j, int64_t b, int64_t e) {
   alignas(64) uint8_t mb[kTile];
   for (int64_t t0 = b; t0 < e; t0 += kTile) {  // b % 64 == 0: whole mask bytes
     const int64_t t1 = std::min(e, t0 + kTile), len = t1 - t0, nbytes = (len + 7) / 8;
-    if (rows16) {
-      fwd_rows16<T, true>(j, t0, t1, x, y, mb);
-    } else {
-      for_segments(j, t0, t1, [&](int64_t at, int64_t n, auto p) {
-        fwd_seg<T, decltype(p), true>(x + at, y + at, mb + (at - t0), n, p, j.lo, j.hi);
-      });
-    }
+    for_segments(j, t0, t1, [&](int64_t at, int64_t n, auto p) {
+      fwd_seg<T, decltype(p), true>(x + at, y + at, mb + (at - t0), n, p, j.lo, j.hi);
+    });
     std::fill(mb + len, mb + nbytes * 8, static_cast<uint8_t>(0));
     pack_bits(mb, j.bits + t0 / 8, nbytes);
   }
