@@ -142,16 +142,62 @@ def _plain_module_class(cls: type) -> bool:
             and not any("__slots__" in vars(c) for c in cls.__mro__))
 
 
+# torch's copy-on-write clone (``torch._lazy_clone``, in torch since 2.3): absent, a copy.
+_LAZY_CLONE: Callable[[torch.Tensor], torch.Tensor] | None = getattr(torch, "_lazy_clone", None)
+
+
+def _lazy_ok(t: torch.Tensor) -> bool:
+    """Whether ``clone_data`` may give ``t`` a copy-on-write clone (see there)."""
+    if (_LAZY_CLONE is None or type(t) is not torch.Tensor or t.layout != torch.strided
+            or t.device.type != "cpu" or t.is_quantized or t.is_inference()
+            or t.storage_offset() != 0):
+        return False
+    storage = t.untyped_storage()
+    return storage.nbytes() == t.numel() * t.element_size() and not storage.is_shared()
+
+
+def clone_data(t: torch.Tensor) -> torch.Tensor:
+    """``t.clone(memory_format=torch.preserve_format)`` for a parameter's or buffer's data:
+    where it is safe, a copy-on-write clone (``torch._lazy_clone``), which shares ``t``'s
+    memory until either tensor is written through torch, and then copies it (once, for the
+    side that writes).
+
+    A compiled copy then costs no time and no memory until training writes its weights
+    (post-training flows never do), and the user's model is still never changed by what
+    the compiled copy does, nor the copy by what the model does. Copied eagerly instead:
+    a tensor that is not all of its storage (a view into a flat buffer: the first write
+    would copy the whole buffer), storage in shared memory (other processes write it
+    behind torch's back) or on a GPU (CUDA graphs and IPC handles do too), subclasses,
+    sparse and quantized tensors. Memory written through an alias made before the copy
+    (a NumPy view of the parameter, a raw pointer) is not seen by torch either: compile
+    ``copy.deepcopy(model)`` with ``inplace=True`` in that case.
+
+    Example:
+        >>> import torch
+        >>> w = torch.ones(3)
+        >>> c = clone_data(w)
+        >>> _ = c.add_(1)
+        >>> w.tolist(), c.tolist()
+        ([1.0, 1.0, 1.0], [2.0, 2.0, 2.0])
+    """
+    if _LAZY_CLONE is not None and _lazy_ok(t):
+        return _LAZY_CLONE(t)
+    return t.clone(memory_format=torch.preserve_format)
+
+
 def copy_model(model: nn.Module) -> nn.Module:
     """``copy.deepcopy(model)``, the same result at a fraction of the Python cost on models
     of many modules: it follows deepcopy's own recipe for modules (``cls.__new__``, the
     state from ``__getstate__``, ``__setstate__``) without copying what deepcopy would
     return unchanged (numbers, strings, tuples of them, functions) or rebuilding empty hook
     tables item by item, and copies a plain ``nn.Parameter`` as its ``__deepcopy__`` does
-    (a clone of its data) without going through ``copy.deepcopy``'s dispatch. Buffers and
-    other tensors, non-empty containers, other objects and modules with their own copy
-    protocol go through ``copy.deepcopy`` with the shared memo, so ties and shared objects
-    stay tied and shared."""
+    (a clone of its data, copy-on-write where safe: ``clone_data``) without going through
+    ``copy.deepcopy``'s dispatch; so is a plain buffer that is all of its storage (as
+    ``Tensor.__deepcopy__`` copies it, its storage entered in the memo as deepcopy enters
+    it, so other tensors on that storage still share the copy's). Other buffers and
+    tensors, non-empty containers, other objects and modules with their own copy protocol
+    go through ``copy.deepcopy`` with the shared memo, so ties and shared objects stay tied
+    and shared."""
     memo: dict[int, Any] = {}
     plain: dict[type, bool] = {}
 
@@ -162,12 +208,30 @@ def copy_model(model: nn.Module) -> nn.Module:
                 out[name] = memo[id(p)]
             elif type(p) is nn.Parameter:  # exactly: subclasses may copy more
                 # nn.Parameter.__deepcopy__, minus copy.deepcopy's dispatch per parameter
-                new = memo[id(p)] = nn.Parameter(
-                    p.data.clone(memory_format=torch.preserve_format), p.requires_grad)
+                new = memo[id(p)] = nn.Parameter(clone_data(p.data), p.requires_grad)
                 memo.setdefault(id(memo), []).append(p)  # deepcopy's keep-alive
                 out[name] = new
             else:
                 out[name] = copy.deepcopy(p, memo)
+        return out
+
+    def buffers(table: dict[str, Any]) -> dict[str, Any]:
+        storages = memo.setdefault("torch", {})  # type: ignore[call-overload]
+        out = {}
+        for name, b in table.items():
+            if id(b) in memo:
+                out[name] = memo[id(b)]
+            elif (type(b) is torch.Tensor and b.is_leaf and not b.requires_grad
+                  and not b.__dict__ and _lazy_ok(b)
+                  and b.untyped_storage()._cdata not in storages):
+                # Tensor.__deepcopy__ of a tensor that is all of its storage: a copy of
+                # the storage, entered where UntypedStorage.__deepcopy__ enters it
+                new = memo[id(b)] = clone_data(b)
+                storages[b.untyped_storage()._cdata] = new.untyped_storage()
+                memo.setdefault(id(memo), []).append(b)
+                out[name] = new
+            else:
+                out[name] = copy.deepcopy(b, memo)
         return out
 
     def module(m: nn.Module) -> nn.Module:
@@ -189,6 +253,8 @@ def copy_model(model: nn.Module) -> nn.Module:
                 state[k] = {n: None if c is None else module(c) for n, c in v.items()}
             elif k == "_parameters" and t is dict:
                 state[k] = parameters(v)
+            elif k == "_buffers" and t is dict:
+                state[k] = buffers(v)
             elif t in _CONTAINERS and not v:  # shared empty containers stay shared
                 if id(v) not in memo:
                     memo[id(v)] = t()

@@ -522,7 +522,9 @@ class TrainNetItem(TrainNet):
 
 
 def _storages(tensors) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tensors}
+    """The storage objects (not their addresses: reading one would make a copy-on-write
+    clone copy itself)."""
+    return {t.untyped_storage()._cdata for t in tensors}
 
 
 @pytest.mark.parametrize(("cls", "spec", "how"), [
@@ -688,6 +690,42 @@ def test_meta_copy_converts_on_demand_and_keeps_ties_across_calls():
     assert metas.module(model.emb).weight is head.weight
     assert metas.module(model.again) is metas.module(model.block)
     assert model.head.weight.device.type == "cpu" and model.head.training
+
+
+@pytest.mark.skipif(not hasattr(torch, "_lazy_clone"), reason="no copy-on-write clones")
+def test_copy_model_is_copy_on_write_where_safe_and_eager_elsewhere():
+    """Plain parameters and buffers are copy-on-write clones (no copy until written);
+    views into a bigger storage and shared memory are copied at once. Either way, what
+    one side writes never reaches the other, in both directions."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2), nn.Linear(2, 2))
+    flat = torch.randn(32)
+    model[2].weight = nn.Parameter(flat[:8].view(2, 4))  # a view into a flat buffer
+    model[3].weight.data.share_memory_()  # other processes may write it
+    model.register_buffer("pair", torch.ones(4))
+    model.register_buffer("pair_view", model.pair.view(2, 2))  # deepcopy keeps them tied
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    c = copy_model(model)
+    cow = torch._C._is_cow_tensor
+    assert cow(c[0].weight) and cow(c[0].bias) and cow(c[1].running_var) and cow(c.pair)
+    assert not cow(c[2].weight) and not cow(c[3].weight)
+    assert not cow(model[2].weight) and not cow(model[3].weight)
+    # the copy trains: parameters, running stats, a tied buffer pair
+    c.train()
+    c(torch.randn(8, 4)).square().sum().backward()
+    torch.optim.Adam(c.parameters(), lr=0.1).step()
+    with torch.no_grad():
+        c.pair.add_(1)
+    assert c.pair_view.tolist() == [[2.0, 2.0], [2.0, 2.0]]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    # the model is written after the copy was made
+    copied = {k: v.clone() for k, v in c.state_dict().items()}
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.add_(1)
+    for k, v in c.state_dict().items():
+        assert torch.equal(v, copied[k]), k
 
 
 class Symmetric(nn.Module):
