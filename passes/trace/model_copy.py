@@ -168,9 +168,11 @@ def clone_data(t: torch.Tensor) -> torch.Tensor:
     a tensor that is not all of its storage (a view into a flat buffer: the first write
     would copy the whole buffer), storage in shared memory (other processes write it
     behind torch's back) or on a GPU (CUDA graphs and IPC handles do too), subclasses,
-    sparse and quantized tensors. Memory written through an alias made before the copy
-    (a NumPy view of the parameter, a raw pointer) is not seen by torch either: compile
-    ``copy.deepcopy(model)`` with ``inplace=True`` in that case.
+    sparse and quantized tensors, and memory torch does not own (``torch.from_numpy``, a
+    ``torch.load(mmap=True)`` file), which torch cannot clone lazily. Memory written
+    through an alias made before the copy (a NumPy view of the parameter, a raw pointer)
+    is not seen by torch either: compile ``copy.deepcopy(model)`` with ``inplace=True``
+    in that case.
 
     Example:
         >>> import torch
@@ -181,7 +183,10 @@ def clone_data(t: torch.Tensor) -> torch.Tensor:
         ([1.0, 1.0, 1.0], [2.0, 2.0, 2.0])
     """
     if _LAZY_CLONE is not None and _lazy_ok(t):
-        return _LAZY_CLONE(t)
+        try:
+            return _LAZY_CLONE(t)
+        except RuntimeError:  # memory torch does not own (NumPy, a memory map): copy it
+            pass
     return t.clone(memory_format=torch.preserve_format)
 
 
@@ -225,7 +230,8 @@ def copy_model(model: nn.Module) -> nn.Module:
                   and not b.__dict__ and _lazy_ok(b)
                   and b.untyped_storage()._cdata not in storages):
                 # Tensor.__deepcopy__ of a tensor that is all of its storage: a copy of
-                # the storage, entered where UntypedStorage.__deepcopy__ enters it
+                # the storage, entered where UntypedStorage.__deepcopy__ enters it (a
+                # later tensor on that storage shares the copy's, as deepcopy would do)
                 new = memo[id(b)] = clone_data(b)
                 storages[b.untyped_storage()._cdata] = new.untyped_storage()
                 memo.setdefault(id(memo), []).append(b)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -702,13 +703,14 @@ def test_copy_model_is_copy_on_write_where_safe_and_eager_elsewhere():
     flat = torch.randn(32)
     model[2].weight = nn.Parameter(flat[:8].view(2, 4))  # a view into a flat buffer
     model[3].weight.data.share_memory_()  # other processes may write it
+    model[3].bias = nn.Parameter(torch.from_numpy(np.ones(2, dtype=np.float32)))  # not torch's
     model.register_buffer("pair", torch.ones(4))
     model.register_buffer("pair_view", model.pair.view(2, 2))  # deepcopy keeps them tied
     before = {k: v.clone() for k, v in model.state_dict().items()}
     c = copy_model(model)
     cow = torch._C._is_cow_tensor
     assert cow(c[0].weight) and cow(c[0].bias) and cow(c[1].running_var) and cow(c.pair)
-    assert not cow(c[2].weight) and not cow(c[3].weight)
+    assert not cow(c[2].weight) and not cow(c[3].weight) and not cow(c[3].bias)
     assert not cow(model[2].weight) and not cow(model[3].weight)
     # the copy trains: parameters, running stats, a tied buffer pair
     c.train()
