@@ -343,8 +343,11 @@ def clear(fq: nn.Module) -> None:
 def _key(x: torch.Tensor) -> tuple:
     # the counter object itself, then its count: registers the step hooks on first use
     steps = _StepCounter.get()
-    return (steps, steps.count, x._version, x.data_ptr(), x.dtype, x.device, x.shape,
-            x.stride())
+    # the storage object and the offset, not data_ptr(): reading a copy-on-write
+    # tensor's address makes it copy itself (a compiled copy shares the model's weights
+    # until one is written), and a copy changes no value
+    return (steps, steps.count, x._version, x.untyped_storage()._cdata, x.storage_offset(),
+            x.dtype, x.device, x.shape, x.stride())
 
 
 def _qkey(fq: Any) -> tuple[tuple, tuple]:

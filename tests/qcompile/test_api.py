@@ -285,6 +285,31 @@ def test_user_model_is_never_mutated(preset: str, train: bool) -> None:
             assert torch.equal(v, graph_state[k]), k
 
 
+@pytest.mark.skipif(not hasattr(torch, "_lazy_clone"), reason="no copy-on-write clones")
+def test_post_training_flows_never_copy_the_weights() -> None:
+    """The compiled copy shares the model's weights copy-on-write: compiling, calibrating,
+    evaluating and converting read them and never make the copy; a QAT step writes them,
+    and then the graph has its own."""
+    model = seeded(CNN)
+    x = cnn_input()
+    cow = torch._C._is_cow_tensor
+    gm = qc.qcompile(model, "int8-static", (x,))
+    # (static mode folds BatchNorm into the convolutions before it: new weights)
+    weights = [p for n, p in gm.named_parameters() if n.endswith("weight") and cow(p)]
+    assert weights
+    qc.calibrate(gm, [(x,)])
+    with torch.no_grad():
+        gm.eval()(x)
+    qc.convert(gm, example_inputs=(x,))
+    assert all(cow(w) for w in weights)
+    qat = qc.qcompile(model, "int8-qat", (x,))
+    qat(x).sum().backward()
+    torch.optim.SGD(qat.parameters(), lr=0.1).step()
+    assert not any(cow(p) for p in qat.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 seeded(CNN).state_dict().values()))
+
+
 # -- report -------------------------------------------------------------------------------
 def test_report_is_pydantic_and_describes_every_pass_and_quantizer() -> None:
     gm = qc.qcompile(seeded(CNN), "int8-qat", (cnn_input(),))
