@@ -142,8 +142,27 @@ def _plain_module_class(cls: type) -> bool:
             and not any("__slots__" in vars(c) for c in cls.__mro__))
 
 
-# torch's copy-on-write clone (``torch._lazy_clone``, in torch since 2.3): absent, a copy.
-_LAZY_CLONE: Callable[[torch.Tensor], torch.Tensor] | None = getattr(torch, "_lazy_clone", None)
+def _copy_on_write_clone() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """torch's copy-on-write clone (``torch._lazy_clone``, in torch since 2.3), if this
+    build has one whose writes stay on their side, both ways (checked once, on two
+    elements: a build whose lazy clone were only simulated, a view, would fail it)."""
+    lazy = getattr(torch, "_lazy_clone", None)
+    if lazy is None:
+        return None
+    try:
+        a = torch.zeros(2)
+        b = lazy(a)
+        b.add_(1)
+        c = lazy(a)
+        a.sub_(1)
+        ok = a.tolist() == [-1.0, -1.0] and b.tolist() == [1.0, 1.0] and c.tolist() == [0.0, 0.0]
+    except RuntimeError:
+        return None
+    return lazy if ok else None
+
+
+# The clone itself, or None: then clone_data always copies. (A fact of the torch build.)
+_LAZY_CLONE = _copy_on_write_clone()
 
 
 def _lazy_ok(t: torch.Tensor) -> bool:
