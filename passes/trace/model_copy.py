@@ -149,14 +149,14 @@ def _copy_on_write_clone() -> Callable[[torch.Tensor], torch.Tensor] | None:
     lazy = getattr(torch, "_lazy_clone", None)
     if lazy is None:
         return None
-    try:
-        a = torch.zeros(2)
+    try:  # on the CPU whatever the default device (an import under torch.device("meta"))
+        a = torch.zeros(2, dtype=torch.float32, device="cpu")
         b = lazy(a)
         b.add_(1)
         c = lazy(a)
         a.sub_(1)
         ok = a.tolist() == [-1.0, -1.0] and b.tolist() == [1.0, 1.0] and c.tolist() == [0.0, 0.0]
-    except RuntimeError:
+    except Exception:  # any failure: plain copies
         return None
     return lazy if ok else None
 
