@@ -287,18 +287,38 @@ def _quiet_torch_logs() -> Iterator[None]:
             real.write(text)
 
 
+@contextlib.contextmanager
+def _stack_traces(record: bool) -> Iterator[None]:
+    """Without ``record``, torch.fx's ``do_not_emit_stack_traces`` on for one export, as
+    it was after. Export records the Python stack of every node it creates, walking the
+    whole stack each time (~12% of an export, more the deeper the caller); nothing in
+    qcompile reads it, and the symbolic front end records none. With ``record``, or with
+    a torch without the switch, the export runs as torch configures it."""
+    config = getattr(torch.fx, "config", None)
+    if record or not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
+
+
 def export_graph(model: nn.Module, args: tuple, kwargs: dict,
-                 dims: dict[str, dict[int, Any]], *, inplace: bool = False
-                 ) -> tuple[GraphModule, list[str]]:
+                 dims: dict[str, dict[int, Any]], *, inplace: bool = False,
+                 stack_traces: bool = False) -> tuple[GraphModule, list[str]]:
     """Export a copy of ``model`` (the model itself with ``inplace``) and return a
-    trainable GraphModule plus notes.
+    trainable GraphModule plus notes; ``stack_traces`` keeps export's per-node source
+    stacks (``trace.stack_traces``).
 
     Raises whatever ``torch.export`` raises when it cannot capture the model."""
     notes: list[str] = []
     flags = {name: m.training for name, m in model.named_modules()}
     root = (model if inplace else copy_model(model)).train()
     shapes = dynamic_shapes(model, args, kwargs, dims)
-    with _quiet_torch_logs():
+    with _quiet_torch_logs(), _stack_traces(stack_traces):
         ep = torch.export.export(root, tuple(args), dict(kwargs), dynamic_shapes=shapes,
                                  strict=False)
     exported = ep.module()
@@ -346,7 +366,8 @@ def capture(ctx: Context, inputs: tuple[Any, ...] | None,
             + (f"; or for symbolic tracing: {symbolic_error.fix}" if symbolic_error else ""))
     try:
         gm, notes = export_graph(ctx.model, inputs, dict(ctx.example_kwargs or {}),
-                                 ctx.spec.trace.dynamic_dims, inplace=ctx.inplace)
+                                 ctx.spec.trace.dynamic_dims, inplace=ctx.inplace,
+                                 stack_traces=ctx.spec.trace.stack_traces)
     except QCompileError:
         raise
     except Exception as e:
