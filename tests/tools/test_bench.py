@@ -30,6 +30,8 @@ def test_quick_suite_prints_json(capsys: pytest.CaptureFixture[str], suite: str)
             row = data[model]
             assert row["qcompile_s"] > 0 and row["symbolic_trace_s"] > 0
             assert row["prepare_qat_fx_s"] > 0
+            assert row["rewrite_floor_s"] > 0 and row["qcompile_vs_floor"] > 0
+            assert row["export_module_vs_export"] > 0
         assert set(data["scaling_s"]) == {"50", "100"}
 
 
@@ -184,3 +186,43 @@ def test_quick_algorithms_suite(capsys: pytest.CaptureFixture[str], tmp_path: ob
         assert rows["round-to-nearest"]["w8a8"]["s"] > 0
     assert "smoothquant" in data["LM"]["methods"]
     assert "cross_layer_equalization" in data["MLP"]["methods"]
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+def test_rewrite_floor_rebuilds_the_compiled_graph(name: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compile suite's floor does the work it claims on the suite's own models: the
+    graph it returns is qcompile's, node for node, and computes the same; it observes
+    every weight quantizer it builds; and it leaves the model alone."""
+    import torch
+
+    import qcompile as qc
+    from qcompile.runtime.fake_quant import FakeQuantize
+    from qcompile.tools.bench import floors
+    from qcompile.tools.bench.models import workloads
+
+    make, x = workloads(True)[name]
+    torch.manual_seed(0)
+    model = make()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    spec = qc.load_spec("int8-qat")
+    gm = qc.qcompile(model, spec, (x,))
+    observed: list[FakeQuantize] = []
+    real = FakeQuantize.observe_tensor
+
+    def observe(fq: FakeQuantize, t: torch.Tensor) -> None:
+        observed.append(fq)
+        real(fq, t)
+
+    monkeypatch.setattr(FakeQuantize, "observe_tensor", observe)
+    floor = floors.rewrite_floor(model, x, gm, spec)
+    monkeypatch.undo()
+    rows = [(n.op, str(n.target), str(n.args)) for n in gm.graph.nodes]
+    assert [(n.op, str(n.target), str(n.args)) for n in floor.graph.nodes] == rows
+    weights = [r for r in qc.report(gm).quantizers if r.role == "weight"]
+    assert len(observed) == len(weights) > 0
+    for fq, rec in zip(observed, weights):
+        torch.testing.assert_close(fq.scale, gm.get_submodule(rec.name).scale)
+    torch.testing.assert_close(floor.eval()(x), gm.eval()(x))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
