@@ -14,8 +14,9 @@ cannot exist without:
   (``GraphModule``).
 
 It leaves out everything else qcompile does: rule matching, fusion groups, checks and
-their errors, node edits (erasing and replacing nodes), reports. So it is below what any
-implementation of the same contract can reach.
+their errors, node edits (erasing and replacing nodes), reports. So no implementation of
+the same contract built on the same parts (torch.fx, qcompile's copy-on-write copy, its
+shape propagation and quantizers) can go below it.
 
 Example:
     >>> import torch
@@ -66,7 +67,8 @@ def rewrite_floor(model: nn.Module, x: torch.Tensor, compiled: GraphModule,
         shape = tuple(weight.shape) if weight is not None else (
             tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None)
         fq = FakeQuantize.from_scheme(scheme, role=rec.role, shape=shape, dynamic=rec.dynamic,
-                                      channel_axis=compiled.get_submodule(rec.name).axis)
+                                      channel_axis=compiled.get_submodule(rec.name).axis,
+                                      target=spec.quant.target)
         if weight is not None:
             fq.observe_tensor(weight)
     graph = Graph()
