@@ -84,7 +84,7 @@ def bench_compile(quick: bool) -> dict[str, Any]:
                 # each contender runs twice in a row and the second run is timed: it finds
                 # the caches and the garbage collector as its own work left them, not as
                 # the contender before it did (torch.export leaves much cyclic garbage, and
-                # a 7 ms symbolic_trace after a 40 MB weight read runs ~25% slower)
+                # the CNN's 7 ms symbolic_trace took 8.5-9 ms timed after other contenders)
                 fn(copy.deepcopy(model) if key == "qcompile_inplace" else model)
                 m = copy.deepcopy(model) if key == "qcompile_inplace" else model
                 t0 = time.perf_counter()
