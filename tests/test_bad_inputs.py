@@ -19,183 +19,65 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pydantic
 import pytest
 import torch
+from bad_inputs_harness import (
+    MLP,
+    Branchy,
+    Case,
+    World,
+    X,
+    case_table,
+    check_case,
+    compile_,
+    spec_dict,
+)
 from torch import nn
 
 import qcompile as qc
 
-X = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.act = nn.ReLU()
-        self.fc2 = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class Branchy(MLP):
-    """Python control flow on a tensor's value: neither front end can capture it."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.sum() > 0:
-            return self.fc2(self.act(self.fc1(x)))
-        return self.fc2(self.fc1(x))
-
-
-class InPlace(MLP):
-    """Writes its input in place (a timing run must not change the caller's tensor)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x.mul_(2)
-        return self.fc2(self.act(self.fc1(x)))
-
-
-def spec_dict(mode: str = "static", target: str = "x86", **top: Any) -> dict[str, Any]:
-    rules = [] if mode == "none" else [{"match": {"module": "Linear"},
-                                        "weight": {"dtype": "int8"},
-                                        "activation": {"dtype": "uint8", "symmetric": False}}]
-    return {"quant": {"mode": mode, "target": target, "rules": rules}, **top}
-
-
-# -- the harness ----------------------------------------------------------------------------
-def _state(m: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in m.state_dict().items()}
-
-
-def _flags(m: nn.Module) -> list[tuple[str, bool, str]]:
-    return [(n, sub.training, type(sub).__name__) for n, sub in m.named_modules()]
-
-
-def _quantizer_flags(gm: nn.Module) -> dict[str, tuple[bool, bool]]:
-    return {n: (q.enabled, q.observe) for n, q in qc.quantizers(gm).items()}
-
-
-def _same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return list(a) == list(b) and all(
-        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
-        and (a[k].device.type == "meta" or torch.equal(a[k], b[k])) for k in a)
-
-
-@dataclass
-class World:
-    """What a case may touch: a model, its example inputs, a tmp folder, and (built on
-    first use) a graph compiled from a copy of the model with ``mode``."""
-
-    model: nn.Module
-    inputs: tuple[torch.Tensor, ...]
-    tmp: Path
-    _graphs: dict[str, nn.Module]
-
-    def graph(self, mode: str = "static", target: str = "x86", **top: Any) -> nn.Module:
-        key = json.dumps([mode, target, top], sort_keys=True, default=str)
-        if key not in self._graphs:
-            spec = qc.CompileSpec.model_validate(spec_dict(mode, target, **top))
-            self._graphs[key] = qc.qcompile(copy.deepcopy(self.model), spec,
-                                            example_inputs=self.inputs)
-        return self._graphs[key]
-
-    def calibrated(self) -> nn.Module:
-        gm = self.graph("static")
-        if not all(q.enabled for q in qc.quantizers(gm).values()):
-            qc.calibrate(gm, [self.inputs], progress=False)
-        return gm
-
-    def snapshot(self) -> Any:
-        graphs = {k: (g.code if hasattr(g, "code") else None, _state(g), _flags(g),
-                      _quantizer_flags(g)) for k, g in self._graphs.items()}
-        return (_state(self.model), _flags(self.model), [t.clone() for t in self.inputs],
-                graphs)
-
-
-def _assert_unchanged(before: Any, after: Any) -> None:
-    (m0, f0, i0, g0), (m1, f1, i1, g1) = before, after
-    assert _same_state(m0, m1), "the model's state changed"
-    assert f0 == f1, "the model's structure or training flags changed"
-    assert all(torch.equal(a, b) for a, b in zip(i0, i1)), "the example inputs changed"
-    assert set(g0) <= set(g1)
-    for k, (code, state, flags, qflags) in g0.items():
-        code1, state1, flags1, qflags1 = g1[k]
-        assert code == code1, f"graph {k}: code changed"
-        assert _same_state(state, state1), f"graph {k}: state changed"
-        assert flags == flags1, f"graph {k}: structure or training flags changed"
-        assert qflags == qflags1, f"graph {k}: quantizer flags changed"
-
-
-@dataclass(frozen=True)
-class Case:
-    id: str
-    run: Callable[[World], Any]
-    error: type[Exception]
-    names: tuple[str, ...]          # what the message must name (field, node, input, ...)
-    fix: tuple[str, ...] = ()       # what the fix must say (QCompileError only)
-    model: Callable[[], nn.Module] = MLP
-    prepare: Callable[[World], Any] | None = None   # graphs to build before the snapshot
-
-
 CASES: list[Case] = []
-
-
-def case(id: str, error: type[Exception], names: tuple[str, ...], fix: tuple[str, ...] = (),
-         model: Callable[[], nn.Module] = MLP,
-         prepare: Callable[[World], Any] | None = None) -> Callable[[Callable], Callable]:
-    def register(run: Callable[[World], Any]) -> Callable[[World], Any]:
-        CASES.append(Case(id, run, error, names, fix, model, prepare))
-        return run
-    return register
-
-
-def _compile(w: World, spec: Any, *args: Any, **kwargs: Any) -> nn.Module:
-    if isinstance(spec, dict):
-        spec = qc.CompileSpec.model_validate(spec)
-    return qc.qcompile(w.model, spec, *args, **kwargs)
-
+case = case_table(CASES)
 
 # -- compiling: inputs and models -----------------------------------------------------------
 @case("int64 example input into a float model", qc.QCompileError, ("fc1", "int64"),
       ("dtypes of example_inputs",))
 def _(w: World) -> Any:
-    return _compile(w, spec_dict(), example_inputs=(w.inputs[0].long(),))
+    return compile_(w, spec_dict(), example_inputs=(w.inputs[0].long(),))
 
 
 @case("wrong-shaped example input", qc.QCompileError, ("fc1", "x: float32[4, 5]"),
       ("shapes",))
 def _(w: World) -> Any:
-    return _compile(w, spec_dict(), example_inputs=(torch.randn(4, 5),))
+    return compile_(w, spec_dict(), example_inputs=(torch.randn(4, 5),))
 
 
 @case("too many example inputs", qc.QCompileError, ("2 example inputs", "x"),
       ("one example value per model input",))
 def _(w: World) -> Any:
-    return _compile(w, spec_dict(), example_inputs=(w.inputs[0], w.inputs[0]))
+    return compile_(w, spec_dict(), example_inputs=(w.inputs[0], w.inputs[0]))
 
 
 @case("example_kwargs the model does not take", qc.QCompileError, ("mask",),
       ("forward() signature",))
 def _(w: World) -> Any:
-    return _compile(w, spec_dict(), example_inputs=w.inputs, example_kwargs={"mask": X})
+    return compile_(w, spec_dict(), example_inputs=w.inputs, example_kwargs={"mask": X})
 
 
 @case("meta-device model with CPU inputs", qc.QCompileError, ("fc1.weight", "meta"),
       ("to_empty",), model=lambda: MLP().to("meta"))
 def _(w: World) -> Any:
-    return _compile(w, spec_dict(), example_inputs=w.inputs)
+    return compile_(w, spec_dict(), example_inputs=w.inputs)
 
 
 @case("data-dependent control flow", qc.QCompileError, ("Branchy", "control flow"),
       ("fix",), model=Branchy)
 def _(w: World) -> Any:
-    return _compile(w, spec_dict(), example_inputs=w.inputs)
+    return compile_(w, spec_dict(), example_inputs=w.inputs)
 
 
 @case("a rule that matches nothing", qc.QCompileError, ("quant.rules[0]", "Conv2d"),
@@ -203,7 +85,7 @@ def _(w: World) -> Any:
 def _(w: World) -> Any:
     spec = spec_dict()
     spec["quant"]["rules"][0]["match"] = {"module": "Conv2d"}
-    return _compile(w, spec, example_inputs=w.inputs)
+    return compile_(w, spec, example_inputs=w.inputs)
 
 
 @case("a name glob that matches nothing", qc.QCompileError, ("quant.rules[0]", "encoder.*"),
@@ -211,7 +93,7 @@ def _(w: World) -> Any:
 def _(w: World) -> Any:
     spec = spec_dict()
     spec["quant"]["rules"][0]["match"] = {"name": "encoder.*"}
-    return _compile(w, spec, example_inputs=w.inputs)
+    return compile_(w, spec, example_inputs=w.inputs)
 
 
 @case("group size not dividing the input dimension", qc.QCompileError, ("group_size", "fc1"),
@@ -220,20 +102,20 @@ def _(w: World) -> Any:
     spec = spec_dict("qat")
     spec["quant"]["rules"][0]["weight"] = {"dtype": "int4", "granularity": "per_group",
                                            "group_size": 3}
-    return _compile(w, spec, example_inputs=w.inputs)
+    return compile_(w, spec, example_inputs=w.inputs)
 
 
 @case("trace.concrete_args naming no parameter", qc.QCompileError,
       ("trace.concrete_args", "flag"), ("forward()",))
 def _(w: World) -> Any:
-    return _compile(w, spec_dict(trace={"concrete_args": {"flag": True}}),
+    return compile_(w, spec_dict(trace={"concrete_args": {"flag": True}}),
                     example_inputs=w.inputs)
 
 
 @case("an unknown pipeline device", pydantic.ValidationError, ("pipeline.devices", "tpu:0",
                                                                 "cuda:1"))
 def _(w: World) -> Any:
-    return _compile(w, spec_dict("none", pipeline={"stages": 2, "devices": ["cpu", "tpu:0"]}),
+    return compile_(w, spec_dict("none", pipeline={"stages": 2, "devices": ["cpu", "tpu:0"]}),
                     example_inputs=w.inputs)
 
 
@@ -242,20 +124,20 @@ def _(w: World) -> Any:
 def _(w: World) -> Any:
     if torch.cuda.device_count() > 1:
         pytest.skip("this machine has the device")
-    return _compile(w, spec_dict("none", pipeline={"stages": 2, "devices": ["cpu", "cuda:1"]}),
+    return compile_(w, spec_dict("none", pipeline={"stages": 2, "devices": ["cpu", "cuda:1"]}),
                     example_inputs=w.inputs)
 
 
 @case("more pipeline stages than layers", qc.QCompileError, ("pipeline.stages",),
       ("stages",))
 def _(w: World) -> Any:
-    return _compile(w, spec_dict("none", pipeline={"stages": 40}), example_inputs=w.inputs)
+    return compile_(w, spec_dict("none", pipeline={"stages": 40}), example_inputs=w.inputs)
 
 
 @case("balance: time without example inputs", qc.QCompileError, ("pipeline.balance",),
       ("example_inputs",))
 def _(w: World) -> Any:
-    return _compile(w, spec_dict("none", pipeline={"stages": 2, "balance": "time"}))
+    return compile_(w, spec_dict("none", pipeline={"stages": 2, "balance": "time"}))
 
 
 @case("a model wrapped in nn.DataParallel", qc.QCompileError, ("DataParallel",),
@@ -307,13 +189,13 @@ SPEC_CASES[10] = ("an empty match", {"quant": {"mode": "qat", "rules": [
 
 for _id, _spec, _names in SPEC_CASES:
     case(f"spec: {_id}", pydantic.ValidationError, _names)(
-        lambda w, spec=_spec: _compile(w, spec, example_inputs=w.inputs))
+        lambda w, spec=_spec: compile_(w, spec, example_inputs=w.inputs))
 
 
 @case("the export front end without inputs", qc.QCompileError, ("torch.export",),
       ("example_inputs",))
 def _(w: World) -> Any:
-    return _compile(w, {"trace": {"method": "export"}})
+    return compile_(w, {"trace": {"method": "export"}})
 
 
 @case("train.accumulate not dividing the batch", qc.QCompileError, ("train.accumulate",),
@@ -361,19 +243,19 @@ def _(w: World) -> Any:
 
 @case("microbatches: true", pydantic.ValidationError, ("pipeline.microbatches",))
 def _(w: World) -> Any:
-    return _compile(w, {"pipeline": {"stages": 2, "microbatches": True}},
+    return compile_(w, {"pipeline": {"stages": 2, "microbatches": True}},
                     example_inputs=w.inputs)
 
 
 @case("group_size: 32.0", pydantic.ValidationError, ("quant.rules.0.weight.group_size",))
 def _(w: World) -> Any:
-    return _compile(w, _rule(weight={"dtype": "int4", "granularity": "per_group",
+    return compile_(w, _rule(weight={"dtype": "int4", "granularity": "per_group",
                                      "group_size": 32.0}), example_inputs=w.inputs)
 
 
 @case("mode none with rules", pydantic.ValidationError, ("quant.rules", "mode"))
 def _(w: World) -> Any:
-    return _compile(w, {"quant": {"mode": "none", "rules": [
+    return compile_(w, {"quant": {"mode": "none", "rules": [
         {"match": {"module": "Linear"}, "weight": {"dtype": "int8"}}]}}, example_inputs=w.inputs)
 
 
@@ -537,32 +419,10 @@ def _(w: World) -> Any:
                                        model_validate(spec_dict("qat")), w.inputs,
                                        cache_dir=str(blocker / "cache"))
 
-
 # -- running the suite ------------------------------------------------------------------------
-def _message_ok(err: BaseException, case: Case) -> None:
-    text = str(err)
-    for name in case.names:
-        assert name in text, f"the message does not name {name!r}:\n{text}"
-    if isinstance(err, qc.QCompileError):
-        assert err.fix, f"no fix given:\n{text}"
-        for word in case.fix:
-            assert word in err.fix or word in text, f"the fix does not say {word!r}:\n{text}"
-    else:
-        assert isinstance(err, pydantic.ValidationError)
-
-
 @pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
 def test_bad_input(c: Case, tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    model = c.model()
-    world = World(model=model, inputs=(X.clone(),), tmp=tmp_path, _graphs={})
-    if c.prepare is not None:
-        c.prepare(world)
-    before = world.snapshot()
-    with pytest.raises(c.error) as info:
-        c.run(world)
-    _message_ok(info.value, c)
-    _assert_unchanged(before, world.snapshot())
+    check_case(c, tmp_path)
 
 
 def test_enough_cases() -> None:

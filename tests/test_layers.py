@@ -26,6 +26,7 @@ PACKAGES = {"qcompile": ROOT / "qcompile", "qcompile.passes": ROOT / "passes",
 # higher number = higher layer; the longest matching prefix decides a module's layer
 LAYERS = {
     "qcompile.errors": 0,
+    "qcompile.files": 0,
     "qcompile.version": 0,
     "qcompile.specs": 1,
     "qcompile.runtime": 2,
