@@ -60,6 +60,41 @@ def _soft(v: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.sigmoid(v) * (_ZETA - _GAMMA) + _GAMMA, 0.0, 1.0)
 
 
+def _beta(t: int, iterations: int, start: int) -> float | None:
+    """The regulariser's exponent at step ``t``: None during the warm-up (no regulariser),
+    then annealed linearly from ``_BETA[0]`` to ``_BETA[1]``."""
+    if t < start:
+        return None
+    return _BETA[0] + (_BETA[1] - _BETA[0]) * (t - start) / max(iterations - start, 1)
+
+
+def _gradient(v: torch.Tensor, w: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+              zero_point: torch.Tensor, quant_min: int, quant_max: int, h_mat: torch.Tensor,
+              norm: float, reg_weight: float, beta: float) -> torch.Tensor:
+    """d loss / d V of the solver's objective, in closed form: with ``h = _soft(V)`` and
+    ``dW = (clamp(base + h, quant_min, quant_max) - zero_point) * scale - w``,
+    ``loss = trace(dW H dW^T) / norm + reg_weight * mean(1 - |2h - 1|^beta)``
+    (``reg_weight`` 0: the warm-up, no regulariser). Adam runs on this rather than on
+    autograd: autograd's graph of ~20 small ops per step would cost more than the
+    arithmetic."""
+    span = _ZETA - _GAMMA
+    sig = torch.sigmoid(v)
+    raw = sig * span + _GAMMA
+    h = raw.clamp(0.0, 1.0)
+    level = base + h
+    d = (level.clamp(quant_min, quant_max) - zero_point) * scale - w
+    # d loss / d h: the quadratic's 2 d H (H symmetric), through the grid's clamp
+    grad_h = (2.0 / norm) * (d @ h_mat) * scale
+    grad_h = grad_h * ((level > quant_min) & (level < quant_max))
+    if reg_weight:
+        c = 2 * h - 1
+        # d/dh of reg_weight * mean(1 - |2h - 1|^beta)
+        grad_h = grad_h - (2 * beta * reg_weight / w.numel()) * c.abs().pow(beta - 1) \
+            * c.sign()
+    # through the rectified sigmoid (zero where it is clipped)
+    return grad_h * (span * sig * (1 - sig)) * ((raw > 0) & (raw < 1))
+
+
 def adaround(w: torch.Tensor, gram: torch.Tensor, rows: int, scale: torch.Tensor,
              zero_point: torch.Tensor, quant_min: int, quant_max: int, *,
              iterations: int = 1000, reg_weight: float = 3.0, lr: float = 0.05,
@@ -91,28 +126,13 @@ def adaround(w: torch.Tensor, gram: torch.Tensor, rows: int, scale: torch.Tensor
     p = ((rest - _GAMMA) / (_ZETA - _GAMMA)).clamp(1e-4, 1 - 1e-4)
     v = torch.logit(p)
     v.grad = torch.zeros_like(v)
-    # Adam on the closed-form gradient: autograd's graph of ~20 small ops per step would
-    # cost more than the arithmetic
+    # Adam on the closed-form gradient (``_gradient``)
     opt = torch.optim.Adam([v], lr=lr)
     start = int(warmup * iterations)
-    span = _ZETA - _GAMMA
     for t in range(iterations):
-        sig = torch.sigmoid(v)
-        raw = sig * span + _GAMMA
-        h = raw.clamp(0.0, 1.0)
-        level = base + h
-        d = (level.clamp(quant_min, quant_max) - zero_point) * scale - w
-        # d loss / d h: the quadratic's 2 d H (H symmetric), through the grid's clamp
-        grad_h = (2.0 / norm) * (d @ h_mat) * scale
-        grad_h = grad_h * ((level > quant_min) & (level < quant_max))
-        if t >= start:
-            beta = _BETA[0] + (_BETA[1] - _BETA[0]) * (t - start) / max(iterations - start, 1)
-            c = 2 * h - 1
-            # d/dh of reg_weight * mean(1 - |2h - 1|^beta)
-            grad_h = grad_h - (2 * beta * reg_weight / w.numel()) * c.abs().pow(beta - 1) \
-                * c.sign()
-        # through the rectified sigmoid (zero where it is clipped)
-        v.grad = grad_h * (span * sig * (1 - sig)) * ((raw > 0) & (raw < 1))
+        beta = _beta(t, iterations, start)
+        v.grad = _gradient(v, w, base, scale, zero_point, quant_min, quant_max, h_mat, norm,
+                           reg_weight if beta is not None else 0.0, beta or 0.0)
         opt.step()
     up = (v.detach() >= 0).float()  # h >= 0.5: round up
     out = (torch.clamp(base + up, quant_min, quant_max) - zero_point) * scale

@@ -152,6 +152,14 @@ def _numel(node: Node) -> int:
 
 
 def _fwd_flops(gm: GraphModule, node: Node) -> float:
+    """Forward flops of one node, a multiply-add counting 2, bias and padding ignored.
+
+    A convolution: ``2 * out.numel() * Cin/groups * prod(kernel)`` (every output element
+    is one dot product over a ``Cin/groups x kernel`` window; stride, padding and dilation
+    only change the output's shape). A transposed convolution scatters every *input*
+    element into ``Cout/groups x kernel`` outputs: ``2 * in.numel() * Cout/groups *
+    prod(kernel)``. Both are ``weight[0].numel()`` times the numel of the side the weight's
+    first axis indexes (the output for a convolution, the input for a transposed one)."""
     out = _numel(node)
     if node.op == "call_module":
         mod = gm.get_submodule(str(node.target))
@@ -159,6 +167,9 @@ def _fwd_flops(gm: GraphModule, node: Node) -> float:
             return 4.0 * out
         if isinstance(mod, (torch.nn.Linear,)):
             return 2.0 * out * mod.in_features
+        if isinstance(mod, torch.nn.modules.conv._ConvTransposeNd):
+            x = node.args[0] if node.args else None
+            return 2.0 * (_numel(x) if isinstance(x, Node) else 0) * mod.weight[0].numel()
         if isinstance(mod, torch.nn.modules.conv._ConvNd):
             return 2.0 * out * mod.weight[0].numel()
         return float(out) * (2 if any(True for _ in mod.parameters()) else 1)
@@ -167,6 +178,12 @@ def _fwd_flops(gm: GraphModule, node: Node) -> float:
     if use is not None and op in ("linear", "conv1d", "conv2d", "conv3d"):
         w = _attr(gm, str(use.param.target))
         return 2.0 * out * w[0].numel()
+    if op in ("conv_transpose1d", "conv_transpose2d", "conv_transpose3d") and len(
+            node.args) > 1 and isinstance(node.args[0], Node) and isinstance(
+            node.args[1], Node) and node.args[1].op == "get_attr":
+        w = _attr(gm, str(node.args[1].target))
+        if isinstance(w, torch.Tensor):
+            return 2.0 * _numel(node.args[0]) * w[0].numel()
     if op in ("matmul", "mm", "bmm", "addmm", "baddbmm", "linear"):
         a = node.args[1] if op in ("addmm", "baddbmm") else node.args[0]
         k = a.meta.get(TENSOR_META).shape[-1] if isinstance(a, Node) and isinstance(

@@ -2,7 +2,8 @@
 
 One line per node: name, op, target, arguments, and the qcompile annotations that
 matter (shape, rule, scheme, fusion group). No memory addresses, so dumps compare across
-runs.
+runs. Floats (scales and clamp bounds baked into a converted graph) are printed to
+``FLOAT_DIGITS`` significant digits, so dumps also compare across CPUs.
 
 Example:
     >>> import torch
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch.fx
 from torch.fx.node import Node, _get_qualified_name
 
+from qcompile.files import write_atomically
 from qcompile.graph.context import Context
 from qcompile.graph.meta import FUSION_KEY, QSCHEME_KEY, TENSOR_META
 from qcompile.graph.records import PassRecord, Report
@@ -37,7 +39,24 @@ def _target(node: Node) -> str:
         return getattr(t, "__name__", repr(t))
 
 
+# Significant digits of the floats in a dump. Scales and ranges come from observed min/max
+# of float32 kernels (convolutions, matmuls) whose rounding depends on the instruction set
+# (AVX2, AVX-512 VNNI, baseline) and the summation order: they agree to a few float32 ulps,
+# about 1e-6 relative, which already changes the 8th significant digit. Four digits (a
+# 1e-3..1e-4 relative step) keep every structural fact of a dump and hold on every CPU;
+# numbers that matter to more digits are asserted numerically by the tests, not by dumps.
+FLOAT_DIGITS = 4
+
+
+def _float(x: float) -> str:
+    """``x`` rounded to ``FLOAT_DIGITS`` significant digits, written as Python writes a
+    float (``0.05755``, ``3.0``, ``1e-05``, ``inf``) so it still reads as a float."""
+    return repr(float(f"{x:.{FLOAT_DIGITS}g}"))
+
+
 def _arg(a: object) -> str:
+    if isinstance(a, float):
+        return _float(a)
     if isinstance(a, Node):
         return a.name
     if isinstance(a, (list, tuple)):
@@ -95,8 +114,7 @@ class GraphDumps:
         self, index: int, record: PassRecord, gm: torch.fx.GraphModule, ctx: Context
     ) -> None:
         text = format_graph(gm) + "\n"
-        (self.directory / f"{index:02d}_{record.name}.txt").write_text(text, encoding="utf-8")
+        write_atomically(self.directory / f"{index:02d}_{record.name}.txt", text)
 
     def finish(self, report: Report, gm: torch.fx.GraphModule) -> None:
-        (self.directory / "report.json").write_text(report.model_dump_json(indent=2) + "\n",
-                                                    encoding="utf-8")
+        write_atomically(self.directory / "report.json", report.model_dump_json(indent=2) + "\n")

@@ -527,19 +527,16 @@ def test_missing_device_in_explicit_stage_names_the_stage():
         qc.qcompile(ResidualMLP(), spec, example_inputs=(torch.randn(2, 4),))
 
 
-def test_meta_device_gives_a_shape_only_stage_and_leaves_the_model_alone():
-    # meta is a real torch device: accepted, the stage keeps shapes but no data.
+def test_meta_device_is_refused_and_leaves_the_model_alone():
+    # meta holds no data and runs nothing: a stage on it would return shapes, not outputs
     torch.manual_seed(0)
     model = ResidualMLP()
     before = copy.deepcopy(model.state_dict())
-    gm = qc.qcompile(model, none(pipeline={"stages": 2, "devices": ["cpu", "meta"]}),
-                     example_inputs=(torch.randn(2, 4),))
-    assert all(p.device.type == "cpu" for p in gm.stage_0.parameters())
-    assert all(p.device.type == "meta" for p in gm.stage_1.parameters())
-    out = gm(torch.randn(5, 4))
-    assert out.device.type == "meta" and out.shape == (5, 2)
-    assert any(n.op == "call_method" and n.target == "to" for n in gm.graph.nodes)
-    assert [s.device for s in qc.report(gm).stages] == ["cpu", "meta"]
+    with pytest.raises(ValidationError) as err:
+        qc.qcompile(model, none(pipeline={"stages": 2, "devices": ["cpu", "meta"]}),
+                    example_inputs=(torch.randn(2, 4),))
+    text = str(err.value)
+    assert "pipeline.devices" in text and "'meta'" in text and "cpu" in text
     for key, value in model.state_dict().items():
         assert value.device.type == "cpu" and torch.equal(value, before[key])
 

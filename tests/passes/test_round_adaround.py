@@ -1,6 +1,7 @@
 """The ``round_adaround`` pass (``quant.algorithms: adaround``): learned rounding beats
 round-to-nearest on correlated inputs (MLP and convolutions), lands on the quantizer's
-grid, is deterministic, and its solver's closed-form gradient is autograd's."""
+grid, is deterministic, and the closed-form gradient its solver steps on is the gradient
+of the paper's loss (autograd and finite differences on a loss written here)."""
 
 from __future__ import annotations
 
@@ -42,32 +43,72 @@ def test_the_solver_beats_rounding_and_ends_binary():
     assert output_error(q - w, h, 512) < 0.75 * output_error(nearest - w, h, 512)
 
 
-def test_closed_form_gradient_matches_autograd():
-    """The solver's hand-written gradient of its loss, against autograd on the same loss."""
+def _paper_loss(v, w, s, z, qmin, qmax, hm, norm, lam, beta):
+    """The solver's objective written from the paper (Nagel et al. 2020, eqs. 22-25), not
+    from the pass: the rectified sigmoid with zeta 1.1, gamma -0.1; the weight
+    ``s * (clamp(floor(w / s) + z + h, qmin, qmax) - z)``; the layer's output error
+    ``trace(dW H dW^T)``, normalised; ``lam * mean(1 - |2h - 1|^beta)``."""
+    h = torch.clamp(torch.sigmoid(v) * 1.2 - 0.1, 0.0, 1.0)
+    w_soft = s * (torch.clamp(torch.floor(w / s) + z + h, qmin, qmax) - z)
+    dw = w_soft - w
+    loss = torch.trace(dw @ hm @ dw.T) / norm
+    if lam:
+        loss = loss + lam * (1 - (2 * h - 1).abs().pow(beta)).mean()
+    return loss
+
+
+@pytest.mark.parametrize(("lam", "beta"), [(0.0, 0.0), (0.05, 20.0), (0.05, 9.0), (3.0, 2.0)])
+def test_solver_gradient_is_the_gradient_of_the_papers_loss(lam, beta):
+    """The closed-form gradient the solver steps on (``_gradient``) equals autograd's
+    gradient of the loss written above from the definition, in float64, with weights at
+    both ends of the grid (clamped levels) and V where the rectified sigmoid clips."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(5, 7, generator=g, dtype=torch.float64)
     x = torch.randn(40, 7, generator=g, dtype=torch.float64)
     hm = x.T @ x / 40
     s = torch.full_like(w, 0.3)
     z = torch.full_like(w, 1.0)
+    qmin, qmax, norm = -3, 3, 0.7
+    v = torch.randn(5, 7, generator=g, dtype=torch.float64) * 2
+    v[0, :3] = torch.tensor([8.0, -8.0, 0.1], dtype=torch.float64)  # h clipped to 1, to 0
+    w[1, :2] = torch.tensor([-1.35, 0.75], dtype=torch.float64)  # levels past qmin / qmax
     base = torch.floor(w / s) + z
-    v = torch.randn(5, 7, generator=g, dtype=torch.float64).requires_grad_(True)
-    norm, beta, lam, qmin, qmax = 0.7, 9.0, 0.05, -3, 3
-    h = round_adaround._soft(v)
-    level = base + h
-    d = (level.clamp(qmin, qmax) - z) * s - w
-    c = 2 * h - 1
-    loss = ((d @ hm) * d).sum() / norm + lam * (1 - c.abs().pow(beta)).mean()
-    loss.backward()
-    # the same expressions as round_adaround.adaround's loop, without autograd
-    with torch.no_grad():
-        span = round_adaround._ZETA - round_adaround._GAMMA
-        sig = torch.sigmoid(v)
-        raw = sig * span + round_adaround._GAMMA
-        grad_h = (2.0 / norm) * (d @ hm) * s * ((level > qmin) & (level < qmax))
-        grad_h = grad_h - (2 * beta * lam / w.numel()) * c.abs().pow(beta - 1) * c.sign()
-        grad_v = grad_h * (span * sig * (1 - sig)) * ((raw > 0) & (raw < 1))
-    assert torch.allclose(grad_v, v.grad, atol=1e-10)
+    assert ((base + 1 < qmin) | (base > qmax)).any()  # the clamp is exercised
+    leaf = v.clone().requires_grad_(True)
+    _paper_loss(leaf, w, s, z, qmin, qmax, hm, norm, lam, beta).backward()
+    got = round_adaround._gradient(v, w, base, s, z, qmin, qmax, hm, norm, lam, beta)
+    torch.testing.assert_close(got, leaf.grad, rtol=1e-9, atol=1e-12)
+    assert leaf.grad.abs().max() > 0 and (leaf.grad == 0).any()  # both regimes present
+
+
+def test_gradient_finite_differences():
+    """Where the loss is smooth, the solver's gradient matches central differences."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    x = torch.randn(20, 4, generator=g, dtype=torch.float64)
+    hm = x.T @ x / 20
+    s, z = torch.full_like(w, 0.25), torch.zeros_like(w)
+    v = torch.randn(3, 4, generator=g, dtype=torch.float64) * 0.5  # h inside (0, 1)
+    base = torch.floor(w / s) + z
+    got = round_adaround._gradient(v, w, base, s, z, -100, 100, hm, 0.3, 0.2, 4.0)
+    eps = 1e-6
+    for i in range(3):
+        for j in range(4):
+            up, down = v.clone(), v.clone()
+            up[i, j] += eps
+            down[i, j] -= eps
+            fd = (_paper_loss(up, w, s, z, -100, 100, hm, 0.3, 0.2, 4.0)
+                  - _paper_loss(down, w, s, z, -100, 100, hm, 0.3, 0.2, 4.0)) / (2 * eps)
+            assert abs(float(fd) - float(got[i, j])) <= 1e-6 * max(1.0, abs(float(fd)))
+
+
+def test_beta_schedule():
+    """No regulariser during the warm-up, then beta from 20 down to 2, linearly."""
+    beta = round_adaround._beta
+    assert [beta(t, 100, 20) for t in (0, 19)] == [None, None]
+    assert beta(20, 100, 20) == 20.0
+    assert beta(60, 100, 20) == pytest.approx(11.0)
+    assert beta(100, 100, 20) == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("method", ["symbolic", "export"])

@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -265,9 +264,7 @@ def test_transformer_default_depth_fits_a_screen(llama_gm: Any) -> None:
     pg = graph.from_graph_module(llama_gm)
     assert len(pg.nodes) > 1000
     assert collapse.auto_depth(pg) == 2
-    start = time.perf_counter()
     shown, text = picture(llama_gm, "auto")
-    seconds = time.perf_counter() - start
     p = Parsed(text)
     assert len(p.nodes) <= 60
     assert {f"layers.{i}" for i in range(32)} <= {n["texts"][0] for n in p.nodes.values()}
@@ -277,7 +274,6 @@ def test_transformer_default_depth_fits_a_screen(llama_gm: Any) -> None:
     lay = svg.compute_layout(shown)
     assert layout.overlaps(lay) == [] and lay.columns > 1  # wrapped to a screen's shape
     assert 0.8 < lay.width / lay.height < 3.0
-    assert seconds < 5.0, seconds
     # every node (no collapsing) still lays out without overlaps
     full = svg.compute_layout(pg)
     assert layout.overlaps(full) == []

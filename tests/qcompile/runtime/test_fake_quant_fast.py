@@ -19,6 +19,15 @@ needs_ext = pytest.mark.skipif(OPS is None,
                                reason="no C++ kernels (QCOMPILE_NO_EXT=1 or no compiler)")
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical values, NaN where the other has NaN (``torch.equal`` says NaN != NaN):
+    same dtype and shape, same NaN positions, ``torch.equal`` everywhere else."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    return torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b])
+
+
 @needs_ext
 @pytest.mark.parametrize("learnable", [False, True])
 def test_one_autograd_node_per_call(learnable: bool) -> None:
@@ -163,7 +172,7 @@ def test_minmax_statistics_match_aminmax() -> None:
     for kw, ref in cases:
         fq = FakeQuantize("int8", **kw)
         for got, want in zip(fq._minmax(x), ref(x)):
-            assert torch.equal(got, want) or torch.allclose(got, want, equal_nan=True)
+            assert same_bits(got, want)
 
 
 @needs_ext
@@ -203,7 +212,7 @@ def test_fused_observation_matches_python(monkeypatch: pytest.MonkeyPatch, isa: 
         for a, b in ((fused.observer.min_val, python.observer.min_val),
                      (fused.observer.max_val, python.observer.max_val),
                      (fused.scale, python.scale), (fused.zero_point, python.zero_point)):
-            assert torch.equal(a, b) or torch.allclose(a, b, equal_nan=True), (step, a, b)
+            assert same_bits(a, b), (step, a, b)
     # and the forward the quantizer runs with them (the NaN row's scale stays NaN)
     x = torch.randn(12, 37, generator=gen)
     torch.testing.assert_close(fused(x), python(x), rtol=0, atol=0, equal_nan=True)
