@@ -9,7 +9,9 @@ mode), as a ``Pipeline`` of conversion passes, each its own module with its own
    weights stay as they are and the per-channel scales absorb ``gamma / sqrt(var + eps)``.
 3. ``lower_activations``: 8-bit per-tensor activation quantizers become
    ``quantize_per_tensor`` -> ``dequantize`` (real uint8 values in between), so what is
-   not a kernel reads the same numbers as the fake-quant graph. Other activation
+   not a kernel reads the same numbers as the fake-quant graph; the scale and zero point
+   are buffers of an ``ActivationQParams`` in the quantizer's place, read by the code,
+   so the state dict carries them. Other activation
    quantizers (per-token, fp8, not 8-bit) stay ``FakeQuantize`` (observers frozen):
    simulated, with a note saying so.
 4. ``sink_dequantize``: shape ops and max-pooling run on the quantized tensor directly
@@ -25,8 +27,10 @@ mode), as a ``Pipeline`` of conversion passes, each its own module with its own
 6. ``store_weights``: **int-storage weights** for everything else (int4 packed two per
    byte, per-group scales, weights used by embedding/matmul, ops without a quantized
    input): an ``IntWeight`` module returns the dequantized weight to the float op.
-7. ``tidy``: the float parameters leave the state dict; new modules take their layers'
-   names.
+7. ``tidy``: ``quantized::add`` reads its output qparams from those buffers too; the float
+   parameters leave the state dict; new modules take their layers' names. A converted
+   graph's state dict therefore holds every qparam it computes with:
+   ``int8_a.load_state_dict(int8_b.state_dict())`` gives ``int8_b``'s outputs exactly.
 
 The steps share a ``Conversion`` (integer weights, folded biases, conversion records)
 on the ``Context`` (``ctx.conversion``); ``convert_graph`` runs them on one graph.

@@ -171,6 +171,9 @@ class Conversion:
     # (node, layer, path, op, note); names are read at the end, after renaming
     steps: list[tuple[Node, str, str, str, str]] = field(default_factory=list)
     count: int = 0  # modules and buffers added: `_qc_<count>_<layer>`
+    # node reading a lowered quantizer's output -> the path of its ActivationQParams: a
+    # kernel that later takes the quantizer's place (quantized::add) reads them from there
+    qparams_after: dict[Node, str] = field(default_factory=dict)
 
     def record(self, node: Node, path: str, op: str, note: str = "",
                layer: str | None = None) -> None:

@@ -7,6 +7,11 @@ Other activation quantizers (per-token, fp8, not 8-bit) stay ``FakeQuantize`` wi
 observers frozen: simulated, with a record saying so. A switched-off quantizer is
 removed (its value passes as is); dynamic quantizers are left to ``use_kernels``.
 
+The scale and zero point are not constants in the code: each lowered quantizer becomes an
+``ActivationQParams`` module in its place (state dict ``<quantizer>.scale`` /
+``<quantizer>.zero_point``, the zero point on the quint8 grid) whose buffers the code
+reads, so a converted graph's state dict carries its activation qparams.
+
 Example:
     >>> import torch, qcompile as qc
     >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
@@ -21,20 +26,53 @@ Example:
 from __future__ import annotations
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from qcompile.graph.context import Context
 from qcompile.graph.meta import DQ_KEY, QPARAMS_KEY, TENSOR_META
 from qcompile.graph.pipeline import graph_pass
-from qcompile.passes.convert.common import act_qparams, level_bounds, module_at, state
+from qcompile.passes.convert.common import (
+    Conversion,
+    act_qparams,
+    level_bounds,
+    module_at,
+    state,
+)
 from qcompile.runtime.fake_quant import FakeQuantize
+from qcompile.runtime.quantized import ActivationQParams, clamp_levels
+
+
+def _place(gm: GraphModule, conv: Conversion, lowered: list[tuple[Node, tuple]]
+           ) -> dict[str, str]:
+    """quantizer name -> where its ``ActivationQParams`` live: in the quantizer's place
+    (state dict ``<quantizer>.scale`` / ``.zero_point``, the fake-quant graph's keys) when
+    no node other than the lowered calls reads the quantizer any more, else beside it."""
+    calls = {n for n, _ in lowered}
+    by_name: dict[str, tuple] = {}
+    for node, qp in lowered:
+        by_name.setdefault(str(node.target), qp)
+    still_read = {str(n.target) for n in gm.graph.nodes
+                  if n.op in ("call_module", "get_attr") and n not in calls}
+    placed = {}
+    for name, (_, zp, levels) in by_name.items():
+        fq = gm.get_submodule(name)
+        module = ActivationQParams(fq.scale, zp, levels=levels)
+        if any(t == name or t.startswith(name + ".") for t in still_read):
+            # e.g. pipeline.transfer: int8 sends the quantizer's scale across a cut
+            placed[name] = conv.add_module(gm, name, module)
+        else:
+            gm.delete_submodule(name)
+            gm.add_submodule(name, module)
+            placed[name] = name
+    return placed
 
 
 @graph_pass(requires=("integer_weights",), provides=("quantized_activations",))
 def lower_activations(gm: GraphModule, ctx: Context) -> GraphModule:
     conv = state(ctx)
     g = gm.graph
-    lowered = simulated = 0
+    simulated = 0
+    lowered: list[tuple[Node, tuple[float, int, int]]] = []
     for node in list(g.nodes):
         fq = module_at(gm, node)
         if not isinstance(fq, FakeQuantize) or node in conv.weights:
@@ -53,31 +91,42 @@ def lower_activations(gm: GraphModule, ctx: Context) -> GraphModule:
                             f"{fq.dtype} {fq.granularity}: no integer tensor type for it; "
                             "stays simulated", layer=str(node.target))
             continue
+        lowered.append((node, qp))
+    placed = _place(gm, conv, lowered)
+    for node, qp in lowered:
+        # The qparams are buffers the code reads (get_attr), not constants in it: the
+        # state dict carries them and load_state_dict changes what the graph computes.
+        owner = placed[str(node.target)]
         with g.inserting_after(node):
+            scale = g.get_attr(f"{owner}.scale")
+        with g.inserting_after(scale):
+            zero_point = g.get_attr(f"{owner}.zero_point")
+        with g.inserting_after(zero_point):
             q = g.call_function(torch.quantize_per_tensor,
-                                (node.args[0], qp[0], qp[1], torch.quint8))
+                                (node.args[0], scale, zero_point, torch.quint8))
         held = q
         bounds = level_bounds(qp)
         if bounds is not None:
             # A 7-bit grid: quint8 (and the kernels writing it later, which replace `q`)
             # clamps at 255, the fake-quant graph at 127. Clamping the quantized tensor
             # keeps the two equal beyond the calibrated range, and keeps every kernel's
-            # input within the range its int16 pair sums are exact for.
+            # input within the range its int16 pair sums are exact for. The bounds come
+            # from the tensor's own qparams, whatever state dict was loaded.
             with g.inserting_after(q):
-                held = g.call_function(torch.clamp, (q, *bounds))
+                held = g.call_function(clamp_levels, (q, qp[2]))
         with g.inserting_after(held):
             dq = g.call_method("dequantize", (held,))
         q.meta[QPARAMS_KEY] = qp
         dq.meta[DQ_KEY] = True
         dq.meta[TENSOR_META] = node.meta.get(TENSOR_META)
+        conv.qparams_after[held] = conv.qparams_after[dq] = owner
         node.replace_all_uses_with(dq)
         g.erase_node(node)
-        lowered += 1
         conv.record(q, "quantize", "quantize_per_tensor",
                     f"scale={qp[0]:.6g} zero_point={qp[1]} (quint8"
                     f"{'' if bounds is None else f', levels 0..{qp[2]}'})",
                     layer=str(node.target))
-    ctx.note(f"{lowered} activation quantizer(s) -> quantize_per_tensor / dequantize")
+    ctx.note(f"{len(lowered)} activation quantizer(s) -> quantize_per_tensor / dequantize")
     if simulated:
         ctx.note(f"{simulated} activation quantizer(s) stay simulated (FakeQuantize)")
     return gm

@@ -28,7 +28,7 @@ from torch.fx import GraphModule, Node
 from qcompile.graph.context import Context
 from qcompile.graph.meta import DQ_KEY, TENSOR_META
 from qcompile.graph.pipeline import graph_pass
-from qcompile.passes.convert.common import aten, module_at
+from qcompile.passes.convert.common import aten, module_at, state
 
 # Ops through which a quantized tensor passes unchanged in value: dequantize commutes with
 # them exactly, so they run on the integers (as torch.ao's convert does).
@@ -55,6 +55,7 @@ def _transparent(gm: GraphModule, node: Node) -> bool:
 
 @graph_pass(requires=("quantized_activations",), provides=("dequantize_sunk",))
 def sink_dequantize(gm: GraphModule, ctx: Context) -> GraphModule:
+    conv = state(ctx)
     g = gm.graph
     sunk = dropped = 0
     for node in list(g.nodes):
@@ -75,6 +76,8 @@ def sink_dequantize(gm: GraphModule, ctx: Context) -> GraphModule:
         with g.inserting_after(node):
             new_dq = g.call_method("dequantize", (node,))
         new_dq.meta.update({DQ_KEY: True, TENSOR_META: node.meta.get(TENSOR_META)})
+        if dq in conv.qparams_after:  # both now read the quantizer's output
+            conv.qparams_after[node] = conv.qparams_after[new_dq] = conv.qparams_after[dq]
         node.replace_all_uses_with(new_dq, delete_user_cb=lambda u, d=new_dq: u is not d)
         if not dq.users:
             g.erase_node(dq)

@@ -17,11 +17,19 @@ representable range, ``(quant_min - zero_point) * scale`` and ``(quant_max - zer
 scale``), and qcompile's own ``zero_point``, ``quant_min``, ``quant_max``, ``granularity``,
 ``axis``, ``group_size``. Parameters are keyed by their qualified name, activations by the
 quantizer's name without ``_fake_quant``. ``load_encodings`` applies a file back (and
-freezes the quantizers); a file for a different graph, or with a scale that is not a
-finite number > 0 or a zero point outside the quantizer's range, is refused as a whole
-(nothing is applied). ``export_encodings`` refuses a graph whose activation ranges were
-never observed (static: not calibrated; QAT: not trained), as ``qc.convert`` does: its
-qparams are placeholders. The file is written atomically (a temporary file, then renamed).
+freezes the quantizers). Every entry is checked against the graph's quantizer first, and
+one bad entry refuses the whole file (nothing is applied): a file for a different graph;
+a ``dtype``, ``bitwidth``, ``is_symmetric``, ``quant_min`` / ``quant_max``, granularity or
+entry count other than the quantizer's (int8 encodings into an int4 graph; x86's 7-bit
+activation ranges into a qnnpack graph); a scale that is not a finite, normal float32
+number > 0; a zero point (``offset``) outside the quantizer's range, or other than the
+symmetric one on a symmetric quantizer; ``min`` / ``max`` that are not the ends of the
+quantizer's grid. Fields a file leaves out (AIMET writes none of qcompile's own) are not
+required; ``offset`` stands for ``-zero_point`` when ``zero_point`` is missing.
+``export_encodings`` refuses a graph whose activation ranges were never observed (static:
+not calibrated; QAT: not trained), as ``qc.convert`` does: its qparams are placeholders;
+and a scale that is not a finite number > 0. The file is written atomically
+(``qcompile.files``).
 
 Example:
     >>> import tempfile, os, torch, qcompile as qc
@@ -45,9 +53,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
-from numbers import Real
+from numbers import Integral, Real
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +61,12 @@ import torch
 from torch import nn
 
 from qcompile.errors import QCompileError
+from qcompile.files import write_atomically
 from qcompile.graph.algorithms import refuse_pending
 from qcompile.graph.records import report
 from qcompile.runtime.calibration import uncalibrated
 from qcompile.runtime.fake_quant import FakeQuantize
+from qcompile.runtime.quant_math import symmetric_zero_point
 from qcompile.version import __version__
 
 VERSION = "1.0.0"
@@ -98,19 +106,6 @@ def _names(gm: nn.Module) -> dict[str, tuple[str, str]]:
     return names
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that it is either the whole new file or untouched:
-    a temporary file in the same directory (same filesystem), then ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def export_encodings(gm: nn.Module, path: str | Path) -> None:
     """Write every quantizer's encoding to ``path`` (JSON), atomically.
 
@@ -125,9 +120,23 @@ def export_encodings(gm: nn.Module, path: str | Path) -> None:
         raise QCompileError(f"export_encodings: {len(missing)} activation quantizer(s) have "
                             f"no ranges yet (their scales are placeholders), e.g. "
                             f"{missing[0]}", fix=fix)
+    names = _names(gm)
+    for name in names:  # a file must not carry a scale no quantizer could use
+        fq = gm.get_submodule(name)
+        if fq.dynamic or fq.granularity == "per_token":
+            continue
+        scale = fq.scale.detach().reshape(-1)
+        wrong = ~(scale.isfinite() & (scale > 0))
+        if bool(wrong.any()):
+            i = int(wrong.nonzero()[0])
+            raise QCompileError(
+                f"export_encodings: quantizer {name} has scale {float(scale[i])!r} "
+                f"(entry [{i}] of {scale.numel()}): a scale must be a finite number > 0",
+                fix="re-calibrate the graph (qc.calibrate), or retrain it with a smaller "
+                "learning rate if its scales are learned, then export again")
     data: dict[str, Any] = {"version": VERSION, "producer": f"qcompile {__version__}",
                             "param_encodings": {}, "activation_encodings": {}}
-    for name, (section, key) in _names(gm).items():
+    for name, (section, key) in names.items():
         fq = gm.get_submodule(name)
         if fq.dynamic or fq.granularity == "per_token":
             data[section][key] = [{"dynamic": True, "bitwidth": _bits(fq),
@@ -144,7 +153,7 @@ def export_encodings(gm: nn.Module, path: str | Path) -> None:
                             "exist", fix="create it first or write somewhere else")
     # allow_nan=False: a NaN/inf scale that slipped through must not become a file that
     # only Python's json reads back.
-    _write_atomically(target, json.dumps(data, indent=1, allow_nan=False) + "\n")
+    write_atomically(target, json.dumps(data, indent=1, allow_nan=False) + "\n")
 
 
 def _number(value: object) -> float | None:
@@ -154,48 +163,159 @@ def _number(value: object) -> float | None:
     return float(value)
 
 
+def _kind(fq: FakeQuantize) -> str:
+    return "float" if fq.dtype.startswith("fp8") else "int"
+
+
+def _describe(fq: FakeQuantize) -> str:
+    """``uint8 asymmetric per_tensor, range [0, 127] (7-bit)``: what a file must match."""
+    return (f"{fq.dtype} {'symmetric' if fq.symmetric else 'asymmetric'} {fq.granularity}, "
+            f"range [{fq.quant_min}, {fq.quant_max}] ({_bits(fq)}-bit)")
+
+
+#: what a file written for another graph, spec or quant.target needs
+_OTHER_GRAPH_FIX = ("export the encodings from a graph compiled with the same model, spec and "
+                    "quant.target, or correct the entry")
+_OTHER_TARGET_FIX = ("export the encodings from a graph compiled with the same model, spec and "
+                     "quant.target (x86 keeps 8-bit activations in 7 bits, [0, 127]; qnnpack "
+                     "and onednn_vnni use all 8), or correct the entry")
+
+
+def _fix_for(section: str, fq: FakeQuantize) -> str:
+    """8-bit activations: their range depends on quant.target, say how."""
+    eight_bit = section == "activation_encodings" and fq.dtype in ("uint8", "int8")
+    return _OTHER_TARGET_FIX if eight_bit else _OTHER_GRAPH_FIX
+_FIX = ("re-export the encodings with qc.export_encodings from a calibrated graph, or "
+        "correct the entry")
+
+
+def _scheme_mismatch(e: dict[str, Any], fq: FakeQuantize) -> str | None:
+    """What in entry ``e`` contradicts the quantizer's scheme (None when nothing does).
+    Fields a file may leave out (AIMET writes no qcompile fields) are not required."""
+    if "dtype" in e and e["dtype"] != _kind(fq):
+        return f"dtype {e['dtype']!r}, the quantizer's is {_kind(fq)!r}"
+    if "bitwidth" in e:
+        b = e["bitwidth"]
+        if isinstance(b, bool) or not isinstance(b, Integral) or b != _bits(fq):
+            return f"bitwidth {b!r}, the quantizer's is {_bits(fq)}"
+    if "is_symmetric" in e and e["is_symmetric"] is not fq.symmetric:
+        return f"is_symmetric {e['is_symmetric']!r}, the quantizer's is {fq.symmetric}"
+    if "qcompile_dtype" in e and e["qcompile_dtype"] != fq.dtype:
+        return f"qcompile_dtype {e['qcompile_dtype']!r}, the quantizer's is {fq.dtype!r}"
+    for field, mine in (("quant_min", fq.quant_min), ("quant_max", fq.quant_max),
+                        ("granularity", fq.granularity), ("axis", fq.axis),
+                        ("group_size", fq.group_size)):
+        if field in e and (e[field] != mine or isinstance(e[field], bool)):
+            return f"{field} {e[field]!r}, the quantizer's is {mine!r}"
+    return None
+
+
+def _scale_of(e: dict[str, Any], i: int, bad: _Bad) -> float:
+    if "scale" not in e:
+        raise bad(f"entry [{i}] has no 'scale'")
+    s = _number(e["scale"])
+    if s is None:
+        raise bad(f"entry [{i}] scale {e['scale']!r} is not a number")
+    if not math.isfinite(s) or s <= 0:
+        raise bad(f"entry [{i}] scale {e['scale']!r}: a scale must be a finite number > 0")
+    return s
+
+
+def _zero_point_of(e: dict[str, Any], i: int, fq: FakeQuantize, bad: _Bad) -> int:
+    """The entry's zero point: ``zero_point``, else ``-offset`` (AIMET's convention)."""
+    if "zero_point" not in e and "offset" not in e:
+        raise bad(f"entry [{i}] has no 'zero_point'")
+    field = "zero_point" if "zero_point" in e else "offset"
+    z = _number(e[field])
+    if z is None or not z.is_integer():
+        raise bad(f"entry [{i}] {field} {e[field]!r} is not an integer")
+    zp = int(z) if field == "zero_point" else -int(z)
+    if not fq.quant_min <= zp <= fq.quant_max:
+        raise bad(f"entry [{i}] {field} {e[field]!r} is outside the quantizer's range "
+                  f"[{fq.quant_min}, {fq.quant_max}]")
+    if field == "zero_point" and "offset" in e:
+        o = _number(e["offset"])
+        if o is None or o != -zp:
+            raise bad(f"entry [{i}] offset {e['offset']!r} is not -zero_point ({-zp}), as "
+                      "the format defines it")
+    return zp
+
+
+def _check_range(e: dict[str, Any], i: int, fq: FakeQuantize, s: float, zp: int,
+                 bad: _Bad, fix: str) -> None:
+    """``min`` / ``max``, where given, must be the grid's ends ``(quant_min - zp) * scale``
+    and ``(quant_max - zp) * scale`` (to half a step): a range with other ends was
+    computed for another number of levels (another target or bit width)."""
+    for field, level in (("min", fq.quant_min), ("max", fq.quant_max)):
+        if field not in e:
+            continue
+        v = _number(e[field])
+        expected = (level - zp) * s
+        if v is None or not math.isfinite(v) or abs(v - expected) > 0.5 * s:
+            raise QCompileError(
+                f"{bad.where}: entry [{i}] {field} {e[field]!r} is not the quantizer's "
+                f"{field} {expected:.6g} (levels {fq.quant_min}..{fq.quant_max} with scale "
+                f"{s:.6g}, zero point {zp}): the range was made for another grid", fix=fix)
+
+
+class _Bad:
+    """Makes the ``QCompileError`` of one quantizer's entries (names file, entry, quantizer)."""
+
+    def __init__(self, path: str | Path, section: str, key: str, name: str) -> None:
+        self.where = f"encodings file {path}: {section}[{key!r}] (quantizer {name})"
+
+    def __call__(self, what: str, fix: str = _FIX) -> QCompileError:
+        return QCompileError(f"{self.where}: {what}", fix=fix)
+
+
 def _checked(path: str | Path, section: str, key: str, name: str, fq: FakeQuantize,
-             entries: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (scale, zero_point) tensors of one quantizer's entries, or a ``QCompileError``
-    naming the entry and its bad value."""
-    fix = ("re-export the encodings with qc.export_encodings from a calibrated graph, or "
-           "correct the entry")
-
-    where = f"{section}[{key!r}] (quantizer {name})"
-
-    def bad(what: str) -> QCompileError:
-        return QCompileError(f"encodings file {path}: {where}: {what}", fix=fix)
-
+             entries: object) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (scale, zero_point) tensors of one quantizer's entries (None for a dynamic
+    quantizer: nothing to apply), or a ``QCompileError`` naming the entry, the quantizer
+    and what contradicts it."""
+    bad = _Bad(path, section, key, name)
+    other = _fix_for(section, fq)
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise bad(f"expected a list of encoding objects, got {type(entries).__name__}")
+    dynamic = fq.dynamic or fq.granularity == "per_token"
+    for i, e in enumerate(entries):
+        if bool(e.get("dynamic", False)) != dynamic:
+            raise bad(f"entry [{i}] is {'dynamic' if e.get('dynamic') else 'static'}, the "
+                      f"quantizer {'computes its qparams per input' if dynamic else 'is static'}"
+                      f" ({_describe(fq)})", fix=other)
+        mismatch = _scheme_mismatch(e, fq)
+        if mismatch is not None:
+            raise bad(f"entry [{i}] {mismatch} ({_describe(fq)})", fix=other)
+    if dynamic:
+        return None
     if len(entries) != fq.scale.numel():
-        raise QCompileError(f"encodings file {path}: {key} has {len(entries)} scale(s), "
-                            f"the graph's quantizer {name} {fq.scale.numel()}",
-                            fix="export the encodings from the same graph")
+        raise bad(f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, the quantizer "
+                  f"has {fq.scale.numel()} scale(s) ({_describe(fq)}"
+                  f"{'' if fq.axis is None else f', axis {fq.axis}'})", fix=other)
+    tiny = torch.finfo(fq.scale.dtype).tiny
+    sym_zp = 0 if _kind(fq) == "float" else symmetric_zero_point(fq.quant_min, fq.quant_max)
     scales, zero_points = [], []
     for i, e in enumerate(entries):
-        for field in ("scale", "zero_point"):
-            if field not in e:
-                raise bad(f"entry [{i}] has no {field!r}")
-        s, z = _number(e["scale"]), _number(e["zero_point"])
-        if s is None:
-            raise bad(f"entry [{i}] scale {e['scale']!r} is not a number")
-        if not math.isfinite(s) or s <= 0:
-            raise bad(f"entry [{i}] scale {e['scale']!r}: a scale must be a finite number > 0")
-        if z is None or not z.is_integer():
-            raise bad(f"entry [{i}] zero_point {e['zero_point']!r} is not an integer")
-        if not fq.quant_min <= z <= fq.quant_max:
-            raise bad(f"entry [{i}] zero_point {e['zero_point']!r} is outside the quantizer's "
-                      f"range [{fq.quant_min}, {fq.quant_max}]")
+        s = _scale_of(e, i, bad)
+        zp = _zero_point_of(e, i, fq, bad)
+        stored = float(torch.tensor(s, dtype=fq.scale.dtype))
+        # A scale fine as a Python float can leave the quantizer's float32 range (1e-50 ->
+        # 0, 1e39 -> inf): check what would be stored.
+        if not math.isfinite(stored) or stored <= 0:
+            raise bad(f"entry [{i}] scale {e['scale']!r} is not a finite number > 0 in "
+                      f"{str(fq.scale.dtype).removeprefix('torch.')}")
+        if stored < tiny:
+            # subnormal: x / scale overflows to inf for ordinary inputs, and kernels flush
+            # such scales to zero
+            raise bad(f"entry [{i}] scale {e['scale']!r} is subnormal in "
+                      f"{str(fq.scale.dtype).removeprefix('torch.')} (below {tiny:.3g})")
+        if fq.symmetric and zp != sym_zp:
+            raise bad(f"entry [{i}] zero point {zp} on a symmetric quantizer, whose zero "
+                      f"point is {sym_zp} ({_describe(fq)})")
+        _check_range(e, i, fq, s, zp, bad, other)
         scales.append(s)
-        zero_points.append(int(z))
+        zero_points.append(zp)
     scale = torch.tensor(scales, dtype=fq.scale.dtype).view_as(fq.scale)
-    # A scale fine as a Python float can leave the quantizer's float32 range (1e-50 -> 0,
-    # 1e39 -> inf): check what would be stored.
-    if not bool((scale.isfinite() & (scale > 0)).all()):
-        i = int((~(scale.isfinite() & (scale > 0))).reshape(-1).nonzero()[0])
-        raise bad(f"entry [{i}] scale {scales[i]!r} is not a finite number > 0 in "
-                  f"{str(fq.scale.dtype).removeprefix('torch.')}")
     return scale, torch.tensor(zero_points, dtype=fq.zero_point.dtype).view_as(fq.zero_point)
 
 
@@ -227,13 +347,13 @@ def load_encodings(gm: nn.Module, path: str | Path) -> nn.Module:
     updates = []
     for name, (section, key) in names.items():
         fq = gm.get_submodule(name)
-        if fq.dynamic or fq.granularity == "per_token":
-            continue
         if key not in data.get(section, {}):
             raise QCompileError(f"encodings file {path}: {key!r} is not under {section} "
                                 "(the graph's quantizer for it is of the other kind)",
                                 fix="export the encodings from the same graph")
-        updates.append((fq, *_checked(path, section, key, name, fq, data[section][key])))
+        checked = _checked(path, section, key, name, fq, data[section][key])
+        if checked is not None:
+            updates.append((fq, *checked))
     with torch.no_grad():
         for fq, scale, zero_point in updates:
             fq.scale.copy_(scale)

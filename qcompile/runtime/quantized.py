@@ -8,6 +8,12 @@
   int8 ahead of time, activation qparams per batch) with the full 8-bit activation range,
   which is what qcompile's dynamic fake-quant simulates (``torch.ao``'s module fixes
   ``reduce_range=True``, i.e. 7-bit activations).
+- ``ActivationQParams``: the scale and zero point of one lowered activation quantizer as
+  buffers, which the converted graph's code reads (``get_attr``) and passes to
+  ``torch.quantize_per_tensor`` and ``add_quantized``: they are in the state dict, so
+  ``load_state_dict`` of another calibration's converted graph gives its outputs exactly.
+- ``clamp_levels``: the clamp of a reduced (7-bit) activation grid, its bounds taken from
+  the quantized tensor's own qparams (nothing baked into the code).
 
 Example:
     >>> import torch
@@ -127,3 +133,60 @@ class DynamicLinear(nnqd.Linear):
 
     def _get_name(self) -> str:
         return "DynamicQuantizedLinear"
+
+
+class ActivationQParams(nn.Module):
+    """A lowered activation quantizer's qparams on the ``quint8`` grid, as buffers:
+    ``scale`` (float32, shape [1]) and ``zero_point`` (int32, shape [1]); ``levels`` is the
+    highest level the target uses (127 for x86's 7-bit activations, else 255). Nothing
+    calls it: the graph reads its buffers with ``get_attr``.
+
+    Example:
+        >>> qp = ActivationQParams(torch.tensor([0.5]), 3, levels=127)
+        >>> sorted(qp.state_dict()), qp
+        (['scale', 'zero_point'], ActivationQParams(quint8, levels 0..127))
+        >>> torch.quantize_per_tensor(torch.tensor([1.0]), qp.scale, qp.zero_point,
+        ...                           torch.quint8).int_repr()
+        tensor([5], dtype=torch.uint8)
+    """
+
+    def __init__(self, scale: torch.Tensor, zero_point: int, *, levels: int = 255) -> None:
+        super().__init__()
+        self.register_buffer("scale", scale.detach().to(torch.float32).reshape(1).clone())
+        self.register_buffer("zero_point", torch.tensor([zero_point], dtype=torch.int32))
+        self.levels = levels
+
+    def extra_repr(self) -> str:
+        return f"quint8, levels 0..{self.levels}"
+
+
+def clamp_levels(q: torch.Tensor, levels: int) -> torch.Tensor:
+    """A ``quint8`` tensor clamped to levels ``0..levels`` of its own grid: quint8 kernels
+    clamp at 255, a 7-bit fake-quant grid at 127. The float bounds come from ``q``'s own
+    scale and zero point, so a graph whose qparams are loaded from a state dict clamps on
+    the new grid.
+
+    Example:
+        >>> q = torch.quantize_per_tensor(torch.tensor([0.0, 1.0, 9.0]), 0.05, 10,
+        ...                               torch.quint8)
+        >>> clamp_levels(q, 127).int_repr().tolist()
+        [10, 30, 127]
+    """
+    scale, zero_point = q.q_scale(), q.q_zero_point()
+    return torch.clamp(q, (0 - zero_point) * scale, (levels - zero_point) * scale)
+
+
+def add_quantized(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+                  zero_point: torch.Tensor, relu: bool = False) -> torch.Tensor:
+    """``quantized::add`` (``add_relu`` with ``relu``) of two ``quint8`` tensors, with the
+    output qparams read from tensors (an ``ActivationQParams``' buffers) rather than
+    constants in the graph's code.
+
+    Example:
+        >>> a = torch.quantize_per_tensor(torch.tensor([1.0, -2.0]), 0.1, 64, torch.quint8)
+        >>> out = add_quantized(a, a, torch.tensor([0.1]), torch.tensor([64]), relu=True)
+        >>> out.dequantize().tolist()
+        [2.0, 0.0]
+    """
+    fn = torch.ops.quantized.add_relu if relu else torch.ops.quantized.add
+    return fn(a, b, float(scale), int(zero_point))

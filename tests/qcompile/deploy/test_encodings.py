@@ -83,7 +83,8 @@ def test_encodings_of_another_graph_are_refused(tmp_path: Path) -> None:
     data = json.loads(path.read_text())
     data["param_encodings"]["conv.weight"] = data["param_encodings"]["conv.weight"][:2]
     path.write_text(json.dumps(data))
-    with pytest.raises(qc.QCompileError, match=r"conv\.weight has 2 scale"):
+    with pytest.raises(qc.QCompileError, match=r"conv\.weight'\] \(quantizer "
+                       r"conv\.weight_fake_quant\): 2 entries, the quantizer has 4 scale"):
         qc.load_encodings(qc.qcompile(model(), "int8-static", (X,)), path)
     path.write_text("{not json")
     with pytest.raises(qc.QCompileError, match="encodings file"):
@@ -204,6 +205,23 @@ def test_integral_float_zero_point_is_accepted(tmp_path: Path) -> None:
     path.write_text(json.dumps(data))
     gm = qc.load_encodings(qc.qcompile(model(), "int8-static", (X,)), path)
     assert int(qc.quantizers(gm)["add_fake_quant"].zero_point) == z
+
+
+def test_aimet_fields_alone_load(tmp_path: Path) -> None:
+    """A file with AIMET's fields only (``offset``, no ``zero_point`` nor qcompile's own)
+    loads: the zero point is ``-offset``."""
+    path, data = _exported(tmp_path)
+    aimet = {"bitwidth", "dtype", "is_symmetric", "scale", "offset", "min", "max", "dynamic"}
+    for section in ("param_encodings", "activation_encodings"):
+        for entries in data[section].values():
+            for e in entries:
+                for k in set(e) - aimet:
+                    del e[k]
+    path.write_text(json.dumps(data))
+    gm = qc.load_encodings(qc.qcompile(model(), "int8-static", (X,)), path)
+    for name, fq in qc.quantizers(calibrated()).items():
+        assert torch.equal(qc.quantizers(gm)[name].scale, fq.scale)
+        assert torch.equal(qc.quantizers(gm)[name].zero_point, fq.zero_point)
 
 
 def test_uncalibrated_static_graph_is_not_exported(tmp_path: Path) -> None:
