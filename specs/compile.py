@@ -11,23 +11,38 @@ Example:
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from qcompile.specs.quant import Frozen, QuantSpec
 
 # Device strings are checked for form here (torch-free); whether the device exists on this
-# machine is checked when compiling.
-_DEVICE = re.compile(r"(cpu|meta|cuda|xpu|mps|hpu|npu)(:\d+)?")
+# machine is checked when compiling. Only devices that execute: ``meta`` holds no data, so
+# a stage placed there would compute nothing.
+_DEVICE = re.compile(r"(cpu|cuda|xpu|mps|hpu|npu)(:\d+)?")
 TORCH_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16",
                 "int8", "uint8", "bool")
 
 
 def _check_device(d: str) -> str:
+    if d.partition(":")[0] == "meta":
+        raise ValueError(f"device {d!r} holds no data and runs nothing: a stage must run on an "
+                         "execution device such as 'cpu', 'cuda' or 'cuda:1'")
     if not _DEVICE.fullmatch(d):
         raise ValueError(f"device {d!r} is not a device string like 'cpu', 'cuda' or 'cuda:1'")
     return d
+
+
+# A device checked on its own: an error's location names its index (pipeline.devices.1).
+Device = Annotated[str, AfterValidator(_check_device)]
 
 
 class DataParallelSpec(Frozen):
@@ -40,19 +55,14 @@ class StageSpec(Frozen):
     """One explicit pipeline stage: the modules (qualified-name globs) it holds."""
 
     modules: list[str] = Field(min_length=1)
-    device: str | None = None
-
-    @field_validator("device")
-    @classmethod
-    def _dev(cls, v: str | None) -> str | None:
-        return None if v is None else _check_device(v)
+    device: Device | None = None
 
 
 class PipelineSpec(Frozen):
     """Pipeline placement: ``stages`` is a count (cost-balanced) or an explicit list."""
 
     stages: StrictInt | list[StageSpec] = Field(1)
-    devices: list[str] | None = None
+    devices: list[Device] | None = None
     balance: Literal["params", "flops", "time"] = "params"
     microbatches: StrictInt = Field(1, ge=1)
     schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "gpipe"
@@ -67,11 +77,6 @@ class PipelineSpec(Frozen):
         if isinstance(v, list) and not v:
             raise ValueError("stages must list at least one stage")
         return v
-
-    @field_validator("devices")
-    @classmethod
-    def _devices(cls, v: list[str] | None) -> list[str] | None:
-        return None if v is None else [_check_device(d) for d in v]
 
     @model_validator(mode="after")
     def _devices_fit(self) -> PipelineSpec:
@@ -177,7 +182,8 @@ class CompileSpec(Frozen):
     quant: QuantSpec = Field(default_factory=QuantSpec)
     data_parallel: DataParallelSpec = Field(default_factory=DataParallelSpec)
     pipeline: PipelineSpec | None = None
-    cache_dir: str | None = None
+    cache_dir: str | None = Field(None, description="folder for compile_once's cache; null "
+                                  "for no cache")
     trace: TraceSpec = Field(default_factory=TraceSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
 
@@ -187,4 +193,14 @@ class CompileSpec(Frozen):
         # Literal[1] alone accepts `version: true` (True == 1) and 1.0.
         if type(v) is not int:
             raise ValueError(f"version must be the integer 1, got {v!r}")
+        return v
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _cache_dir(cls, v: str | None) -> str | None:
+        # "" would be the current folder (Path("") is "."): cache entries among the user's
+        # files, never what an empty value means
+        if v is not None and not v.strip():
+            raise ValueError(f"cache_dir {v!r} is empty: give null (no cache) or a folder "
+                             "path such as .qcompile-cache")
         return v

@@ -59,10 +59,12 @@ class Frozen(BaseModel):
 
     Every int field is strict (``StrictInt`` or ``strict=True``): lax pydantic reads
     ``true`` as 1 and ``2.0`` as 2, so ``microbatches: true`` would silently run one
-    micro-batch. Float fields are strict too (ints are still floats, ``true`` is not).
+    micro-batch. Float fields are strict too (ints are still floats, ``true`` is not), and
+    finite: ``.inf`` or ``.nan`` in any float field is an error (``reg_weight: .inf`` would
+    otherwise run, with every loss infinite).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class MinMaxObserver(Frozen):

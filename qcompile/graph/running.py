@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qcompile.runtime.calibration import quiet_fx_trace
 from qcompile.runtime.fake_quant import FakeQuantize
 
 
@@ -39,7 +40,9 @@ def untouched(*modules: nn.Module) -> Iterator[None]:
     off, then restore them exactly: every module's training flag, every quantizer's
     ``enabled`` / ``observe`` flags, and every buffer's tensor and values (observer
     statistics, BatchNorm statistics, a counter written in place, a buffer the forward
-    replaced). What measuring (``qc.sqnr``) and passes that run the graph rely on."""
+    replaced). What measuring (``qc.sqnr``) and passes that run the graph rely on.
+    torch.fx's printout of a failing generated forward is kept off stderr meanwhile
+    (``quiet_fx_trace``): the caller turns the exception into its own error."""
     training: list[tuple[nn.Module, bool]] = []
     flags: list[tuple[FakeQuantize, bool, bool]] = []
     buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
@@ -61,7 +64,7 @@ def untouched(*modules: nn.Module) -> Iterator[None]:
         for q, _, observe in flags:
             if observe:
                 q.observe = False
-        with torch.no_grad():
+        with torch.no_grad(), quiet_fx_trace():
             yield
     finally:
         for m, was in training:

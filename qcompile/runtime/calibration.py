@@ -14,8 +14,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,8 @@ class GraphInput:
     shape: tuple[int, ...] | None = None
     dtype: torch.dtype | None = None
     variadic: bool = False  # *args: any number of values
+    # (module, num_embeddings) of each embedding this input indexes: for out-of-range ids
+    indexes: tuple[tuple[str, int], ...] = ()
 
     def __str__(self) -> str:
         if self.shape is None or self.dtype is None:
@@ -70,10 +73,13 @@ def freeze(gm: nn.Module) -> nn.Module:
     current weights' ranges, as their next forward would: after the last optimizer step
     the weights have moved since they were last observed (torch.ao's convert likewise
     observes the final weights)."""
+    observed = [(fq, weight) for fq, weight in weight_quantizers(gm)
+                if fq.observe and weight.device.type != "meta"]
+    ids = {id(w) for _, w in observed}
+    refuse_nonfinite({n: p for n, p in gm.named_parameters() if id(p) in ids}, "freeze")
     with torch.no_grad():
-        for fq, weight in weight_quantizers(gm):
-            if fq.observe and weight.device.type != "meta":
-                fq.observe_tensor(weight)
+        for fq, weight in observed:
+            fq.observe_tensor(weight)
     for q in quantizers(gm).values():
         q.observe = False
     return gm
@@ -98,6 +104,60 @@ def weight_quantizers(gm: nn.Module) -> list[tuple[FakeQuantize, torch.Tensor]]:
             if isinstance(value, nn.Parameter):
                 found.append((fq, value))
     return found
+
+
+def nonfinite_count(t: torch.Tensor) -> tuple[int, int]:
+    """``(NaN values, infinite values)`` in ``t`` (0, 0 for meta and non-float tensors; a
+    sharded DTensor counts its local shard: no collective)."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    if t.device.type == "meta" or not (t.is_floating_point() or t.is_complex()):
+        return 0, 0
+    t = t.detach()
+    if bool(torch.isfinite(t).all()):  # the common case: one pass, no counting
+        return 0, 0
+    nan = int(t.isnan().sum())
+    return nan, int((~torch.isfinite(t)).sum()) - nan
+
+
+def _counted(nan: int, inf: int) -> str:
+    return " and ".join(f"{n} {what} value{'s' if n != 1 else ''}"
+                        for n, what in ((nan, "NaN"), (inf, "infinite")) if n)
+
+
+def refuse_nonfinite(tensors: dict[str, torch.Tensor], action: str) -> None:
+    """Raise a ``QCompileError`` naming the first of ``tensors`` (weights, by qualified
+    name) holding NaN or infinite values: their quantizer ranges would be NaN, and every
+    output after them. ``action`` is what refuses (``calibrate``, ``freeze``, ...).
+
+    Example:
+        >>> import torch
+        >>> from qcompile.runtime.calibration import refuse_nonfinite
+        >>> w = torch.ones(2, 2)
+        >>> w[0, 0] = float("nan")
+        >>> refuse_nonfinite({"fc1.weight": w}, "calibrate")
+        Traceback (most recent call last):
+        ...
+        qcompile.errors.QCompileError: calibrate: fc1.weight has 1 NaN value ...
+    """
+    for name, t in tensors.items():
+        nan, inf = nonfinite_count(t)
+        if nan or inf:
+            raise QCompileError(
+                f"{action}: {name} has {_counted(nan, inf)} (of {t.numel()}): the model's "
+                "weights are not finite, so no quantization range can be computed for it",
+                fix="the checkpoint, or the training that produced it, diverged: load a "
+                    "checkpoint whose weights are finite (torch.isfinite(p).all() for every "
+                    "parameter) or retrain with a lower learning rate / gradient clipping; "
+                    "calibration data cannot repair a weight")
+
+
+def model_weights(gm: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of ``gm`` outside its quantizers (an LSQ scale is the quantizer's
+    own business), by qualified name: what ``refuse_nonfinite`` checks before observing.
+    Buffers are left out: a causal mask of ``-inf`` is a legitimate buffer."""
+    inside = tuple(f"{n}." for n, m in gm.named_modules() if isinstance(m, FakeQuantize))
+    return {n: p for n, p in gm.named_parameters() if not n.startswith(inside)}
 
 
 def _finite_stats(min_val: torch.Tensor, max_val: torch.Tensor) -> bool:
@@ -131,8 +191,9 @@ def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
 
     A batch is a tuple or list of positional inputs, a dict of keyword inputs, or one
     tensor; ``inputs`` maps each batch to one of those first (``lambda b: b[0]`` for a
-    DataLoader of ``(x, y)`` pairs). A batch that does not fit the graph, or that puts NaN
-    into an observer, is a ``QCompileError`` and every quantizer is restored to its state
+    DataLoader of ``(x, y)`` pairs). A batch that does not fit the graph, that has 0 rows,
+    or that puts NaN into an observer, a weight that is not finite, or a quantizer that
+    observed no data, is a ``QCompileError`` and every quantizer is restored to its state
     before the call: a refused calibration changes nothing. ``signature`` (the graph's
     inputs, ``qcompile.graph.signature.graph_inputs``) lets errors say what the graph
     takes. The quantizers named in ``fixed`` keep their qparams (weights an algorithm put
@@ -141,21 +202,25 @@ def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
     if not qs:
         raise QCompileError("calibrate: the graph has no quantizers",
                             fix="compile with a spec whose quant.mode is static")
+    # a NaN weight would put NaN into every observer after it: say so, not "the data"
+    refuse_nonfinite(model_weights(gm), "calibrate")
     was_training = gm.training
     saved = {n: ({k: v.clone() for k, v in q.state_dict().items()}, q.enabled, q.observe)
              for n, q in qs.items()}
     gm.eval()
     keep = set(fixed)
+    observing = []
     for n, q in qs.items():
         if q.observer is not None and not q.learnable and n not in keep:
             q.observe = True
+            observing.append(n)
     seen = 0
     if progress and sys.stderr.isatty():
         from tqdm import tqdm
 
         batches = tqdm(batches, desc="calibrate", unit="batch", leave=False)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), quiet_fx_trace():
             for batch in batches:
                 args, kwargs = _call_args(inputs(batch) if inputs is not None else batch,
                                           seen, signature, selected=inputs is not None)
@@ -171,12 +236,18 @@ def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
                 bad = [n for n, q in qs.items() if q.observer is not None
                        and not _finite_stats(q.observer.min_val, q.observer.max_val)]
                 if bad:
-                    raise QCompileError(f"calibration batch {seen - 1} put NaN or Inf into "
-                                        f"the observer of {bad[0]}",
-                                        fix="remove NaN/Inf values from the calibration data")
+                    raise _nonfinite_batch(seen - 1, bad[0], args, kwargs, signature)
         if seen == 0:
             raise QCompileError("calibrate: no batches were given",
                                 fix="pass a non-empty iterable")
+        empty = [n for n in observing if _never_observed(qs[n])]
+        if empty:
+            raise QCompileError(
+                f"calibrate: {empty[0]} observed no data in {seen} batch(es)"
+                + (f" (and {len(empty) - 1} more quantizer(s))" if len(empty) > 1 else "")
+                + ": its input was empty in every batch, so it has no range",
+                fix="give (more) batches whose data reaches that layer, or keep it in "
+                    "float with a rule {match: {name: <its module>}, skip: true}")
     except BaseException:
         for n, q in qs.items():  # a refused calibration leaves the graph as it was
             state, q.enabled, q.observe = saved[n]
@@ -192,16 +263,142 @@ def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
     return gm
 
 
+def _never_observed(q: FakeQuantize) -> bool:
+    """Whether ``q``'s observer saw no value at all (it holds +inf / -inf, as new)."""
+    obs = q.observer
+    return obs is not None and bool((obs.min_val > obs.max_val).all())
+
+
+def _nonfinite_batch(index: int, quantizer: str, args: tuple, kwargs: dict,
+                     signature: Sequence[GraphInput]) -> QCompileError:
+    """The error for calibration batch ``index`` putting NaN / Inf into ``quantizer``'s
+    observer: blamed on the batch when one of its tensors holds such values, else on the
+    model's computation (the weights were checked before: they are finite)."""
+    names = [i.name for i in signature if not i.variadic]
+    given = [(names[i] if i < len(names) else f"input {i}", v) for i, v in enumerate(args)]
+    given += list(kwargs.items())
+    where = f"calibration batch {index} put NaN or Inf into the observer of {quantizer}"
+    for name, v in given:
+        if isinstance(v, torch.Tensor):
+            nan, inf = nonfinite_count(v)
+            if nan or inf:
+                return QCompileError(f"{where}: its input {name} has {_counted(nan, inf)}",
+                                     fix="remove NaN/Inf values from the calibration data "
+                                         f"(torch.isfinite({name}).all() for each batch)")
+    return QCompileError(
+        f"{where}, though the batch's inputs and the model's weights are finite: the "
+        f"model computes a NaN or infinite value before {quantizer} (an overflow, e.g. in "
+        "float16, or a division by zero / log of 0)",
+        fix="find the operation before it that overflows (run the float model on this "
+            "batch) and compute it in float32 or guard it; NaN/Inf in the calibration "
+            "data would be named here")
+
+
+@contextlib.contextmanager
+def quiet_fx_trace() -> Iterator[None]:
+    """Run the body with torch.fx's report of a failed generated forward kept off
+    ``stderr``.
+
+    A ``GraphModule`` whose ``forward`` raises prints the traceback and the generated code
+    around the failing line ("Call using an FX-traced Module, line N ...", ~27 lines) to
+    ``sys.stderr`` before re-raising; for a batch that does not fit, that is noise before
+    our own error, which names the batch and says the fix. Only that one message is held
+    back: everything else written to ``sys.stderr`` meanwhile (warnings, a progress bar,
+    the model's own prints) goes through, and ``sys.stderr`` is given back after the body.
+
+    Example:
+        >>> import sys
+        >>> from qcompile.runtime.calibration import quiet_fx_trace
+        >>> stream = sys.stderr
+        >>> with quiet_fx_trace():
+        ...     sys.stderr is stream
+        False
+        >>> sys.stderr is stream
+        True
+    """
+    stream = sys.stderr
+    if isinstance(stream, _WithoutFxTrace) or stream is None:
+        yield
+        return
+    quiet = _WithoutFxTrace(stream)
+    sys.stderr = quiet
+    try:
+        yield
+    finally:
+        if sys.stderr is quiet:  # (whoever replaced it meanwhile restores their own)
+            sys.stderr = stream
+
+
+# torch.fx's message (torch/fx/graph_module.py, _WrappedCall): printed with one write, and
+# print's newline as a second
+_FX_TRACE = "Call using an FX-traced Module, line "
+
+
+class _WithoutFxTrace:
+    """A text stream forwarding to ``stream`` all but torch.fx's failed-forward report."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._skip_newline = False
+
+    def write(self, text: str) -> int:
+        skip = _FX_TRACE in text or (self._skip_newline and text == "\n")
+        self._skip_newline = _FX_TRACE in text
+        return len(text) if skip else self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, isatty, encoding, ...
+        return getattr(self._stream, name)
+
+
 def misfit(e: BaseException, index: int, args: tuple, kwargs: dict,
            signature: Sequence[GraphInput]) -> QCompileError:
-    """The error for calibration batch ``index`` that made the graph raise ``e``."""
+    """The error for calibration batch ``index`` that made the graph raise ``e``: ids
+    beyond an embedding's ``num_embeddings`` are named as such, anything else as a batch
+    that does not fit the graph."""
     names = [i.name for i in signature if not i.variadic]
+    if _index_error(e):
+        out_of_range = _ids_out_of_range(index, args, kwargs, signature)
+        if out_of_range is not None:
+            return out_of_range
     return QCompileError(
         f"calibration batch {index} ({describe(args, kwargs, names)}) does not fit "
         f"the graph, compiled for ({_compiled_for(signature)}): "
         f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}",
         fix="give batches shaped like example_inputs (same dtypes, same "
             "non-batch dimensions), or pass inputs=<batch -> model inputs>")
+
+
+def _index_error(e: BaseException) -> bool:
+    # torch's embedding kernel: IndexError "index out of range in self" (CPU); a device
+    # assert or RuntimeError mentioning the index elsewhere
+    text = str(e)
+    return isinstance(e, IndexError) or "index out of range" in text or "srcIndex" in text
+
+
+def _ids_out_of_range(index: int, args: tuple, kwargs: dict,
+                      signature: Sequence[GraphInput]) -> QCompileError | None:
+    """The error for an input whose ids fall outside an embedding it indexes (per
+    ``GraphInput.indexes``), or None when no input's ids do."""
+    by_name = {i.name: i for i in signature if not i.variadic}
+    given = [(i.name, v) for i, v in zip(signature, args) if not i.variadic]
+    given += list(kwargs.items())
+    for name, v in given:
+        spec = by_name.get(name)
+        if (spec is None or not spec.indexes or not isinstance(v, torch.Tensor)
+                or v.is_floating_point() or v.numel() == 0):
+            continue
+        lo, hi = int(v.min()), int(v.max())
+        for module, n in spec.indexes:
+            if lo >= 0 and hi < n:
+                continue
+            seen = f"ids up to {hi}" if hi >= n else f"the id {lo}"
+            return QCompileError(
+                f"calibration batch {index}: input {name} holds {seen}, out of range for "
+                f"embedding {module} (num_embeddings {n}: ids must lie in [0, {n - 1}])",
+                fix="give ids below num_embeddings: check that the tokenizer / vocabulary "
+                    "is the model's, or enlarge the embedding; to feed other inputs, pass "
+                    "inputs=<batch -> model inputs>")
+    return None
 
 
 def call_args(batches: Iterable[Any], inputs: Callable[[Any], Any] | None,
@@ -242,7 +439,29 @@ def _call_args(batch: Any, index: int, signature: Sequence[GraphInput],
                "inputs (e.g. from a DataLoader of (input, target) pairs)")
         raise QCompileError(f"calibration batch {index} {where} tuple of {len(args)} values, "
                             f"but the graph takes {len(signature)} input(s): {names}", fix=fix)
+    _refuse_empty(index, args, kwargs, signature)
     return args, kwargs
+
+
+def _refuse_empty(index: int, args: tuple, kwargs: dict,
+                  signature: Sequence[GraphInput]) -> None:
+    """A tensor input with 0 rows (dim 0 of size 0) observes nothing: the quantizers would
+    keep their placeholder ranges, unsaid. (An input compiled with 0 rows may stay so.)"""
+    known = {i.name: i for i in signature if not i.variadic}
+    named = [(i.name, v) for i, v in zip(signature, args) if not i.variadic]
+    named += [(f"input {i}", v) for i, v in enumerate(args[len(named):], len(named))]
+    named += list(kwargs.items())
+    for name, v in named:
+        if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != 0:
+            continue
+        compiled = known.get(name)
+        if compiled is not None and compiled.shape and compiled.shape[0] == 0:
+            continue
+        raise QCompileError(
+            f"calibration batch {index}: input {name} has 0 rows "
+            f"({str(v.dtype).removeprefix('torch.')}{list(v.shape)}), so it shows the "
+            "observers nothing", fix="pass non-empty batches (drop empty ones, e.g. with "
+            "DataLoader(..., drop_last=True) or a filter)")
 
 
 def describe(args: tuple, kwargs: dict, names: Sequence[str] = ()) -> str:

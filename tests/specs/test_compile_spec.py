@@ -251,8 +251,7 @@ def test_pipeline_devices_length_mismatch_with_stage_list() -> None:
 
 
 @pytest.mark.parametrize(
-    "device", ["cpu", "cuda", "cuda:0", "cuda:1", "cuda:15", "meta", "mps", "xpu:2", "hpu",
-               "npu:0"]
+    "device", ["cpu", "cuda", "cuda:0", "cuda:1", "cuda:15", "mps", "xpu:2", "hpu", "npu:0"]
 )
 def test_pipeline_good_devices(device: str) -> None:
     assert PipelineSpec(stages=1, devices=[device]).devices == [device]
@@ -266,14 +265,37 @@ def test_pipeline_bad_device_rejected(device: str) -> None:
     msg = str(excinfo.value)
     assert repr(device) in msg
     assert "not a device string" in msg
-    assert _locs(excinfo) == [("devices",)]
+    assert _locs(excinfo) == [("devices", 1)]  # the entry, by index
 
 
 def test_pipeline_bad_device_path_in_compile_spec() -> None:
     with pytest.raises(ValidationError) as excinfo:
         CompileSpec.model_validate({"pipeline": {"stages": 1, "devices": ["gpu0"]}})
-    assert _locs(excinfo) == [("pipeline", "devices")]
+    assert _locs(excinfo) == [("pipeline", "devices", 0)]
     assert "'gpu0'" in str(excinfo.value)
+
+
+@pytest.mark.parametrize("device", ["meta", "meta:0"])
+def test_pipeline_meta_device_rejected(device: str) -> None:
+    """``meta`` is a valid torch device but executes nothing: a stage there would run no
+    computation at all."""
+    with pytest.raises(ValidationError) as excinfo:
+        CompileSpec.model_validate({"pipeline": {"stages": 2, "devices": ["cpu", device]}})
+    assert _locs(excinfo) == [("pipeline", "devices", 1)]
+    assert f"{device!r} holds no data" in str(excinfo.value)
+    assert "'cpu', 'cuda'" in str(excinfo.value)
+    with pytest.raises(ValidationError) as excinfo:
+        PipelineSpec.model_validate({"stages": [{"modules": ["a"], "device": device}]})
+    assert ("stages", "list[StageSpec]", 0, "device") in _locs(excinfo)
+
+
+@pytest.mark.parametrize("value", ["", " ", "\t\n"])
+def test_empty_cache_dir_rejected(value: str) -> None:
+    """An empty cache_dir would be the current folder; null is how to say 'no cache'."""
+    with pytest.raises(ValidationError) as excinfo:
+        CompileSpec.model_validate({"cache_dir": value})
+    assert _locs(excinfo) == [("cache_dir",)]
+    assert "null (no cache) or a folder path" in str(excinfo.value)
 
 
 def test_pipeline_stage_list() -> None:
