@@ -34,6 +34,7 @@ from qcompile.graph.pipeline import Instrument
 from qcompile.graph.records import report
 from qcompile.passes import compile_model
 from qcompile.passes.trace import refuse_compiled
+from qcompile.passes.trace.capture_symbolic import refuse_lost_leaf_hooks
 from qcompile.specs import CompileSpec, as_spec
 
 
@@ -54,6 +55,12 @@ def qcompile(
     ``prepare_fx``), which saves the copy's memory and lets the graph take over the model's
     modules and parameters: use it only for a model nothing else will use.
 
+    What the model's forward does besides computing (hooks, attribute and in-place buffer
+    updates, ``if self.training:`` branches) is kept by the graph or refused with the
+    module's name and the fix (``qcompile.passes.trace.forward_effects``), never dropped
+    in silence; so is a hook on a layer the spec quantizes, whose call the graph replaces
+    by quantized operations (a ``skip: true`` rule keeps the layer a call, hooks and all).
+
     A ``torch.compile``'d model is compiled from its original module (``model._orig_mod``;
     names without ``_orig_mod.``, a note in the Report); a model wrapped for data
     parallelism is refused (compile first, then ``qc.distributed.wrap``).
@@ -67,6 +74,8 @@ def qcompile(
     refuse_wrapped(model)
     gm = compile_model(model, spec, example_inputs, example_kwargs=example_kwargs,
                        instruments=instruments, inplace=inplace)
+    if report(gm).trace_method == "symbolic" and spec.quant.mode != "none":
+        refuse_lost_leaf_hooks(model, gm, spec.trace.leaf_modules, spec.quant.mode)
     if note is not None:
         report(gm).passes[0].notes.append(note)
     return watch_observer_sync(gm)

@@ -12,8 +12,13 @@ graphs take their shapes from export's own fake values. The traced graph is mark
 qcompile's (``gm.meta[COMPILED_KEY]``); ``compile_model`` makes the finished graph save
 whole with ``torch.save`` (``saving.keep_whole``).
 
+Before either front end runs, names fx cannot write into code (a ``ModuleDict`` key with a
+quote, backslash or line break) and old-style ``torch.nn.utils.weight_norm`` are refused,
+naming the module (``forward_effects``).
+
 Inside the package imports run one way: this pass -> ``capture_symbolic``, ``shape_prop``,
-``capture_export``; each of those three -> ``model_copy``.
+``capture_export``; each of those three -> ``model_copy``; the pass and ``capture_symbolic``
+-> ``forward_effects``.
 
 Example:
     >>> import torch, qcompile as qc
@@ -39,7 +44,7 @@ from qcompile.errors import QCompileError
 from qcompile.graph.context import Context
 from qcompile.graph.meta import COMPILED_KEY, REPORT_KEY, ROOT_CLASS_KEY
 from qcompile.graph.pipeline import graph_pass, mark_compiled
-from qcompile.passes.trace import capture_export, capture_symbolic
+from qcompile.passes.trace import capture_export, capture_symbolic, forward_effects
 from qcompile.passes.trace.model_copy import copy_model
 from qcompile.passes.trace.shape_prop import propagate_shapes
 from qcompile.runtime.fake_quant import FakeQuantize
@@ -124,6 +129,34 @@ def _refuse_meta_weights(model: nn.Module, ctx: Context) -> None:
                         "qc.distributed.compile_once(build, spec, inputs, checkpoint=...)")
 
 
+def _refuse_uncapturable(model: nn.Module) -> None:
+    """What neither front end can capture, refused before the model is copied: a name fx
+    cannot write into the graph's code, and old-style weight norm (no copy can hold its
+    computed weight)."""
+    bad = forward_effects.unwritable_name(model)
+    if bad is not None:
+        kind, name = bad
+        raise QCompileError(
+            f"{kind} {name!r} of the model has a name (a ModuleDict / ParameterDict key) "
+            "with a quote, backslash or line break, which torch.fx cannot write into the "
+            "compiled graph's code",
+            fix="rename the key to letters, digits and underscores (e.g. "
+                f"{name.rpartition('.')[2]!r} -> {_identifier(name.rpartition('.')[2])!r})")
+    name = forward_effects.old_weight_norm(model)
+    if name is not None:
+        raise QCompileError(
+            f"module {name!r} of the model uses torch.nn.utils.weight_norm (the old-style "
+            "hook), whose computed weight no copy of the model can hold",
+            fix=f"use torch.nn.utils.parametrizations.weight_norm(model.{name}) instead "
+                "(qcompile keeps it: training updates g and v), or for inference call "
+                f"torch.nn.utils.remove_weight_norm(model.{name}) before compiling")
+
+
+def _identifier(atom: str) -> str:
+    out = "".join(c if c.isalnum() or c == "_" else "_" for c in atom)
+    return out if out.isidentifier() else f"_{out}"
+
+
 _RECOMPILE_FIX = ("compile the original float model instead; to change the scheme, compile the "
                   "float model with the new spec and load the trained state "
                   "(model.load_state_dict(gm.state_dict(), strict=False) before compiling)")
@@ -170,6 +203,7 @@ def trace(gm: GraphModule | None, ctx: Context) -> GraphModule:
                             f"take (it takes {', '.join(params)})",
                             fix="use the names of forward()'s parameters")
     _refuse_meta_weights(model, ctx)
+    _refuse_uncapturable(model)
     method = ctx.spec.trace.method
     failure: capture_symbolic.TraceFailure | None = None
     if method in ("auto", "symbolic"):

@@ -18,6 +18,12 @@ be a ready-to-train qcompile graph:
   time, which pickle cannot save; its forward becomes a ``GuardCode`` that saves that
   function's code, so the graph still checks its inputs after ``torch.save`` / ``torch.load``.
 
+What export itself does with a forward's other effects: hooks (the root's included) are
+traced into the graph; in-place buffer updates are kept (the graph updates the buffer on
+every call); attribute assignments (``self.calls += 1``) are undone by torch.export after
+its run and are not in the graph (symbolic tracing refuses them); an ``if self.training:``
+branch is exported in train mode (mode-aware dropout and BatchNorm aside, see above).
+
 Module ownership comes from ``node.meta[NN_MODULE_STACK]`` (recorded by export).
 ``capture`` is the front end the ``trace`` pass calls: ``export_graph`` with every failure
 turned into a ``QCompileError`` that says how to get past it.
