@@ -32,8 +32,10 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -42,11 +44,51 @@ import torch
 from torch import nn
 
 from qcompile.errors import QCompileError
+from qcompile.files import remove_stale_temporaries
 from qcompile.version import __version__
 
 MANIFEST = "manifest.json"
 STATE = "state.pt"
 FORMAT = 2  # 2: entries hold what compile + calibrate produced, not the weights
+# the folders ``store`` writes before renaming (``.<key[:12]>-<random>``) and ``_place``
+# moves an old entry into (``.old-<random>``); left behind only by a killed writer
+_TEMPORARY = re.compile(r"^\.([0-9a-f]{12}-|old-)")
+STALE_AFTER_S = 15 * 60.0  # a temporary untouched this long has no living writer
+
+
+def _newest_change(folder: Path) -> float:
+    """The latest modification time of ``folder`` and of anything directly in it: a
+    writer still writing ``state.pt`` keeps it recent."""
+    newest = folder.stat().st_mtime
+    for entry in folder.iterdir():
+        with contextlib.suppress(OSError):
+            newest = max(newest, entry.stat().st_mtime)
+    return newest
+
+
+def remove_stale(directory: str | os.PathLike[str], older_than_s: float = STALE_AFTER_S
+                 ) -> list[Path]:
+    """Remove what killed writers left in a cache folder: temporary entry folders
+    (``.<key>-*``, ``.old-*``) and temporary files (``.*.tmp``) nothing has touched for
+    ``older_than_s`` seconds (younger ones may belong to a writer still running).
+    Complete entries are never touched. Returns what was removed."""
+    folder = Path(directory)
+    removed = remove_stale_temporaries(folder, older_than_s)
+    cutoff = time.time() - older_than_s
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        if not _TEMPORARY.match(entry.name):
+            continue
+        try:
+            if entry.is_dir() and not entry.is_symlink() and _newest_change(entry) < cutoff:
+                shutil.rmtree(entry)
+                removed.append(entry)
+        except OSError:
+            continue  # another process renamed or removed it first
+    return removed
 
 
 def _hash_tensor(h: Any, t: torch.Tensor) -> None:
@@ -110,10 +152,12 @@ def _file_hash(path: Path) -> str:
 
 
 class CompileCache:
-    """A folder of compiled states, one sub-folder per key."""
+    """A folder of compiled states, one sub-folder per key. Opening a cache (``load``,
+    ``store``) removes the temporaries killed writers left behind (``remove_stale``)."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
+        remove_stale(self.directory)
 
     def load(self, key: str) -> tuple[dict[str, torch.Tensor] | None, str]:
         """(state, "hit") or (None, why not): "miss", or what was wrong with the entry."""

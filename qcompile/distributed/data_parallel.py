@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qcompile.distributed.agree import agree, digest
 from qcompile.distributed.devices import collective_device, staged
 from qcompile.distributed.guards import refuse_wrapped
 from qcompile.errors import QCompileError
@@ -214,6 +215,11 @@ def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Modul
         raise QCompileError(f"data_parallel.kind: {kind} needs an initialised process group",
                             fix="launch with torchrun and call "
                             "torch.distributed.init_process_group() first")
+    # before DDP's or fully_shard's first collective: another spec or graph on one rank
+    # is the same clear error on every rank, not a hang or a collective-size abort
+    agree("qc.distributed.wrap", {
+        "spec": spec.model_dump(mode="json", exclude={"cache_dir"}),
+        "graph": digest(str(getattr(gm, "code", "")))}, group)
     if kind == "fsdp2" and getattr(gm, "meta", {}).get(SHARDED_KEY):
         return gm  # compile_once sharded it per block and syncs its observers already
     refuse_wrapped(gm)

@@ -90,10 +90,14 @@ def refuse_wrapped(model: nn.Module) -> None:
     """Raise if ``model`` is already wrapped: quantize first, then wrap (with
     ``qc.distributed.wrap``, which also keeps observers in sync across ranks)."""
     kind = wrapper_kind(model)
-    if kind is None:
-        return
+    if kind is not None:
+        raise refusal(kind)
+
+
+def refusal(kind: str) -> QCompileError:
+    """The error for a model wrapped in ``kind`` (a ``wrapper_kind`` value)."""
     if kind == "DataParallel":
-        raise QCompileError(
+        return QCompileError(
             "the model is wrapped in nn.DataParallel, which qcompile does not support: its "
             "replicas are copies made for every forward and discarded after it, so observer "
             "and BatchNorm statistics updated on them are lost (and graph names would carry "
@@ -110,5 +114,40 @@ def refuse_wrapped(model: nn.Module) -> None:
     else:
         fix = ("compile the model before calling fully_shard on it, then shard the result: "
                "qc.distributed.wrap(gm, spec) with data_parallel.kind: fsdp2")
-    raise QCompileError(f"the model is wrapped in {kind}: qcompile must run before "
-                        "data-parallel wrapping", fix=fix)
+    return QCompileError(f"the model is wrapped in {kind}: qcompile must run before "
+                         "data-parallel wrapping", fix=fix)
+
+
+def wrapper_under_construction(e: BaseException) -> str | None:
+    """The data-parallel wrapper whose constructor raised ``e`` (a ``wrapper_kind``
+    value), or None: a model factory that wraps its model fails inside the wrapper when
+    it runs on the meta device (DDP verifies its parameters with ``.item()``), so the
+    wrapper is known only from the traceback (the instance being built)."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    kinds = ((DistributedDataParallel, "DistributedDataParallel"),
+             (FullyShardedDataParallel, "FullyShardedDataParallel"),
+             (nn.DataParallel, "DataParallel"))
+    tb = e.__traceback__
+    while tb is not None:
+        me = tb.tb_frame.f_locals.get("self")
+        for cls, kind in kinds:
+            if isinstance(me, cls):
+                return kind
+        tb = tb.tb_next
+    return None
+
+
+def data_parallel_inner(model: nn.Module) -> nn.Module:
+    """The graph inside a data-parallel wrapper ``qc.distributed.wrap`` made: DDP's
+    ``.module``; ``fully_shard`` keeps the graph itself (its class becomes an FSDP
+    subclass), so it comes back as it is, as does a bare graph."""
+    if torch.distributed.is_available():
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(model, DistributedDataParallel):
+            return model.module
+    return model

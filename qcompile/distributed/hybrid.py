@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from qcompile.distributed.agree import agree
 from qcompile.errors import QCompileError
 from qcompile.specs import as_spec
 
@@ -70,12 +71,30 @@ def mesh_shape(spec: Any, world: int) -> tuple[int, int]:
 def mesh(spec: Any, device_type: str | None = None) -> Any:
     """The ``("pp", "dp")`` ``DeviceMesh`` for ``spec`` on the initialised process group
     (``init_device_mesh``; every rank calls it). ``device_type`` defaults to the pipeline
-    devices' type (``cuda`` when they name GPUs, else ``cpu``)."""
+    devices' type (``cuda`` when they name GPUs, else ``cpu``). The ranks first agree on
+    the spec's ``pipeline`` and ``data_parallel`` sections and the device type: a rank
+    launched with another spec is the same ``QCompileError`` on every rank, not a hang."""
     spec = as_spec(spec)
+    _initialised()
+    agree("qc.distributed.mesh", {
+        "pipeline": spec.pipeline.model_dump(mode="json") if spec.pipeline else None,
+        "data_parallel": spec.data_parallel.model_dump(mode="json"),
+        "device_type": device_type})
+    return agreed_mesh(spec, device_type)
+
+
+def _initialised() -> None:
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         raise QCompileError("pipeline x data parallel needs an initialised process group",
                             fix="launch with torchrun and call "
                             "torch.distributed.init_process_group() first")
+
+
+def agreed_mesh(spec: Any, device_type: str | None = None) -> Any:
+    """``mesh`` for callers whose ranks already agreed on the spec
+    (``qc.distributed.pipeline``)."""
+    spec = as_spec(spec)
+    _initialised()
     pp, dp = mesh_shape(spec, torch.distributed.get_world_size())
     if device_type is None:
         devices = spec.pipeline.devices or ["cpu"]

@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections import Counter
 from collections.abc import Callable
@@ -44,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qcompile.distributed.agree import agree, collective_phase, digest
 from qcompile.distributed.cache import CompileCache, cache_key, misfit
 from qcompile.distributed.checkpoint import Checkpoint
 from qcompile.distributed.data_parallel import (
@@ -53,7 +55,12 @@ from qcompile.distributed.data_parallel import (
     watch_observer_sync,
 )
 from qcompile.distributed.devices import collective_device, staged
-from qcompile.distributed.guards import refuse_wrapped, unwrap_compiled
+from qcompile.distributed.guards import (
+    refusal,
+    refuse_wrapped,
+    unwrap_compiled,
+    wrapper_under_construction,
+)
 from qcompile.errors import QCompileError
 from qcompile.graph.meta import ALGORITHMS_SKIPPED_KEY, FOLDS_KEY, SHARDED_KEY
 from qcompile.graph.records import report
@@ -70,6 +77,13 @@ from qcompile.specs import CompileSpec, PipelineSpec, as_spec
 from qcompile.specs.quant import DATA_KINDS
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+_FIXES = {
+    "cache_dir": "pass the same cache_dir on every rank (or on none): rank 0 reads and "
+                 "writes the cache for every rank and tells the others what it found",
+    "checkpoint": "pass checkpoint= on every rank (each reads its own part) or on none",
+    "example_inputs": "pass the same example_inputs (shapes and dtypes) on every rank",
+    "example_kwargs": "pass the same example_kwargs (shapes and dtypes) on every rank",
+}
 
 
 def blocks(model: nn.Module) -> list[str]:
@@ -100,6 +114,44 @@ def _block_spec(spec: CompileSpec, names: list[str]) -> CompileSpec:
 
 def _to_meta(v: Any) -> Any:
     return v.to("meta") if isinstance(v, torch.Tensor) else v
+
+
+def _build_meta(build_model: Any) -> tuple[nn.Module, str | None, bool]:
+    """``build_model()`` under ``torch.device("meta")`` (no memory), as every rank runs it
+    first: ``(meta model, torch.compile note, shared)``. A model already wrapped for data
+    parallelism is refused here, on every rank alike (a wrapper built on meta fails inside
+    its own constructor: that is recognised too). ``shared``: the factory returned a model
+    that already existed (its tensors are not on meta, e.g. ``lambda: model``); then the
+    meta model is a structural copy, so nothing compile_once does reaches the user's."""
+    try:
+        with torch.device("meta"):
+            built = build_model()
+    except Exception as e:
+        kind = wrapper_under_construction(e)
+        if kind is not None:
+            raise refusal(kind) from None
+        raise
+    model, note = unwrap_compiled(built)
+    refuse_wrapped(model)
+    shared = any(t.device.type != "meta" for t in (*model.parameters(), *model.buffers()))
+    return (_meta_copy(model) if shared else model), note, shared
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors (no data is
+    copied: each tensor's copy is pre-seeded into deepcopy's memo)."""
+    memo: dict[int, Any] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) not in memo:
+            empty = torch.empty_like(t, device="meta")
+            memo[id(t)] = (nn.Parameter(empty, requires_grad=t.requires_grad)
+                           if isinstance(t, nn.Parameter) else empty)
+    return copy.deepcopy(model, memo)
+
+
+def _shapes(value: Any) -> list[str]:
+    return [f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+            for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _digest(batches: list[Any] | None) -> str:
@@ -133,7 +185,7 @@ def _refuse_uneven(gathered: list[Any], shard: bool) -> None:
     """Every rank, before any forward: calibration given on some ranks only, or (sharded:
     every forward is a collective) a different number of batches per rank, would leave
     ranks waiting for each other until the process group times out."""
-    counts = [c for _, c in gathered]
+    counts = [c for _, c, _ in gathered]
     given = [c is not None for c in counts]
     if any(given) and not all(given):
         raise QCompileError(f"compile_once: calibration batches per rank {counts}: some ranks "
@@ -144,6 +196,16 @@ def _refuse_uneven(gathered: list[Any], shard: bool) -> None:
                             f"number of batches on every rank, got {counts} per rank",
                             fix="split the calibration data evenly across the ranks (every "
                                 "forward through a sharded graph is a collective)")
+    shapes = [s for _, _, s in gathered]
+    if shard and shapes[0] is not None:
+        for i, per_rank in enumerate(zip(*shapes)):
+            if len(set(per_rank)) > 1:
+                shown = "; ".join(f"rank {r}: {v}" for r, v in enumerate(per_rank))
+                raise QCompileError(
+                    f"compile_once: calibration batch {i} differs in shape between the "
+                    f"ranks ({shown}); a sharded (fsdp2) calibration runs every batch on "
+                    "every rank together", fix="give every rank batches of the same shapes "
+                    "(the same batch size), or fix the misshaped batch")
 
 
 def _rows(t: torch.Tensor, rank: int, world: int) -> slice | None:
@@ -316,7 +378,16 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
     (``collective_device``: the rank's GPU for NCCL, so call ``torch.cuda.set_device``
     first; CPU for gloo). The sharded result is already ``fully_shard``-ed and keeps
     observers in sync after every forward (``qc.distributed.wrap`` returns it as it is); a
-    replicated result is wrapped as usual (``qc.distributed.wrap``)."""
+    replicated result is wrapped as usual (``qc.distributed.wrap``).
+
+    Every rank first builds the model on the meta device (free): a model already wrapped
+    for data parallelism is refused there on every rank, and a factory that returns a model
+    that already exists (``lambda: model``: its tensors are not on meta) is compiled from a
+    copy, so the user's model is never changed (that copy costs one model's memory on rank
+    0, or nothing but the structure with a checkpoint or when sharded). Before the first
+    collective the ranks agree on the spec, ``cache_dir``, ``checkpoint`` given or not, the
+    example inputs' shapes and then the graph's code; a build, compile or calibration batch
+    that fails on one rank fails every rank with that rank's message, never a hang."""
     spec = as_spec(spec)
     directory = cache_dir or spec.cache_dir
     on = initialised()
@@ -338,6 +409,14 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
             fix="compile with qc.qcompile on every rank and call qc.calibrate(gm, batches) "
             "there (statistics are summed across ranks with quant.sync_observers), or "
             "remove it from quant.algorithms")
+    if on:  # before the first collective: a mismatch is the same clear error on every rank
+        agree("compile_once", {
+            "spec": spec.model_dump(mode="json", exclude={"cache_dir"}),
+            "cache_dir": None if directory is None else str(directory),
+            "checkpoint": "given" if ckpt is not None else None,
+            "example_inputs": _shapes(inputs),
+            "example_kwargs": {k: _shapes(v) for k, v in sorted((example_kwargs or {}).items())},
+        }, group, fixes=_FIXES)
     if ckpt is None and not shard:
         gm, source = _replicated_from_rank0(build_model, spec, inputs, example_kwargs,
                                             rank, group, src, hashing=directory is not None)
@@ -348,7 +427,8 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
     key, why = None, "no cache_dir"
     produced = _produced(gm, source["weights"])
     # each rank's calibration data goes into the cache key; the counts are checked anyway
-    mine = (_digest(batches) if directory is not None else None, _count(batches))
+    mine = (_digest(batches) if directory is not None else None, _count(batches),
+            [" ".join(_shapes(b)) for b in batches] if shard and batches is not None else None)
     digests: list[Any] = [mine]
     if on:
         digests = [None] * world
@@ -379,14 +459,21 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
             q.enabled, q.observe = bool(q.mode_flags[0]), bool(q.mode_flags[1])
     elif batches is not None:
         sync = spec.quant.sync_observers and on
-        collect_statistics(gm, batches, signature=graph_inputs(gm),
-                           sync=(lambda m: sync_observers(m, group, everything=True))
-                           if sync else None)
+        if shard:  # every forward is a collective: counts and shapes were agreed above
+            collect_statistics(gm, batches, signature=graph_inputs(gm),
+                               sync=(lambda m: sync_observers(m, group, everything=True))
+                               if sync else None)
+        else:  # a batch refused on one rank is refused on every rank, before the sync
+            with collective_phase("compile_once (calibrating)", group):
+                collect_statistics(gm, batches, signature=graph_inputs(gm))
+            if sync:
+                sync_observers(gm, group, everything=True)
     if directory is not None and not hit:
         full = gm.state_dict()
         entry = {n: _whole(full[n]) for n in produced}  # collectives for sharded tensors
-        if rank == 0:
-            CompileCache(directory).store(key, entry, report(gm).model_dump_json())
+        with collective_phase("compile_once (writing the cache entry)", group):
+            if rank == 0:  # a folder rank 0 cannot write is an error on every rank
+                CompileCache(directory).store(key, entry, report(gm).model_dump_json())
     report(gm).passes[-1].notes.append(f"compile cache: {why}")
     if shard:
         keep_observers_in_sync(gm, spec, group)
@@ -415,23 +502,29 @@ def _replicated_from_rank0(build_model: Any, spec: CompileSpec, inputs: Any,
     """Rank 0 builds and compiles the real model in place; the others compile it on meta,
     allocate the graph once and receive every tensor from rank 0."""
     on = initialised()
-    if rank == 0:
-        model, note = unwrap_compiled(build_model())
-        refuse_wrapped(model)
-        weights = {n for n, _ in model.named_parameters()}
-        # The model was built here for this graph alone: no copy needed.
-        gm = compile_model(model, spec, inputs, example_kwargs=example_kwargs, inplace=True)
-        h = _state_hash(gm.state_dict()) if hashing else None
-        del model
-    else:
-        with torch.device("meta"):
+    with collective_phase("compile_once (building and compiling the model)", group):
+        # every rank builds on meta first (cheap): a wrapped model is refused on every rank
+        model, note, shared = _build_meta(build_model)
+        if rank == 0:
             model, note = unwrap_compiled(build_model())
-        weights = {n for n, _ in model.named_parameters()}
-        meta_inputs = tuple(_to_meta(v) for v in inputs) if inputs is not None else None
-        meta_kwargs = {k: _to_meta(v) for k, v in (example_kwargs or {}).items()} or None
-        gm = compile_model(model, spec, meta_inputs, example_kwargs=meta_kwargs, inplace=True)
-        gm = gm.to_empty(device="cpu")
-        h = None
+            refuse_wrapped(model)
+            weights = {n for n, _ in model.named_parameters()}
+            # a model built here for this graph alone needs no copy; the user's own model
+            # (a factory returning an existing one) is compiled from a copy, never touched
+            gm = compile_model(model, spec, inputs, example_kwargs=example_kwargs,
+                               inplace=not shared)
+            h = _state_hash(gm.state_dict()) if hashing else None
+            del model
+        else:
+            weights = {n for n, _ in model.named_parameters()}
+            meta_inputs = tuple(_to_meta(v) for v in inputs) if inputs is not None else None
+            meta_kwargs = {k: _to_meta(v) for k, v in (example_kwargs or {}).items()} or None
+            gm = compile_model(model, spec, meta_inputs, example_kwargs=meta_kwargs,
+                               inplace=True)
+            gm = gm.to_empty(device="cpu")
+            h = None
+    if on:  # every rank receives rank 0's tensors into a graph of the same code
+        agree("compile_once", {"graph": digest(gm_code(gm))}, group)
     if note is not None:
         report(gm).passes[0].notes.append(note)
     if on:
@@ -458,22 +551,24 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
     it, and loads the weights: its rows of each from the checkpoint, or from rank 0's
     stream."""
     on = initialised()
-    with torch.device("meta"):
-        meta_model, note = unwrap_compiled(build_model())
-    refuse_wrapped(meta_model)
-    if ckpt is not None:
-        ckpt.check(meta_model)  # every rank reads the same headers: all refuse, none hangs
-    names = set(meta_model.state_dict())
-    weights = {n for n, _ in meta_model.named_parameters()}
-    compile_spec = spec
-    found = blocks(meta_model) if shard else []
-    if shard and len(found) >= 2:
-        compile_spec = _block_spec(spec, found)
-    meta_inputs = tuple(_to_meta(v) for v in inputs) if inputs is not None else None
-    meta_kwargs = {k: _to_meta(v) for k, v in (example_kwargs or {}).items()} or None
-    gm = compile_model(meta_model, compile_spec, meta_inputs, example_kwargs=meta_kwargs,
-                       inplace=True)
-    del meta_model
+    with collective_phase("compile_once (building and compiling the model)", group):
+        # a factory returning the user's own model gets a meta copy: nothing touches it
+        meta_model, note, _ = _build_meta(build_model)
+        if ckpt is not None:
+            ckpt.check(meta_model)  # every rank reads the same headers: all refuse together
+        names = set(meta_model.state_dict())
+        weights = {n for n, _ in meta_model.named_parameters()}
+        compile_spec = spec
+        found = blocks(meta_model) if shard else []
+        if shard and len(found) >= 2:
+            compile_spec = _block_spec(spec, found)
+        meta_inputs = tuple(_to_meta(v) for v in inputs) if inputs is not None else None
+        meta_kwargs = {k: _to_meta(v) for k, v in (example_kwargs or {}).items()} or None
+        gm = compile_model(meta_model, compile_spec, meta_inputs, example_kwargs=meta_kwargs,
+                           inplace=True)
+        del meta_model
+    if on:
+        agree("compile_once", {"graph": digest(gm_code(gm))}, group)
     skipped = gm.meta.get(ALGORITHMS_SKIPPED_KEY)
     if skipped:  # every rank compiled on meta: all refuse together, none hangs
         raise QCompileError(
@@ -500,12 +595,13 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
         def read(name: str, rows: slice | None) -> torch.Tensor:
             return ckpt.read(name, rows)
     else:  # rank 0 streams its real model, freeing each tensor once sent
-        if rank == 0:
-            model, _ = unwrap_compiled(build_model())
-            real = dict(model.state_dict(keep_vars=False))
-            real.update({n: b for n, b in model.named_buffers()})  # non-persistent too
-            del model
-            h = _state_hash(real) if hashing and ckpt is None else None
+        with collective_phase("compile_once (rank 0 building the model)", group):
+            if rank == 0:
+                model, _ = unwrap_compiled(build_model())
+                real = dict(model.state_dict(keep_vars=False))
+                real.update({n: b for n, b in model.named_buffers()})  # non-persistent too
+                del model
+                h = _state_hash(real) if hashing and ckpt is None else None
 
         def read(name: str, rows: slice | None) -> torch.Tensor:
             t = real[name]

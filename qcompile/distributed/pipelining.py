@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qcompile.distributed.agree import agree, collective_phase, digest
 from qcompile.errors import QCompileError
 from qcompile.graph.meta import TIED_KEY
 from qcompile.passes.partition import stage_devices
@@ -252,13 +253,22 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
     from torch.distributed import pipelining as pp
 
     spec = as_spec(spec)
-    if spec.pipeline is None:
-        raise QCompileError("qc.distributed.pipeline: the spec has no pipeline section",
-                            fix="add pipeline: {stages: N, ...} and compile with that spec")
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         raise QCompileError("qc.distributed.pipeline needs an initialised process group",
                             fix="launch with torchrun and call "
                             "torch.distributed.init_process_group() first")
+    # before anything that differs by rank: a schedule, a stage count or a graph of one
+    # rank's own would leave the others waiting in the schedule until the timeout
+    agree("qc.distributed.pipeline", {
+        "spec": spec.model_dump(mode="json", exclude={"cache_dir"}),
+        "graph": digest("\n".join([str(getattr(gm, "code", ""))] + [
+            str(getattr(c, "code", "")) for n, c in gm.named_children()
+            if n.startswith("stage_")])),
+        "loss_fn": loss_fn is not None}, group,
+        fixes={"loss_fn": "pass loss_fn= on every rank (the last stage computes the loss)"})
+    if spec.pipeline is None:
+        raise QCompileError("qc.distributed.pipeline: the spec has no pipeline section",
+                            fix="add pipeline: {stages: N, ...} and compile with that spec")
     k = spec.pipeline.num_stages
     missing = [f"stage_{i}" for i in range(k) if not hasattr(gm, f"stage_{i}")]
     if missing:
@@ -268,13 +278,13 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
     dp_group = dp_mesh = None
     columns: list[list[int]] | None = None
     if hybrid:  # pipeline x data parallel: validated before any communication
-        from qcompile.distributed.hybrid import mesh
+        from qcompile.distributed.hybrid import agreed_mesh
 
         if group is not None:
             raise QCompileError("qc.distributed.pipeline: pipeline x data parallel builds "
                                 "its own 2-D mesh over the world; group= is not supported",
                                 fix="drop group=, or set data_parallel.kind: none")
-        device_mesh = mesh(spec)
+        device_mesh = agreed_mesh(spec)
         group, dp_group = device_mesh.get_group("pp"), device_mesh.get_group("dp")
         dp_mesh = device_mesh["dp"]
         columns = [[int(r) for r in col] for col in device_mesh.mesh.t().tolist()]
@@ -300,17 +310,22 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
     modules = {s: gm.get_submodule(f"stage_{s}") for s in mine}
     wrapped = ({s: _replicate(mod, spec, dp_group, dp_mesh) for s, mod in modules.items()}
                if hybrid else modules)
-    stages = [protect_observers(pp.PipelineStage(wrapped[s], s, k, devices[s], group=group))
-              for s in mine]
     m = spec.pipeline.microbatches
-    # Gradients are averaged over micro-batches here, once per distinct parameter: torch's
-    # own scaling divides per stage, twice for a parameter two local stages share.
-    if kind == "gpipe":
-        schedule = pp.ScheduleGPipe(stages[0], m, loss_fn=loss_fn, scale_grads=False)
-    elif kind == "1f1b":
-        schedule = pp.Schedule1F1B(stages[0], m, loss_fn=loss_fn, scale_grads=False)
-    else:
-        schedule = pp.ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn, scale_grads=False)
+    # the local part (this rank's stages on its devices, the schedule): a failure on one
+    # rank fails every rank (with pipeline x data parallel, every rank of the world)
+    with collective_phase("qc.distributed.pipeline (building this rank's stages)",
+                          None if hybrid else group):
+        stages = [protect_observers(pp.PipelineStage(wrapped[s], s, k, devices[s],
+                                                     group=group)) for s in mine]
+        # Gradients are averaged over micro-batches here, once per distinct parameter:
+        # torch's own scaling divides per stage, twice for a parameter two local stages share.
+        if kind == "gpipe":
+            schedule = pp.ScheduleGPipe(stages[0], m, loss_fn=loss_fn, scale_grads=False)
+        elif kind == "1f1b":
+            schedule = pp.Schedule1F1B(stages[0], m, loss_fn=loss_fn, scale_grads=False)
+        else:
+            schedule = pp.ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn,
+                                                  scale_grads=False)
     params = list({id(p): p for st in stages for p in st.submod.parameters()}.values())
     inputs = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
     tied = _tied_groups(gm, stage_rank, mine, group, columns)

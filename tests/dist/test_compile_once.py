@@ -128,10 +128,9 @@ CNN_QUANTIZERS = 13  # weight + output quantizer per conv/linear (5), one per re
 @pytest.mark.parametrize("how", ["checkpoint", "stream"])
 def test_fsdp2_static_cnn_folds_batchnorm_like_one_process(dist_run: Any, how: str) -> None:
     """Conv2d+BatchNorm2d blocks, BN statistics far from their defaults (negative gammas):
-    each rank recomputes its rows of every fold. The contract is allclose (rtol 1e-6):
-    a recomputed fold may differ by an ulp, and so may the observer statistics downstream
-    of it; the head (after every fold) must not. What this torch gives is bit-identity
-    everywhere (state, qparams, output)."""
+    each rank recomputes its rows of every fold. A fold is elementwise per output channel
+    (correctly rounded multiply, divide and square root), so a rank's rows are the same
+    bits as one process's: state, qparams and output are bit-identical (``torch.equal``)."""
     r0, r1 = dist_run.case("fsdp2_cnn_fold")
     for rank, r in enumerate((r0, r1)):
         assert r["negative_gammas"] > 0 and r["ref_bn_left"] == []
@@ -142,15 +141,11 @@ def test_fsdp2_static_cnn_folds_batchnorm_like_one_process(dist_run: Any, how: s
         vs = got["vs_reference"]
         assert vs["missing"] == [] and vs["extra"] == [], vs
         assert vs["compared"] == CNN_WEIGHTS + 5 * CNN_QUANTIZERS
-        for name in vs["not_equal"]:  # an ulp in a fold reaches the observers downstream
-            gap = vs["gaps"].get(name, {})
-            assert not name.startswith("head.") and gap.get("allclose_1e-6"), (
-                f"rank {rank}: {name} differs from one process ({gap})")
-        if vs["not_equal"]:
-            assert got["out_diff"] <= 0.05 * got["out_norm"], got["out_diff"]
-        else:  # bit-identical folds (what this torch gives): everything downstream is too
-            assert got["qparams_vs_reference"]["not_equal"] == []
-            assert got["out_equal"], f"rank {rank}: output differs by {got['out_diff']}"
+        assert vs["not_equal"] == [], (
+            f"rank {rank}: not bit-identical to one process: {vs['not_equal']} "
+            f"(gaps {vs['gaps']})")
+        assert got["qparams_vs_reference"]["not_equal"] == []
+        assert got["out_equal"], f"rank {rank}: output differs by {got['out_diff']}"
         assert got["children"] == [f"stage_{i}" for i in range(BLOCKS)]
         check_sharded(rank, got["shards"], CNN_WEIGHTS)
 
@@ -197,7 +192,8 @@ def test_bad_checkpoint_is_refused_on_every_rank(dist_run: Any, kind: str, what:
         for part in NAMED[what]:
             assert part in err["message"], f"rank {rank}: {part} not in {err['message']!r}"
         assert err["fix"], f"rank {rank}: no fix"
-        assert err["seconds"] < 5.0, f"rank {rank}: took {err['seconds']:.1f} s (a collective?)"
+        # both ranks met at the barrier after every mistake (the worker's barrier would
+        # time out otherwise) and the group still works
         assert r["all_reduce_after"] == 3.0
 
 
@@ -234,10 +230,10 @@ def test_cache_stores_no_weights_and_hits_the_second_time(dist_run: Any) -> None
 def test_fsdp2_unequal_calibration_batches_are_refused_on_every_rank(dist_run: Any) -> None:
     """Sharded, every forward is a collective: a different number of batches per rank
     would leave rank 0's extra forward waiting for rank 1 until the process group times
-    out. A ``QCompileError`` on both ranks names the counts, before any forward."""
+    out. A ``QCompileError`` on both ranks names the counts, before any forward (the
+    group's timeout is 4 s: a rank that waited would raise a gloo timeout instead)."""
     r0, r1 = dist_run.case("fsdp2_unequal_batches")
     assert (r0["batches"], r1["batches"]) == (3, 2)
     for rank, r in enumerate((r0, r1)):
         assert r["raised"] == "QCompileError", f"rank {rank}: {r['raised']}: {r['message']}"
         assert "batch" in r["message"] and "[3, 2]" in r["message"], r["message"]
-        assert r["seconds"] < 3.0, f"rank {rank}: {r['seconds']:.1f} s: it waited for a timeout"
