@@ -3,7 +3,8 @@
 The first matching rule wins, except that a matching ``skip`` rule always wins for its
 nodes. The choice is stored as ``node.meta[QSCHEME_KEY]`` (a ``NodeQScheme``
 with the rule index). A rule that selects no node is an error (unless ``optional``),
-naming the rule and what the graph does contain.
+naming the rule and what the graph does contain. Layers with a weight that no rule selects
+(neither quantized nor skipped) are named in a note: nothing stays in float silently.
 
 Example:
     >>> import torch, qcompile as qc
@@ -28,10 +29,13 @@ from qcompile.graph.context import Context
 from qcompile.graph.matching import (
     NodeQScheme,
     candidate_kinds,
+    is_weighted_call,
+    layer_of,
     match_node,
     module_output,
     op_name,
     owners,
+    weighted_module_op,
 )
 from qcompile.graph.meta import QSCHEME_KEY
 from qcompile.graph.pipeline import graph_pass
@@ -61,6 +65,8 @@ def assign_rules(gm: GraphModule, rules: list[Rule]) -> Assignment:
     matched: dict[int, int] = {i: 0 for i in range(len(rules))}
     modules_seen: set[str] = set()
     ops_seen: set[str] = set()
+    # (rule, owner) pairs whose module computes its weighted op in a node of its own
+    weighted: set[tuple[int, str]] = set()
     for node in gm.graph.nodes:
         if node.op not in ("call_module", "call_function", "call_method"):
             continue
@@ -81,14 +87,18 @@ def assign_rules(gm: GraphModule, rules: list[Rule]) -> Assignment:
             matched[i] += 1
         i, hit = next(((i, h) for i, h in hits if rules[i].skip), hits[0])
         rule = rules[i]
-        activation = rule.activation
+        activation, weight = rule.activation, rule.weight
         if rule.match.op is None and not module_output(node):
             # A module rule quantizes what the module returns; an op inside it that only
             # consumes the weight (GPT-2 Conv1D's addmm, before its view) gets the weight
             # scheme alone, or the module's output would be quantized twice.
             activation = None
+        if rule.match.op is None and is_weighted_call(node):
+            weighted.add((i, hit))
+        elif (i, hit) in weighted:
+            weight = None  # the module's weight is its weighted op's (quantized there)
         node.meta[QSCHEME_KEY] = NodeQScheme(
-            rule=i, skip=rule.skip, weight=rule.weight, activation=activation, matched=hit
+            rule=i, skip=rule.skip, weight=weight, activation=activation, matched=hit
         )
         won[i].append(node.name)
     return Assignment(won, matched, frozenset(modules_seen), frozenset(ops_seen))
@@ -123,4 +133,26 @@ def annotate(gm: GraphModule, ctx: Context) -> GraphModule:
     for i, names in won.items():
         if rules[i].skip:
             ctx.note(f"rule {i} keeps {len(names)} node(s) in float")
+    unselected = unselected_layers(gm)
+    if rules and unselected:
+        shown = ", ".join(f"{name} ({cls})" for name, cls in unselected[:6])
+        more = f" and {len(unselected) - 6} more" if len(unselected) > 6 else ""
+        ctx.note(f"{len(unselected)} weighted layer(s) selected by no rule stay in float: "
+                 f"{shown}{more}")
     return gm
+
+
+def unselected_layers(gm: GraphModule) -> list[tuple[str, str]]:
+    """(layer, module class) of every layer with a weight (Linear, Conv, Embedding, or an
+    op such as GPT-2 Conv1D's ``addmm`` reading a parameter) that no rule selected, skip
+    rules included: what the spec leaves in float without saying so."""
+    found: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if QSCHEME_KEY in node.meta:
+            continue
+        if weighted_module_op(gm, node) is None and not is_weighted_call(node):
+            continue
+        own = owners(node, gm)
+        layer = layer_of(node) or node.name
+        found.setdefault(layer, own[0].cls_name if own and own[0].name else "op")
+    return sorted(found.items())

@@ -6,7 +6,10 @@
   (``F.linear(x, fc.weight_fake_quant(fc.weight), fc.bias)``) so the graph shows
   weight -> quantizer -> op, exactly as on ``torch.export`` graphs; functional
   linear/conv/embedding calls on parameters get the same treatment. One quantizer per
-  parameter, named ``<module>.<param>_fake_quant``; parameter names are unchanged.
+  parameter, named ``<module>.<param>_fake_quant``; parameter names are unchanged. A weight
+  stored [in, out] (Hugging Face GPT-2's ``Conv1D``: ``addmm(b, x, W)``, or ``x @ W``) is
+  quantized per channel along its output dimension (axis 1); per group, its quantizer
+  sees ``W.t()`` so that groups run along the input dimension, as for a Linear.
 - Inputs: with ``quant.inputs``, a quantizer after each floating-point model input.
 - Ranges: weights take their dtype's full range; activation, dynamic-input and input
   quantizers of 8-bit integer dtypes take the 7-bit range when ``quant.target`` needs it
@@ -15,7 +18,9 @@
 Mode decides how quantizers start: ``qat`` observes and fake-quantizes; ``static``
 observes activations with fake-quant off until ``qc.calibrate``; ``dynamic`` computes
 activation qparams from each batch, at the *input* of weighted ops (Linear, Conv...,
-``<module>.input_fake_quant``), which is what dynamic integer kernels quantize. Weight
+``<module>.input_fake_quant``; for a module whose one weighted op is not what it returns,
+such as ``Conv1D``'s ``addmm`` before its ``view``, that op's input), which is what dynamic
+integer kernels quantize. Weight
 qparams are computed here from the weights (and keep tracking them during QAT), so a
 compiled graph's weight scales are real before any forward: export, ``qc.sqnr`` and
 inspection of an untrained QAT graph read them as they are.
@@ -54,6 +59,7 @@ from qcompile.graph.matching import (
     is_size_like,
     layer_of,
     module_output,
+    op_name,
     weight_use,
     weighted_module_op,
 )
@@ -221,11 +227,29 @@ def _weighted(gm: GraphModule, node: Node) -> bool:
     return weighted_module_op(gm, node) is not None or weight_use(node) is not None
 
 
+def _data_input(op: Node) -> Any:
+    """What a weighted op multiplies its weight with: ``addmm(bias, x, W)`` reads ``x``
+    second, every other weighted op (linear, conv, mm, matmul) first."""
+    index = 1 if op_name(op) == "addmm" else 0
+    return op.args[index] if len(op.args) > index else None
+
+
+def _weighted_ops(gm: GraphModule) -> dict[tuple[int, str], list[Node]]:
+    """(rule, matched module) -> the weighted ops that module rule selected: a module whose
+    weighted op is not what it returns (GPT-2's Conv1D: ``addmm`` then ``view``)."""
+    found: dict[tuple[int, str], list[Node]] = {}
+    for node in gm.graph.nodes:
+        qs = node.meta.get(QSCHEME_KEY)
+        if qs is not None and not qs.skip and qs.weight is not None and _weighted(gm, node):
+            found.setdefault((qs.rule, qs.matched), []).append(node)
+    return found
+
+
 def _dynamic_input(gm: GraphModule, ctx: Context, op: Node, qs: Any) -> None:
     """Dynamic mode quantizes what a weighted op reads, per batch, as dynamic integer
     kernels do (torch.ao's quantize_dynamic): a quantizer on the op's input, for this op
     only."""
-    x = op.args[0] if op.args else None
+    x = _data_input(op)
     if not isinstance(x, Node):
         return
     is_float, shape = _tensor_shape(x, ctx)
@@ -253,6 +277,7 @@ def _activations(gm: GraphModule, ctx: Context) -> None:
     device = _device(gm)
     by_name = {n.name: n for n in gm.graph.nodes}
     done: set[tuple[str, ...]] = set()
+    weighted_ops = _weighted_ops(gm) if mode == "dynamic" else {}
     for node in list(gm.graph.nodes):
         qs = node.meta.get(QSCHEME_KEY)
         if qs is None or qs.skip or qs.activation is None:
@@ -267,6 +292,10 @@ def _activations(gm: GraphModule, ctx: Context) -> None:
             head = last = node
         if mode == "dynamic" and _weighted(gm, head):
             _dynamic_input(gm, ctx, head, qs)
+            continue
+        ops = weighted_ops.get((qs.rule, qs.matched), [])
+        if len(ops) == 1:  # the module's one weighted op reads what dynamic mode quantizes
+            _dynamic_input(gm, ctx, ops[0], qs)
             continue
         is_float, shape = _tensor_shape(last, ctx)
         if not is_float:
@@ -314,23 +343,40 @@ def _weights(gm: GraphModule, ctx: Context) -> None:
             continue
         where = f"parameter {target!r} (node {node.name!r})"
         field = f"quant.rules[{qs.rule}].weight"
-        if use.axis % weight.dim() != 0 and qs.weight.granularity == "per_group":
+        # A weight stored [in, out] (GPT-2's Conv1D, ``x @ W``): per-group groups run
+        # along the input dimension, so its quantizer sees the [out, in] transpose.
+        transposed = use.axis % weight.dim() != 0 and qs.weight.granularity == "per_group"
+        if transposed and weight.dim() != 2:
             raise QCompileError(
                 f"{where}: {field}: per_group needs the weight stored as [out, in]; "
                 f"{node.name} uses it as [in, out]",
                 fix="use granularity per_channel for this layer, or skip it with a rule")
-        fq = _build(qs.weight, ctx, role="weight", shape=tuple(weight.shape), dynamic=False,
-                    where=where, field=field, channel_axis=use.axis % weight.dim())
+        shape = tuple(weight.shape[::-1]) if transposed else tuple(weight.shape)
+        fq = _build(qs.weight, ctx, role="weight", shape=shape, dynamic=False,
+                    where=where, field=field,
+                    channel_axis=0 if transposed else use.axis % weight.dim())
         _to(fq, weight.device)  # a quantizer lives where its tensor does (cuda, meta, ...)
-        fq.observe_tensor(weight)
+        fq.observe_tensor(weight.detach().t() if transposed else weight)
         # Weights move only in QAT: keep tracking them there, freeze them otherwise.
         _set_flag(fq, "observe", mode == "qat" and not fq.learnable)
         name = _add(gm, f"{target}_fake_quant", fq)
+        stack = {k: v for k, v in node.meta.items() if k == NN_MODULE_STACK}
         with gm.graph.inserting_after(w_node):
-            q = _quantizer_call(gm, name, w_node)
-        q.meta.update({k: v for k, v in node.meta.items() if k == NN_MODULE_STACK})
-        use.consumer.replace_input_with(w_node, q)
-        by_param[id(weight)] = q
+            src = gm.graph.call_function(torch.t, (w_node,)) if transposed else w_node
+        with gm.graph.inserting_after(src):
+            q = _quantizer_call(gm, name, src)
+        out = q
+        if transposed:
+            with gm.graph.inserting_after(q):
+                out = gm.graph.call_function(torch.t, (q,))
+            src.meta.update(stack)
+            out.meta.update(stack)
+        q.meta.update(stack)
+        if transposed:
+            ctx.note(f"{target} is stored [in, out]: its per-group quantizer {name} sees the "
+                     "[out, in] transpose (groups along the input dimension)")
+        use.consumer.replace_input_with(w_node, out)
+        by_param[id(weight)] = out
         ctx.quantizers.append(_record(name, fq, "weight", target, qs.rule))
     for rule, names in sorted(no_weight.items()):
         ctx.note(f"rule {rule}: weight scheme not applied to {len(names)} node(s) without a "

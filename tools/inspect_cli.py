@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from qcompile.errors import QCompileError
+from qcompile.files import atomic_path, write_atomically
 from qcompile.graph.meta import QSCHEME_KEY, TENSOR_META
 from qcompile.tools.output import Sink, note, table
 from qcompile.version import __version__
@@ -255,8 +256,9 @@ def _svg_by_dot(dot_text: str, dot_path: Path, svg_path: Path) -> None:
         raise QCompileError("--layout dot needs Graphviz's `dot`, which is not installed",
                             fix="use --layout python (no Graphviz needed), or install graphviz "
                             "(apt-get install graphviz)")
-    dot_path.write_text(dot_text, encoding="utf-8")
-    subprocess.run([exe, "-Tsvg", str(dot_path), "-o", str(svg_path)], check=True)
+    write_atomically(dot_path, dot_text)
+    with atomic_path(svg_path) as tmp:  # Graphviz writes the whole picture, then it moves
+        subprocess.run([exe, "-Tsvg", str(dot_path), "-o", str(tmp)], check=True)
 
 
 def write_picture(args: argparse.Namespace, rows: list[dict[str, Any]], gm: Any,
@@ -268,6 +270,10 @@ def write_picture(args: argparse.Namespace, rows: list[dict[str, Any]], gm: Any,
     from qcompile.tools.inspect_picture import dot, html, svg
 
     out = Path(args.out or f"qcompile-graph.{args.graph}")
+    if not out.parent.is_dir():  # before drawing anything
+        raise QCompileError(f"--out {out}: the folder {out.parent} does not exist",
+                            fix="create the folder first, or give --out a path in an "
+                                "existing folder")
     pg, depth = picture_graph(args, gm, sqnr)
     layout = args.layout
     if layout == "auto":  # Graphviz when installed (svg only), else the Python layout
@@ -277,14 +283,14 @@ def write_picture(args: argparse.Namespace, rows: list[dict[str, Any]], gm: Any,
         layout = "python"
     written = []
     if args.graph == "dot":
-        out.with_suffix(".dot").write_text(dot.to_dot(pg) + "\n", encoding="utf-8")
+        write_atomically(out.with_suffix(".dot"), dot.to_dot(pg) + "\n")
         written.append(str(out.with_suffix(".dot")))
         layout = None
     elif args.graph == "svg" and layout == "dot":
         _svg_by_dot(dot.to_dot(pg) + "\n", out.with_suffix(".dot"), out.with_suffix(".svg"))
         written += [str(out.with_suffix(".dot")), str(out.with_suffix(".svg"))]
     elif args.graph == "svg":
-        out.with_suffix(".svg").write_text(svg.to_svg(pg), encoding="utf-8")
+        write_atomically(out.with_suffix(".svg"), svg.to_svg(pg))
         written.append(str(out.with_suffix(".svg")))
     else:
         text = (f"mode {info['mode']} · traced by {info['trace_method']} · "
@@ -294,7 +300,7 @@ def write_picture(args: argparse.Namespace, rows: list[dict[str, Any]], gm: Any,
                 + (f" · focus {args.focus}" if getattr(args, "focus", None) else ""))
         page = html.to_html(pg, svg.to_svg(pg), title=f"qcompile graph: {args.model}",
                             info=text, rows=rows, columns=TABLE_COLUMNS)
-        out.with_suffix(".html").write_text(page, encoding="utf-8")
+        write_atomically(out.with_suffix(".html"), page)
         written.append(str(out.with_suffix(".html")))
     for path in written:
         note(f"wrote {path}")

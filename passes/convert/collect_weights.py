@@ -17,14 +17,24 @@ Example:
 
 from __future__ import annotations
 
+import torch
 from torch import nn
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from qcompile.graph.context import Context
 from qcompile.graph.pipeline import graph_pass
 from qcompile.passes.convert.common import Conversion, attr_value, integers, module_at
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.specs.quant import FP8_MAX
+
+
+def weight_source(node: Node) -> Node:
+    """The ``get_attr`` node a weight quantizer reads: its input, or the parameter under a
+    ``torch.t`` (``insert_quant`` quantizes a per-group [in, out] weight transposed)."""
+    if (node.op == "call_function" and node.target is torch.t and node.args
+            and isinstance(node.args[0], Node) and node.args[0].op == "get_attr"):
+        return node.args[0]
+    return node
 
 
 @graph_pass(requires=("frozen_graph",), provides=("integer_weights",))
@@ -34,8 +44,9 @@ def collect_weights(gm: GraphModule, ctx: Context) -> GraphModule:
         fq = module_at(gm, node)
         if not isinstance(fq, FakeQuantize) or not node.args:
             continue
-        w = attr_value(gm, node.args[0])
+        w = attr_value(gm, weight_source(node.args[0]))
         if isinstance(w, nn.Parameter) and fq.dtype not in FP8_MAX and fq.enabled:
-            conv.weights[node] = integers(fq, w)
+            # a weight stored [in, out] and quantized per group as its [out, in] transpose
+            conv.weights[node] = integers(fq, w if node.args[0].op == "get_attr" else w.t())
     ctx.note(f"{len(conv.weights)} weight(s) as integers")
     return gm

@@ -25,6 +25,7 @@ from torch.fx import GraphModule
 from qcompile.graph.context import Context
 from qcompile.graph.meta import FINAL_NAME_KEY
 from qcompile.graph.pipeline import graph_pass
+from qcompile.passes.convert.collect_weights import weight_source
 from qcompile.passes.convert.common import (
     CONV,
     LINEAR,
@@ -52,8 +53,9 @@ def store_weights(gm: GraphModule, ctx: Context) -> GraphModule:
             continue  # consumed by a kernel (the node was erased with it)
         users = list(w_node.users)
         fq = module_at(gm, w_node)
-        param_name = str(w_node.args[0].target)
-        param = attr_value(gm, w_node.args[0])
+        param_node = weight_source(w_node.args[0])  # a transposed weight: its parameter
+        param_name = str(param_node.target)
+        param = attr_value(gm, param_node)
         bits = t.bits
         scale = t.scale
         note = ""

@@ -10,7 +10,9 @@ Kernels are ``torch.ops.quantized`` through torch's own modules, on the current
   ... reading and writing ``quint8`` tensors; a folded BatchNorm's bias replaces the op's.
 - ``add`` (+ ReLU) between two such tensors becomes ``quantized::add`` (``add_relu``).
 - Dynamic graphs: ``linear`` whose input has an 8-bit per-tensor asymmetric dynamic
-  quantizer becomes ``quantized::linear_dynamic`` (``DynamicLinear``).
+  quantizer becomes ``quantized::linear_dynamic`` (``DynamicLinear``); so does
+  ``addmm(bias, x, W)`` with a 2-D ``x`` and a weight stored [in, out] (Hugging Face
+  GPT-2's ``Conv1D``), with the transposed integer weight.
 
 A kernel module is added as ``_qc_<k>_<layer>``; ``tidy`` gives it its layer's name.
 
@@ -27,13 +29,15 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.ao.nn.intrinsic.quantized as nniq
 import torch.ao.nn.quantized as nnq
 from torch.fx import GraphModule, Node
 
 from qcompile.graph.context import Context
-from qcompile.graph.meta import DQ_KEY, FINAL_NAME_KEY, MODULE_KEY, QPARAMS_KEY
+from qcompile.graph.meta import DQ_KEY, FINAL_NAME_KEY, MODULE_KEY, QPARAMS_KEY, TENSOR_META
 from qcompile.graph.pipeline import graph_pass
 from qcompile.passes.convert.common import (
     ADD,
@@ -41,6 +45,7 @@ from qcompile.passes.convert.common import (
     LINEAR,
     QCONV,
     Conversion,
+    IntTensor,
     arg,
     attr_value,
     is_relu,
@@ -52,6 +57,8 @@ from qcompile.passes.convert.common import (
 )
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.runtime.quantized import DynamicLinear
+
+ADDMM = frozenset({torch.addmm, torch.ops.aten.addmm.default})
 
 
 def _quantized_output(gm: GraphModule, node: Node) -> tuple[Node, bool, Node | None]:
@@ -117,19 +124,39 @@ def _static_kernel(gm: GraphModule, conv: Conversion, node: Node) -> bool:
     return True
 
 
+def _transposed(t: IntTensor) -> IntTensor | None:
+    """A 2-D [in, out] weight's integers as the [out, in] weight a Linear kernel takes
+    (GPT-2's Conv1D: ``addmm(bias, x, W)`` is ``linear(x, W.t(), bias)``)."""
+    if t.q.dim() != 2 or t.group_size is not None:
+        return None
+    return replace(t, q=t.q.t().contiguous(), axis=None if t.axis is None else 1 - t.axis)
+
+
 def _dynamic_kernel(gm: GraphModule, conv: Conversion, node: Node) -> bool:
     x, w_node = node.args[0], node.args[1] if len(node.args) > 1 else None
-    if node.target not in LINEAR or w_node not in conv.weights:
+    weight = conv.weights.get(w_node) if isinstance(w_node, Node) else None
+    bias_node = arg(node, 2, "bias", None)
+    if node.target in ADDMM:  # addmm(bias, x, W [in, out]): a Linear on W.t()
+        if len(node.args) != 3 or node.kwargs or node.args[2] not in conv.weights:
+            return False
+        bias_node, x, w_node = node.args
+        weight = _transposed(conv.weights[w_node])
+        x_meta = x.meta.get(TENSOR_META) if isinstance(x, Node) else None
+        bias = attr_value(gm, bias_node)
+        if weight is None or bias is None or bias.dim() != 1 or (
+                x_meta is not None and len(x_meta.shape) != 2):
+            return False
+    elif node.target not in LINEAR or weight is None:
         return False
     fq = module_at(gm, x) if isinstance(x, Node) else None
     if not (isinstance(fq, FakeQuantize) and fq.dynamic and fq.enabled
             and fq.granularity == "per_tensor" and not fq.symmetric
             and fq.dtype == "uint8" and fq.quant_min == 0 and fq.quant_max in (127, 255)):
         return False
-    qweight = qint8(conv.weights[w_node])
+    qweight = qint8(weight)
     if qweight is None:
         return False
-    bias = attr_value(gm, arg(node, 2, "bias", None))
+    bias = attr_value(gm, bias_node)
     # reduce_range: the kernel picks 7-bit activation qparams per batch, as the x86
     # target's dynamic fake-quant does (fbgemm's int16 pair sums stay exact on every CPU)
     module = DynamicLinear(qweight.shape[1], qweight.shape[0], bias_=bias is not None,
@@ -176,6 +203,8 @@ def use_kernels(gm: GraphModule, ctx: Context) -> GraphModule:
             continue
         if node.target in LINEAR or node.target in CONV:
             used += _static_kernel(gm, conv, node) or _dynamic_kernel(gm, conv, node)
+        elif node.target in ADDMM:
+            used += _dynamic_kernel(gm, conv, node)
         elif node.target in ADD:
             used += _add_kernel(gm, conv, node)
     ctx.note(f"{used} integer kernel(s), {torch.backends.quantized.engine} engine")

@@ -451,6 +451,39 @@ def test_show_graph_dot_pipeline(capsys: pytest.CaptureFixture[str], work: Path,
     assert re.search(r'-> "s1\.linear_2" \[label="fp32 256 B", color="#dc2626"', text)
 
 
+def test_picture_is_written_atomically(capsys: pytest.CaptureFixture[str], work: Path,
+                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                       ) -> None:
+    """A write that fails half-way (a full disk, a kill) leaves the previous picture whole
+    and no temporary behind; a missing --out folder is refused before anything is drawn."""
+    out_file = tmp_path / "pic.dot"
+    out_file.write_text("previous picture\n", encoding="utf-8")
+    real = Path.write_text
+
+    def half_then_fail(self: Path, data: str, *args: Any, **kwargs: Any) -> int:
+        real(self, data[: len(data) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_fail)
+    rc, _, err = run(capsys, "show", "int8-qat", "--model", ref(work, "net"), *NET_SHAPE,
+                     "--graph", "dot", "--out", str(out_file))
+    monkeypatch.undo()
+    assert rc != 0 and "No space left on device" in err
+    assert out_file.read_text(encoding="utf-8") == "previous picture\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pic.dot"]  # no temporaries
+
+    rc, out, _ = run(capsys, "show", "int8-qat", "--model", ref(work, "net"), *NET_SHAPE,
+                     "--graph", "dot", "--out", str(out_file))
+    assert rc == 0 and out_file.read_text(encoding="utf-8").startswith("digraph")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pic.dot"]
+
+    missing = tmp_path / "no" / "such" / "pic.svg"
+    rc, out, err = run(capsys, "show", "int8-qat", "--model", ref(work, "net"), *NET_SHAPE,
+                       "--graph", "svg", "--out", str(missing))
+    assert_user_error(rc, out, err, str(missing.parent), "does not exist")
+    assert not (tmp_path / "no").exists()
+
+
 def test_show_graph_svg_without_graphviz(capsys: pytest.CaptureFixture[str], work: Path,
                                          tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                          ) -> None:
@@ -557,7 +590,7 @@ def test_explain_rules(capsys: pytest.CaptureFixture[str], work: Path) -> None:
     rc, out, _ = run(capsys, "explain", "int8-static", "--model", ref(work, "net"), *NET_SHAPE)
     assert rc == 0
     assert out.splitlines() == [
-        "rule #0 module=Conv1d,Conv2d,Conv3d,Linear: 3 node(s): conv, conv2, fc",
+        "rule #0 module=Conv1d,Conv2d,Conv3d,Linear,Conv1D: 3 node(s): conv, conv2, fc",
         "rule #1 op=add,matmul,cat: 1 node(s): add"]
 
 
@@ -940,13 +973,13 @@ def test_debug_shows_traceback(capsys: pytest.CaptureFixture[str], work: Path,
     assert "Traceback (most recent call last)" in err
     assert 'raise RuntimeError("factory exploded")' in err  # the user's own frame
     assert err.strip().splitlines()[-2].startswith("error: --model")
-    # an error that is not a QCompileError: the picture's folder does not exist
+    # the picture's folder does not exist: refused before drawing, traceback on --debug
     argv = ["show", "int8-qat", "--model", ref(work, "net"), *NET_SHAPE, "--graph", "html",
             "--out", str(tmp_path / "missing" / "g.html")]
     rc, out, err = run(capsys, *argv)
-    assert_user_error(rc, out, err, "FileNotFoundError")
+    assert_user_error(rc, out, err, "missing does not exist")
     rc, _, err = run(capsys, *argv, "--debug")
-    assert rc == 1 and "Traceback (most recent call last)" in err and "FileNotFoundError" in err
+    assert rc == 1 and "Traceback (most recent call last)" in err and "does not exist" in err
 
 
 def test_errors_subprocess(work: Path) -> None:
