@@ -42,6 +42,7 @@ from qcompile.passes import (
     smooth,
     trace,
 )
+from qcompile.passes.trace.capture_symbolic import refuse_lost_leaf_hooks
 from qcompile.passes.trace.saving import keep_whole
 from qcompile.specs import CompileSpec
 from qcompile.version import __version__
@@ -117,6 +118,9 @@ def compile_model(model: nn.Module, spec: CompileSpec, example_inputs: Any = Non
     finally:
         if gc_was_on:
             gc.enable()
+    if ctx.trace_method == "symbolic" and spec.quant.mode != "none":
+        # leaves whose hooks a later pass replaced by operations: refused, never lost
+        refuse_lost_leaf_hooks(model, gm, spec.trace.leaf_modules, spec.quant.mode)
     if spec.cache_dir is not None:
         records[-1].notes.append("cache_dir is used by qc.distributed.compile_once: "
                                  "qcompile itself compiles afresh")

@@ -18,7 +18,14 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
+from qcompile.distributed.agree import (
+    agree,
+    calibration_fingerprint,
+    collective_phase,
+    unchanged_on_failure,
+)
 from qcompile.distributed.data_parallel import sum_across_ranks, sync_observers
+from qcompile.distributed.guards import data_parallel_inner
 from qcompile.errors import QCompileError
 from qcompile.graph.algorithms import pending, refuse_pending, run_pending
 from qcompile.graph.layerwise import BatchFailed
@@ -42,7 +49,10 @@ from qcompile.runtime.calibration import (
     distributed_failure,
     freeze,
     misfit,
+    model_weights,
     quantizers,
+    quiet_fx_trace,
+    refuse_nonfinite,
     uncalibrated,
     weight_quantizers,
 )
@@ -74,7 +84,14 @@ def calibrate(gm: nn.Module, batches: Iterable[Any], *, sync: bool | None = None
     list meanwhile); then the observers see the final weights. A dynamic graph is
     calibrated only for those. Otherwise only static graphs are calibrated: QAT graphs learn
     their ranges while training and dynamic graphs compute activation qparams from every
-    batch."""
+    batch.
+
+    A graph wrapped by ``qc.distributed.wrap`` calibrates as the graph it wraps (DDP's
+    ``.module``; a ``fully_shard``-ed graph is the graph) and comes back as it was given.
+    Synchronising ranks first agree on the spec and the graph (and, for a sharded graph, on
+    the batch count and shapes), and a batch refused on one rank is refused on every rank:
+    a mistake on one rank is the same ``QCompileError`` everywhere, never a hang."""
+    wrapped, gm = gm, data_parallel_inner(gm)
     todo = pending(gm)
     mode = _mode(gm)
     if not todo or mode != "dynamic":
@@ -82,6 +99,10 @@ def calibrate(gm: nn.Module, batches: Iterable[Any], *, sync: bool | None = None
     if sync is None:
         sync = bool(getattr(gm, "meta", {}).get(SYNC_OBSERVERS_KEY, False))
     signature = graph_inputs(gm)
+    sharded = sharded_by(gm) is not None
+    if sync:  # before the first collective: a mismatch is one clear error on every rank
+        fingerprint, batches = calibration_fingerprint(gm, batches, sharded=sharded)
+        agree("calibrate", fingerprint)
     if todo:  # the data-driven quant.algorithms first: the observers see the final weights
         shard = sharded_by(gm)
         if shard is not None:
@@ -89,6 +110,7 @@ def calibrate(gm: nn.Module, batches: Iterable[Any], *, sync: bool | None = None
                 f"calibrate: {shard}, and quant.algorithms[{todo[0]}] rewrites whole weights "
                 "from calibration data", fix="run qc.calibrate on the graph before sharding it "
                 "(every rank, with its own batches: the statistics are summed across ranks)")
+        refuse_nonfinite(model_weights(gm), "calibrate")  # before any algorithm reads them
         batches = list(batches)
         calls = call_args(batches, inputs, signature)
         if not calls:
@@ -103,11 +125,22 @@ def calibrate(gm: nn.Module, batches: Iterable[Any], *, sync: bool | None = None
                 raise cause from None
             raise misfit(cause, e.index, *calls[e.index], signature) from cause
         if mode == "dynamic":
-            return gm  # activation qparams come from every batch: nothing to observe
-    # every rank ends with the same qparams
-    reduce = (lambda m: sync_observers(m, everything=True)) if sync else None
-    return collect_statistics(gm, batches, sync=reduce, progress=progress, inputs=inputs,
-                              signature=signature, fixed=gm.meta.get(FIXED_GRID_KEY, ()))
+            return wrapped  # activation qparams come from every batch: nothing to observe
+    fixed = gm.meta.get(FIXED_GRID_KEY, ())
+    if not sync:
+        collect_statistics(gm, batches, progress=progress, inputs=inputs,
+                           signature=signature, fixed=fixed)
+        return wrapped
+    # every rank learns whether any rank's batches were refused before the observers are
+    # reduced (one collective, not one per batch); then every rank ends with the same qparams.
+    # A sharded graph's forwards are collectives themselves (its batches were agreed above):
+    # a phase check meeting a peer's forward would mix two collectives, so it has none.
+    with unchanged_on_failure(gm):
+        with collective_phase("calibrate", enabled=not sharded):
+            collect_statistics(gm, batches, progress=progress, inputs=inputs,
+                               signature=signature, fixed=fixed)
+        sync_observers(gm, everything=True)
+    return wrapped
 
 
 def _outputs(value: Any) -> list[torch.Tensor]:
@@ -188,13 +221,14 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
                "train it for some steps first (observers learn ranges in train mode)")
         raise QCompileError(f"convert: {len(missing)} activation quantizer(s) have no "
                             f"ranges yet, e.g. {missing[0]}", fix=fix)
+    refuse_nonfinite(model_weights(gm), "convert")  # NaN weights make NaN integer weights
     out = copy.deepcopy(gm)
     freeze(out)
     out.eval()
     ref = None
     if example_inputs is not None:
         try:
-            with torch.no_grad():
+            with torch.no_grad(), quiet_fx_trace():  # our error below says what misfit
                 ref = _outputs(out(*example_inputs))
         except Exception as e:  # the user's inputs, not a bug of ours: say what misfit
             sig = graph_inputs(out)

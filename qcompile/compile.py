@@ -34,7 +34,7 @@ from qcompile.graph.pipeline import Instrument
 from qcompile.graph.records import report
 from qcompile.passes import compile_model
 from qcompile.passes.trace import refuse_compiled
-from qcompile.passes.trace.capture_symbolic import refuse_lost_leaf_hooks
+from qcompile.runtime.calibration import model_weights, refuse_nonfinite
 from qcompile.specs import CompileSpec, as_spec
 
 
@@ -72,10 +72,10 @@ def qcompile(
     model, note = unwrap_compiled(model)
     refuse_compiled(model)
     refuse_wrapped(model)
+    if spec.quant.mode != "none":  # a NaN weight would give NaN scales, and then NaN outputs
+        refuse_nonfinite(model_weights(model), "qcompile")
     gm = compile_model(model, spec, example_inputs, example_kwargs=example_kwargs,
                        instruments=instruments, inplace=inplace)
-    if report(gm).trace_method == "symbolic" and spec.quant.mode != "none":
-        refuse_lost_leaf_hooks(model, gm, spec.trace.leaf_modules, spec.quant.mode)
     if note is not None:
         report(gm).passes[0].notes.append(note)
     return watch_observer_sync(gm)

@@ -69,7 +69,9 @@ from qcompile.passes import as_inputs, compile_model
 from qcompile.runtime.calibration import (
     check_calibratable,
     collect_statistics,
+    model_weights,
     quantizers,
+    refuse_nonfinite,
     weight_quantizers,
 )
 from qcompile.runtime.fake_quant import FakeQuantize
@@ -389,6 +391,9 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
     example inputs' shapes and then the graph's code; a build, compile or calibration batch
     that fails on one rank fails every rank with that rank's message, never a hang."""
     spec = as_spec(spec)
+    if cache_dir is not None and not str(cache_dir).strip():
+        raise QCompileError("compile_once: cache_dir is an empty string",
+                            fix="pass cache_dir=None for no cache, or a folder path")
     directory = cache_dir or spec.cache_dir
     on = initialised()
     rank = torch.distributed.get_rank(group) if on else 0
@@ -638,6 +643,9 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
                     "call compile_once without checkpoint= (rank 0 then streams the model)")
         loader.put(b, short, lambda r, n=short: read(n, r))
     real.clear()
+    # a NaN in one rank's rows is an error on every rank (the ranges below are collectives)
+    with collective_phase("compile_once (loading the weights)", group):
+        refuse_nonfinite(model_weights(gm), "compile_once")
     _observe_weights(gm, group, rank, world)
     if ckpt is not None:
         ckpt.close()  # the memory maps of the headers (data was read with readinto)

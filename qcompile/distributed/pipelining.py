@@ -253,7 +253,11 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
     from torch.distributed import pipelining as pp
 
     spec = as_spec(spec)
+    no_pipeline = QCompileError("qc.distributed.pipeline: the spec has no pipeline section",
+                                fix="add pipeline: {stages: N, ...} and compile with that spec")
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        if spec.pipeline is None:  # the spec's own mistake first: no rank is waiting yet
+            raise no_pipeline
         raise QCompileError("qc.distributed.pipeline needs an initialised process group",
                             fix="launch with torchrun and call "
                             "torch.distributed.init_process_group() first")
@@ -266,9 +270,8 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
             if n.startswith("stage_")])),
         "loss_fn": loss_fn is not None}, group,
         fixes={"loss_fn": "pass loss_fn= on every rank (the last stage computes the loss)"})
-    if spec.pipeline is None:
-        raise QCompileError("qc.distributed.pipeline: the spec has no pipeline section",
-                            fix="add pipeline: {stages: N, ...} and compile with that spec")
+    if spec.pipeline is None:  # after agreeing: every rank raises it, none waits
+        raise no_pipeline
     k = spec.pipeline.num_stages
     missing = [f"stage_{i}" for i in range(k) if not hasattr(gm, f"stage_{i}")]
     if missing:

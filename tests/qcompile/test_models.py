@@ -674,20 +674,13 @@ def test_dynamic_dim_names_must_be_identifiers(name: str) -> None:
 
 def test_dynamic_dims_on_bert() -> None:
     """BERT slices its position_ids buffer to the sequence length, so torch.export guards
-    ``seq <= 64``. A dynamic ``seq`` should either compile (the bound inferred, e.g. with
-    ``Dim.DYNAMIC`` or export's suggested ``Dim('seq', max=64)``) and serve other shapes,
-    or fail with a QCompileError that names trace.dynamic_dims and the bound 64."""
+    ``seq <= 64``: an unbounded dynamic ``seq`` is a QCompileError that names
+    trace.dynamic_dims and the bound 64 (the bounded spec below compiles)."""
     torch.manual_seed(0)
     model = _bert().eval()
-    try:
-        gm = qc.qcompile(model, {"trace": DYNAMIC}, example_kwargs={"input_ids": IDS})
-    except qc.QCompileError as e:
-        assert "trace.dynamic_dims" in str(e) and "64" in str(e), str(e)
-        return
-    gm.eval()
-    ids = torch.randint(0, 100, (3, 9))
-    with torch.no_grad():
-        assert_same_output(gm(input_ids=ids), model(input_ids=ids))
+    with pytest.raises(qc.QCompileError) as info:
+        qc.qcompile(model, {"trace": DYNAMIC}, example_kwargs={"input_ids": IDS})
+    assert "trace.dynamic_dims" in str(info.value) and "64" in str(info.value), str(info.value)
 
 
 def test_bounded_dynamic_dims_on_bert() -> None:
