@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,12 +62,32 @@ def _json_default(value: Any) -> Any:
     return str(value) if dumped is value else dumped
 
 
+def _strict(value: Any) -> Any:
+    """``value`` with every non-finite float as the string ``"inf"``, ``"-inf"`` or
+    ``"nan"``: Python's ``Infinity`` / ``NaN`` tokens are not JSON, and jq, browsers and
+    ``json.loads(..., parse_constant=...)``-less readers reject them (an SQNR of a layer
+    without error is ``inf``)."""
+    value = plain(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, Mapping):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict(v) for v in value]
+    return value
+
+
 def to_json(data: Any, header: Mapping[str, Any] | None = None) -> str:
-    """``data`` as indented JSON; ``header`` keys come first in a top-level object."""
-    data = plain(data)
+    """``data`` as indented, strict JSON (non-finite floats as ``"inf"`` / ``"-inf"`` /
+    ``"nan"`` strings); ``header`` keys come first in a top-level object.
+
+    >>> to_json({"sqnr_db": float("inf")}).replace("\\n", " ")
+    '{   "sqnr_db": "inf" }'
+    """
+    data = _strict(data)
     if header:
         data = {**header, **data}
-    return json.dumps(data, indent=2, default=_json_default)
+    return json.dumps(data, indent=2, default=_json_default, allow_nan=False)
 
 
 def table(rows: Sequence[Any], columns: Sequence[str]) -> str:

@@ -356,8 +356,7 @@ def load_encodings(gm: nn.Module, path: str | Path) -> nn.Module:
             updates.append((fq, *checked))
     with torch.no_grad():
         for fq, scale, zero_point in updates:
-            fq.scale.copy_(scale)
-            fq.zero_point.copy_(zero_point)
+            fq.set_qparams(scale, zero_point)  # a learnable scale's parameter too
             fq.observe = False
             fq.enabled = True
     return gm

@@ -24,7 +24,23 @@ small torch ops (``qcompile_onnx::qdq``, ``::dq``, ``::dynamic_qdq``), and a
 The batch dimension (dim 0 of every input tensor) is dynamic unless ``dynamic_batch=False``;
 a graph from the torch.export front end that baked its example batch into a shape (a
 ``reshape(4, -1)``) is refused with the fix (compile with ``trace.dynamic_dims``).
-Activation quantizers export their current qparams, so freeze or calibrate first.
+Quantizers export their current qparams as they are: a QAT graph not yet frozen exports
+what it computes with its observers off (with a warning: call ``qc.freeze`` first).
+
+Refused before anything is traced or written (``QCompileError`` with the fix): a model
+qcompile did not compile, activation quantizers that never saw data (a static graph before
+``qc.calibrate``, a QAT graph before training), example inputs that do not fit the graph
+(the input and its shape named, checked by running the graph on them), a missing folder.
+A pipeline graph exports whole, ``transfer: int8`` included (its integers crossing a cut
+are the quantizer's own values, so the file keeps the float). The file is written to a
+temporary beside ``path`` and moved into place: an interrupted export leaves the previous
+file as it was.
+
+Signed 8-bit activations (asymmetric ``int8``, the ``x86`` target's -64..63) keep int8 Q/DQ
+pairs; every MaxPool / Reshape / Transpose / Squeeze / Unsqueeze / Slice they cross gets its
+own pair (exact: the ops commute with quantization), because onnxruntime's own copies of a
+pair across those ops get mismatched types from its int8 -> uint8 rewrite and the session
+then refuses to load the file.
 
 Numerics: the file computes the fake-quant graph's values (onnxruntime with basic
 optimisations: exact on the tests' models). With all optimisations onnxruntime runs
@@ -53,6 +69,9 @@ import copy
 import importlib
 import inspect
 import logging
+import os
+import shutil
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -63,8 +82,13 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from qcompile.errors import QCompileError
+from qcompile.files import write_atomically
 from qcompile.graph.algorithms import refuse_pending
+from qcompile.graph.meta import REPORT_KEY
+from qcompile.graph.signature import graph_inputs
+from qcompile.runtime.calibration import GraphInput, describe, quiet_fx_trace, uncalibrated
 from qcompile.runtime.fake_quant import FakeQuantize
+from qcompile.runtime.transfer import pack, unpack
 from qcompile.specs.quant import FP8_MAX
 
 __all__ = ["export_onnx"]
@@ -73,6 +97,8 @@ OPSET = 21
 NAMESPACE = "qcompile_onnx"
 _EXTRA = "pip install qcompile[onnx]"
 _FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# torch.onnx's own limit: initializers beyond it go to an external data file
+_EXTERNAL_DATA_BYTES = 1536 * 1024 * 1024
 
 
 # -- the carrier ops -----------------------------------------------------------------------
@@ -285,8 +311,7 @@ def _stand_in(gm: GraphModule, node: Node, fq: FakeQuantize) -> nn.Module | None
         return _DynamicQDQ(fq)
     weight = _weight_input(gm, node)
     if weight is not None and weight.is_floating_point():
-        if fq.observe:  # what the graph's next forward would do, on the twin's copy
-            fq.observe_tensor(weight)
+        # the current qparams, as they are (a quantizer still observing is warned about)
         return _WeightDQ(fq, weight)
     if fq.granularity == "per_group":
         raise QCompileError(
@@ -296,15 +321,28 @@ def _stand_in(gm: GraphModule, node: Node, fq: FakeQuantize) -> nn.Module | None
     return _QDQ(fq)
 
 
+def _drop_transfer(gm: GraphModule) -> None:
+    """``pipeline.transfer: int8`` sends a quantizer's output across a cut as its integers
+    (``pack``) and the next stage dequantizes them (``unpack``): the same values as the
+    float itself, so the exported model (one device, no cut) keeps the float."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in (pack, unpack):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+
+
 def _rewrite(gm: GraphModule, observing: list[str]) -> None:
     """Replace every quantizer node of ``gm``'s own graph by its stand-in."""
+    _drop_transfer(gm)
     for node in list(gm.graph.nodes):
         if node.op != "call_module":
             continue
         fq = gm.get_submodule(str(node.target))
         if not isinstance(fq, FakeQuantize):
             continue
-        if fq.observe and fq.observer is not None and _weight_input(gm, node) is None:
+        if fq.observe and fq.enabled and fq.observer is not None and not fq.dynamic \
+                and fq.granularity != "per_token":
             observing.append(str(node.target))
         module = _stand_in(gm, node, fq)
         if module is None:
@@ -338,9 +376,9 @@ def _twin(gm: nn.Module) -> nn.Module:
                 f"quantizer {name!r} is not called from a graph node, so it has no ONNX form",
                 fix="compile the model with qcompile so that quantizers are graph nodes")
     if observing:
-        warnings.warn(f"export_onnx: {len(observing)} activation quantizer(s) still observe "
-                      f"(e.g. {observing[0]}); the file holds their current qparams. Call "
-                      "qc.freeze(gm) (QAT) or qc.calibrate(gm, batches) (static) first.",
+        warnings.warn(f"export_onnx: {len(observing)} quantizer(s) still observe (e.g. "
+                      f"{observing[0]}); the file holds their current qparams, which the "
+                      "graph's next forward would update. Call qc.freeze(gm) first.",
                       stacklevel=3)
     return twin
 
@@ -480,6 +518,68 @@ def _fold_weight_casts(program: Any, onnxscript: Any) -> None:
     onnxscript.optimizer.remove_unused_nodes(program.model)
 
 
+# the ops onnxruntime's QDQPropagationTransformer moves Q/DQ pairs across
+_PROPAGATING = ("MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice")
+
+
+def _int8_qparams(node: Any, ir: Any) -> tuple[Any, Any] | None:
+    """``(scale, zero_point)`` of a QuantizeLinear / DequantizeLinear with constant scalar
+    qparams and an INT8 zero point (what onnxruntime's int8 -> uint8 rewrite touches)."""
+    if node is None or node.op_type not in ("QuantizeLinear", "DequantizeLinear") \
+            or len(node.inputs) < 3:
+        return None
+    scale, zp = node.inputs[1], node.inputs[2]
+    if scale is None or zp is None or zp.dtype != ir.DataType.INT8:
+        return None
+    if any(v.const_value is None or v.const_value.size != 1 for v in (scale, zp)):
+        return None
+    return scale, zp
+
+
+def _requantize(graph: Any, ir: Any, after: Any, value: Any, scale: Any, zp: Any,
+                clip: Any) -> Any:
+    """Q (-> the same Clip) -> DQ of ``value`` with the given qparams, inserted after
+    node ``after``; returns the DQ's output."""
+    q = ir.Node("", "QuantizeLinear", [value, scale, zp])
+    nodes = [q]
+    out = q.outputs[0]
+    if clip is not None:
+        nodes.append(ir.Node("", "Clip", [out, *clip.inputs[1:]]))
+        out = nodes[-1].outputs[0]
+    nodes.append(ir.Node("", "DequantizeLinear", [out, scale, zp]))
+    graph.insert_after(after, nodes)
+    return nodes[-1].outputs[0]
+
+
+def _pin_int8_pairs(model: Any, ir: Any) -> None:
+    """Give every MaxPool / Reshape / Transpose / Squeeze / Unsqueeze / Slice that reads an
+    int8 activation's DequantizeLinear a Q -> DQ pair of its own (the same qparams, and the
+    same Clip), so that onnxruntime finds nothing to propagate: its propagation copies int8
+    pairs across these ops, and its int8 -> uint8 rewrite then leaves each copy's output
+    typed INT8 with a UINT8 zero point, and the session refuses the file. Exact: these ops
+    commute with the (monotone, elementwise) quantization, and re-quantizing values already
+    on the grid returns them unchanged."""
+    graph = model.graph
+    for node in list(graph):
+        if node.op_type not in _PROPAGATING or not node.inputs or node.inputs[0] is None:
+            continue
+        dq = node.inputs[0].producer()
+        qp = _int8_qparams(dq, ir)
+        if qp is None or dq.op_type != "DequantizeLinear" or dq.inputs[0] is None \
+                or dq.inputs[0].const_value is not None:  # a weight: nothing propagates
+            continue
+        out = node.outputs[0]
+        uses = list(out.uses())
+        if not uses or out.is_graph_output() \
+                or all(user.op_type == "QuantizeLinear" for user, _ in uses):
+            continue
+        before = dq.inputs[0].producer()
+        clip = before if before is not None and before.op_type == "Clip" else None
+        dq_out = _requantize(graph, ir, node, out, *qp, clip)
+        for user, i in uses:
+            user.replace_input_with(i, dq_out)
+
+
 def _strip_trace_metadata(model: Any) -> None:
     """Drop the exporter's per-node debugging metadata (stack traces with local paths, fx
     node text): a third of a small model's file, and nothing a runtime reads. The
@@ -536,10 +636,148 @@ def _check_batch_dynamic(program: Any) -> None:
             "front end otherwise specialises the batch), or pass dynamic_batch=False")
 
 
+def _compiled(gm: nn.Module) -> nn.Module:
+    """The graph ``qcompile`` returned, looking through wrappers that keep it as
+    ``.module`` (DDP); a model qcompile never compiled is refused (its quantizers, if any,
+    were never placed or observed by qcompile)."""
+    inner = gm
+    while REPORT_KEY not in getattr(inner, "meta", {}) and isinstance(
+            getattr(inner, "module", None), nn.Module):
+        inner = inner.module
+    meta = getattr(inner, "meta", None)
+    if not isinstance(inner, GraphModule) or not isinstance(meta, dict) \
+            or REPORT_KEY not in meta:
+        raise QCompileError(
+            f"export_onnx: the model ({type(gm).__name__}) was not compiled by qcompile: it "
+            "has no qcompile report, so nothing says how to quantize it",
+            fix="pass the graph returned by qc.qcompile(model, spec, example_inputs=...) "
+                "(calibrated or trained), not the original model")
+    return inner
+
+
+def _refuse_uncalibrated(gm: nn.Module) -> None:
+    """Activation quantizers with placeholder qparams would be written as real ones."""
+    mode = gm.meta[REPORT_KEY].mode
+    missing = uncalibrated(gm, mode)
+    if missing:
+        fix = ("run qc.calibrate(gm, batches) first" if mode == "static" else
+               "train it for some steps first (observers learn ranges in train mode), then "
+               "qc.freeze(gm)")
+        raise QCompileError(f"export_onnx: {len(missing)} activation quantizer(s) have no "
+                            f"ranges yet (their qparams are placeholders), e.g. {missing[0]}",
+                            fix=fix)
+
+
+def _check_target(path: Path) -> None:
+    """Refuse a path the file cannot be written to, before the (long) export."""
+    if path.is_dir():
+        raise QCompileError(f"export_onnx: {str(path)!r} is a folder",
+                            fix=f"give a file path, e.g. {str(path / 'model.onnx')!r}")
+    folder = path.parent
+    if not folder.is_dir():
+        raise QCompileError(f"export_onnx: the folder {str(folder)!r} of {str(path)!r} does "
+                            "not exist", fix=f"create it first (os.makedirs({str(folder)!r}))"
+                            " or write into an existing folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise QCompileError(f"export_onnx: the folder {str(folder)!r} is not writable",
+                            fix="write into a folder you may write to")
+
+
+def _example(example_inputs: Any, example_kwargs: dict[str, Any] | None
+             ) -> tuple[tuple, dict]:
+    """``(args, kwargs)``: one tensor is one input (as ``qc.calibrate`` takes it), a dict
+    is keyword inputs."""
+    kwargs = dict(example_kwargs or {})
+    if example_inputs is None:
+        args: tuple = ()
+    elif isinstance(example_inputs, torch.Tensor):
+        args = (example_inputs,)
+    elif isinstance(example_inputs, (tuple, list)):
+        args = tuple(example_inputs)
+    elif isinstance(example_inputs, dict) and not kwargs:
+        args, kwargs = (), dict(example_inputs)
+    else:
+        raise QCompileError(
+            f"export_onnx: example_inputs is a {type(example_inputs).__name__}",
+            fix="pass a tensor, a tuple of the model's positional inputs, or "
+                "example_kwargs={name: tensor}")
+    if not args and not kwargs:
+        raise QCompileError("export_onnx needs example inputs to trace the graph",
+                            fix="pass example_inputs=(x,) (or example_kwargs)")
+    return args, kwargs
+
+
+def _mismatch(args: tuple, kwargs: dict, sig: list[GraphInput]) -> str:
+    """The first input whose dtype, rank or non-batch dims differ from the compiled ones."""
+    by_name = {i.name: i for i in sig}
+    given = [(i.name, v) for i, v in zip(sig, args)] + [
+        (k, v) for k, v in kwargs.items() if k in by_name]
+    for name, v in given:
+        want = by_name[name]
+        if not isinstance(v, torch.Tensor) or want.shape is None or want.dtype is None:
+            continue
+        if v.dtype != want.dtype or v.dim() != len(want.shape) \
+                or tuple(v.shape[1:]) != tuple(want.shape[1:]):
+            got = f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+            return f"example input {name!r} is {got}, but the graph was compiled for {want}"
+    return ""
+
+
+def _check_fit(twin: nn.Module, gm: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Run the twin on the example inputs (it computes what the file will): inputs that do
+    not fit the graph are named here, not as an op the exporter could not convert."""
+    sig = graph_inputs(gm)
+    names = [i.name for i in sig if not i.variadic]
+    unknown = [k for k in kwargs if sig and not any(i.variadic for i in sig)
+               and k not in names]
+    if unknown:
+        raise QCompileError(f"export_onnx: example_kwargs names {unknown[0]!r}, which is not "
+                            f"an input of the graph ({', '.join(names)})",
+                            fix="name the inputs as the model's forward() does")
+    if sig and not any(i.variadic for i in sig) and len(args) > len(sig):
+        raise QCompileError(f"export_onnx: example_inputs has {len(args)} values, but the "
+                            f"graph takes {len(sig)} input(s): {', '.join(names)}",
+                            fix="pass only the model's inputs (not the targets)")
+    try:
+        with torch.no_grad(), quiet_fx_trace():
+            twin(*args, **kwargs)
+    except QCompileError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        what = _mismatch(args, kwargs, sig) or (
+            f"example_inputs ({describe(args, kwargs, names)}) do not fit the graph, compiled "
+            f"for ({', '.join(map(str, sig)) or 'other inputs'})")
+        raise QCompileError(
+            f"export_onnx: {what} ({type(e).__name__}: {first})",
+            fix="pass example inputs shaped like those the graph was compiled with (same "
+                "dtypes, same non-batch dimensions; any batch size)") from None
+
+
+def _save(model: Any, ir: Any, path: Path) -> None:
+    """Write the model whole or not at all: the bytes go to a temporary beside ``path``
+    and are moved into place, so an interrupted export leaves the previous file as it was.
+    A model too large for one protobuf keeps its initializers in ``<name>.data`` beside
+    it: both are written into a temporary folder first, then moved (data, then model)."""
+    size = sum(v.const_value.nbytes for v in model.graph.initializers.values()
+               if v.const_value is not None)
+    if size <= _EXTERNAL_DATA_BYTES:
+        write_atomically(path, ir.to_proto(model).SerializeToString())
+        return
+    data = f"{path.name}.data"
+    folder = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        ir.save(model, folder / path.name, external_data=data)
+        os.replace(folder / data, path.parent / data)
+        os.replace(folder / path.name, path)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def export_onnx(
     gm: nn.Module,
     path: str | Path,
-    example_inputs: tuple[Any, ...] | None = None,
+    example_inputs: Any = None,
     *,
     example_kwargs: dict[str, Any] | None = None,
     dynamic_batch: bool = True,
@@ -547,16 +785,26 @@ def export_onnx(
     output_names: list[str] | None = None,
 ) -> Path:
     """Write ``gm`` (a graph from ``qcompile``) as a QDQ ONNX model (opset 21) to ``path``
-    and return the path. ``example_inputs`` / ``example_kwargs`` are traced (any batch
-    size); with ``dynamic_batch`` dim 0 of every input is the symbolic ``batch``."""
-    refuse_pending(gm, "export_onnx")
+    and return the path. ``example_inputs`` (a tensor or a tuple of positional inputs) and
+    ``example_kwargs`` (keyword inputs) are traced (any batch size); with
+    ``dynamic_batch`` dim 0 of every input is the symbolic ``batch``.
+
+    Refused before anything is traced or written: a model qcompile did not compile, a
+    graph whose activation quantizers never saw data (static before ``qc.calibrate``,
+    QAT before training), inputs that do not fit the graph, a folder that does not exist.
+    The file is written atomically: an interrupted export leaves the previous one.
+    Quantizers that still observe (QAT before ``qc.freeze``) are written with their
+    current qparams, with a warning."""
+    graph = _compiled(gm)
+    refuse_pending(graph, "export_onnx")
     onnxscript, ir = _require_onnx()
-    if example_inputs is None and not example_kwargs:
-        raise QCompileError("export_onnx needs example inputs to trace the graph",
-                            fix="pass example_inputs=(x,) (or example_kwargs)")
-    twin = _twin(gm)
-    args, kwargs, shapes = _batch_inputs(twin, tuple(example_inputs or ()),
-                                         dict(example_kwargs or {}), dynamic_batch)
+    args, kwargs = _example(example_inputs, example_kwargs)
+    path = Path(path)
+    _check_target(path)
+    _refuse_uncalibrated(graph)
+    twin = _twin(graph)
+    _check_fit(twin, graph, args, kwargs)
+    args, kwargs, shapes = _batch_inputs(twin, args, kwargs, dynamic_batch)
     table = _translations(onnxscript, ir)
     try:
         with warnings.catch_warnings(), _quiet("torch.onnx"):
@@ -570,7 +818,7 @@ def export_onnx(
     if shapes is not None:
         _check_batch_dynamic(program)
     _fold_weight_casts(program, onnxscript)
+    _pin_int8_pairs(program.model, ir)
     _strip_trace_metadata(program.model)
-    path = Path(path)
-    program.save(path)
+    _save(program.model, ir, path)
     return path

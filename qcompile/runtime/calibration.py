@@ -75,7 +75,9 @@ def freeze(gm: nn.Module) -> nn.Module:
     observes the final weights)."""
     observed = [(fq, weight) for fq, weight in weight_quantizers(gm)
                 if fq.observe and weight.device.type != "meta"]
-    ids = {id(w) for _, w in observed}
+    # by identity (a transposed view by its base): reading a data pointer would make a
+    # copy-on-write weight copy itself
+    ids = {id(w if w._base is None else w._base) for _, w in observed}
     refuse_nonfinite({n: p for n, p in gm.named_parameters() if id(p) in ids}, "freeze")
     with torch.no_grad():
         for fq, weight in observed:
@@ -86,8 +88,10 @@ def freeze(gm: nn.Module) -> nn.Module:
 
 
 def weight_quantizers(gm: nn.Module) -> list[tuple[FakeQuantize, torch.Tensor]]:
-    """(quantizer, parameter) for every weight quantizer in ``gm``'s graph(s): a
-    ``FakeQuantize`` called on a ``get_attr`` of a parameter."""
+    """(quantizer, weight) for every weight quantizer in ``gm``'s graph(s): a
+    ``FakeQuantize`` called on a ``get_attr`` of a parameter (the parameter itself), or on
+    ``torch.t`` of one (a weight stored [in, out], e.g. GPT-2's ``Conv1D``, quantized per
+    group along its inputs: the transposed view, which is what the quantizer sees)."""
     found = []
     for owner in gm.modules():
         if not isinstance(owner, GraphModule):
@@ -97,12 +101,18 @@ def weight_quantizers(gm: nn.Module) -> list[tuple[FakeQuantize, torch.Tensor]]:
                 continue
             fq = owner.get_submodule(str(node.target))
             src = node.args[0]
-            if not isinstance(fq, FakeQuantize) or getattr(src, "op", None) != "get_attr":
+            if not isinstance(fq, FakeQuantize) or not isinstance(src, torch.fx.Node):
+                continue
+            transposed = (src.op == "call_function" and src.target is torch.t
+                          and isinstance(src.args[0], torch.fx.Node))
+            if transposed:
+                src = src.args[0]
+            if src.op != "get_attr":
                 continue
             parent, _, leaf = str(src.target).rpartition(".")
             value = getattr(owner.get_submodule(parent) if parent else owner, leaf)
             if isinstance(value, nn.Parameter):
-                found.append((fq, value))
+                found.append((fq, value.t() if transposed else value))
     return found
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qcompile.errors import QCompileError
 from qcompile.runtime import kernels, weight_cache
 from qcompile.runtime.observers import (
     MinMaxObserver,
@@ -36,11 +37,30 @@ from qcompile.runtime.quant_math import (
     fake_quantize,
     fake_quantize_fp8,
     fp8_scale_from_minmax,
+    learned_scale,
     qparams_from_minmax,
 )
 from qcompile.specs.quant import FP8_MAX, REDUCIBLE_DTYPES, Scheme, reduces_activation_range
 
 _FLAG_INDEX = {"enabled": 0, "observe": 1}
+
+
+def _sharded(t: torch.Tensor) -> bool:
+    """``t`` is a DTensor (an FSDP2 shard outside the module's forward)."""
+    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
+
+
+def _local_values(t: torch.Tensor) -> torch.Tensor | None:
+    """The values this process holds (a DTensor's local shard), or None where there are
+    none to read (meta)."""
+    local = t.to_local() if _sharded(t) else t
+    return None if local.device.type == "meta" else local.detach()
+
+
+def _not_positive(t: torch.Tensor) -> int:
+    """How many of ``t``'s (local) values are not finite positive numbers."""
+    local = _local_values(t)
+    return 0 if local is None else int((~(torch.isfinite(local) & (local > 0))).sum())
 
 
 def _assign(target: torch.Tensor, value: torch.Tensor) -> None:
@@ -95,9 +115,18 @@ def default_axis(scheme: Scheme, role: str) -> int:
 class FakeQuantize(nn.Module):
     """Simulated quantization of one tensor.
 
-    Attributes (contract): ``scale`` (1-D float32 buffer, or Parameter when learnable),
-    ``zero_point`` (1-D int32 buffer), ``quant_min``, ``quant_max``, ``axis`` (None unless
-    per-channel), ``group_size`` (None unless per-group), ``enabled``, ``observe``.
+    Attributes (contract): ``scale`` (1-D float32 buffer; when learnable, the tensor
+    computed from the parameter ``scale_offset``, see below), ``zero_point`` (1-D int32
+    buffer), ``quant_min``, ``quant_max``, ``axis`` (None unless per-channel),
+    ``group_size`` (None unless per-group), ``enabled``, ``observe``.
+
+    Learnable (LSQ) scales are positive by construction: the trained parameter is
+    ``scale_offset`` (an ``nn.Parameter``, in the scale's units) and ``scale`` is
+    ``learned_scale(scale_offset, scale_ref)`` (``qcompile.runtime.quant_math``): the
+    reference ``scale_ref`` (a buffer) plus the offset above it, geometric decay below it.
+    Whatever sets a scale (the observer's first batch, ``set_qparams``, loading a state
+    dict with a ``scale`` entry) sets ``scale_ref`` to it and the offset to 0. Read
+    ``scale`` for the value; write through ``set_qparams``.
 
     Per-token and dynamic quantizers compute their qparams from each input and keep no
     state; ``observe`` does not apply to them.
@@ -174,8 +203,11 @@ class FakeQuantize(nn.Module):
         n = channels if granularity in ("per_channel", "per_group") else 1
         scale = torch.ones(n, dtype=torch.float32)
         if scheme.learnable:
-            self.register_parameter("scale", nn.Parameter(scale))
-            add_buffers(self, mode_flags=torch.ones(2, dtype=torch.uint8))  # = the flags
+            # positive by construction: scale = learned_scale(scale_offset, scale_ref)
+            self.register_parameter("scale_offset",
+                                    nn.Parameter(torch.zeros(n, dtype=torch.float32)))
+            add_buffers(self, mode_flags=torch.ones(2, dtype=torch.uint8),  # = the flags
+                        scale_ref=scale)
         else:
             add_buffers(self, mode_flags=torch.ones(2, dtype=torch.uint8), scale=scale)
         add_buffers(self, zero_point=torch.zeros(n, dtype=torch.int32))
@@ -208,6 +240,72 @@ class FakeQuantize(nn.Module):
             reduce_range=role != "weight" and reduces_activation_range(target),
         )
         return fq
+
+    # -- qparams -----------------------------------------------------------------------
+    @property
+    def scale(self) -> torch.Tensor:
+        """The scales (1-D float32): the buffer, or for a learnable quantizer the positive
+        tensor ``learned_scale(scale_offset, scale_ref)``, computed on each read (with
+        its gradient to ``scale_offset``). Set it with ``set_qparams``."""
+        buf = self._buffers.get("scale")
+        if buf is not None:
+            return buf
+        offset = self._parameters.get("scale_offset")
+        if offset is None:
+            raise AttributeError("scale")
+        ref = self._buffers["scale_ref"]
+        if type(offset) is not nn.Parameter and _sharded(offset):  # a plain one: at once
+            return self._sharded_scale(offset, ref)
+        return learned_scale(offset, ref)
+
+    @staticmethod
+    def _sharded_scale(offset: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+        """The scale of an FSDP2-sharded offset (outside forward), as a DTensor sharded
+        like it: computed on this rank's shard with the matching rows of the (replicated)
+        reference; no communication."""
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, start = compute_local_shape_and_global_offset(
+            offset.shape, offset.device_mesh, offset.placements)
+        local_ref = ref.to(offset.device)[start[0]:start[0] + shape[0]]
+        local = learned_scale(offset.to_local(), local_ref)
+        return DTensor.from_local(local, offset.device_mesh, offset.placements,
+                                  run_check=False, shape=offset.shape, stride=offset.stride())
+
+    @torch.no_grad()
+    def set_qparams(self, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> None:
+        """Set the scales (and zero points): copies into the buffers, or for a learnable
+        quantizer makes ``scale`` the new reference with offset 0 (so the value read back
+        is exactly ``scale``). A learnable scale must be finite and positive
+        (``QCompileError`` otherwise, nothing changed). The cached weight is dropped.
+
+        Example:
+            >>> import torch
+            >>> fq = FakeQuantize("int8", learnable=True)
+            >>> fq.set_qparams(torch.tensor([0.02]))
+            >>> fq.scale.detach(), float(fq.scale_offset)
+            (tensor([0.0200]), 0.0)
+        """
+        scale = torch.as_tensor(scale).detach().to(torch.float32)
+        if scale.shape != self.zero_point.shape:
+            scale = scale.reshape(self.zero_point.shape)
+        if self.learnable and _not_positive(scale):
+            raise QCompileError(
+                f"a learnable quantizer's scale must be finite and positive; "
+                f"{_not_positive(scale)} of the {scale.numel()} values given are not "
+                f"({scale.reshape(-1)[:4].tolist()}...)",
+                fix="give finite positive scales; an observer gives NaN or inf ones when a "
+                "batch (input or weight) holds NaN or inf values: check the data")
+        weight_cache.clear(self)
+        if self.learnable:
+            _assign(self._buffers["scale_ref"], scale)
+            _assign(self._parameters["scale_offset"], torch.zeros_like(scale))
+        else:
+            _assign(self._buffers["scale"], scale)
+        if zero_point is not None:
+            _assign(self.zero_point, torch.as_tensor(zero_point).detach()
+                    .to(torch.int32).reshape(self.zero_point.shape))
 
     # -- statistics -------------------------------------------------------------------
     def _minmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -332,9 +430,8 @@ class FakeQuantize(nn.Module):
         flag buffer matching ``enabled`` / ``observe``. What ``to_empty()`` leaves
         undefined (a graph compiled on the meta device, then allocated), as for torch's
         own modules."""
-        weight_cache.clear(self)
-        _assign(self.scale, torch.ones(self.scale.shape, dtype=torch.float32))
-        _assign(self.zero_point, torch.zeros(self.zero_point.shape, dtype=torch.int32))
+        self.set_qparams(torch.ones(self.zero_point.shape, dtype=torch.float32),
+                         torch.zeros(self.zero_point.shape, dtype=torch.int32))
         self.mode_flags.copy_(torch.tensor([self.enabled, self.observe], dtype=torch.uint8))
         if self.observer is not None:
             self.observer.reset()
@@ -344,16 +441,14 @@ class FakeQuantize(nn.Module):
     def refresh_qparams(self) -> None:
         """Recompute ``scale`` / ``zero_point`` from the observer's statistics.
 
-        A learnable scale is written through ``.data`` (after a forward that saved it for
-        backward, autograd must not see a change), and into its local shard when FSDP2
-        has sharded it."""
+        A learnable scale becomes the reference with offset 0 (``set_qparams``), written
+        through ``.data`` (after a forward that saved it for backward, autograd must not
+        see a change), and into its local shard when FSDP2 has sharded it."""
         if self.observer is None:
             return
         scale, zero_point = self._qparams(self.observer.min_val, self.observer.max_val)
-        # written through .data (no version bump): the cached weight must go explicitly
-        weight_cache.clear(self)
-        _assign(self.scale, scale)
-        _assign(self.zero_point, zero_point)
+        # written through .data (no version bump): set_qparams drops the cached weight
+        self.set_qparams(scale, zero_point)
 
     def clear_weight_cache(self) -> None:
         """Drop the cached fake-quantized weight (see ``reuse_weight``): needed only after
@@ -452,11 +547,65 @@ class FakeQuantize(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
         weight_cache.clear(self)
+        self._convert_scale_entries(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         flags = state_dict.get(prefix + "mode_flags")
         if isinstance(flags, torch.Tensor) and flags.device.type != "meta":
             self.enabled = bool(flags[0])
             self.observe = bool(flags[1])
+
+    def _convert_scale_entries(self, state_dict: dict, prefix: str) -> None:
+        """Map the scale entries of ``state_dict`` (torch's private copy) to this
+        quantizer's kind: a plain ``scale`` (a fixed-scale graph, or a learnable one saved
+        before scales were parameterised) becomes ``scale_ref`` with offset 0, and a
+        learnable ``scale_offset`` / ``scale_ref`` pair becomes a fixed ``scale``. A
+        learnable scale that is not finite and positive is refused, naming the entry,
+        before this quantizer changes."""
+        plain, offset, ref = (prefix + k for k in ("scale", "scale_offset", "scale_ref"))
+        if self.learnable:
+            if plain in state_dict and offset not in state_dict and ref not in state_dict:
+                value = state_dict.pop(plain)
+                if isinstance(value, torch.Tensor):
+                    self._refuse_bad_scale(plain, value)
+                    state_dict[ref] = value
+                    state_dict[offset] = torch.zeros_like(value)
+            elif isinstance(state_dict.get(ref), torch.Tensor):
+                self._refuse_bad_scale(ref, state_dict[ref])
+                if isinstance(state_dict.get(offset), torch.Tensor):
+                    local = _local_values(state_dict[offset])
+                    if local is not None and not bool(torch.isfinite(local).all()):
+                        raise QCompileError(
+                            f"state dict entry {offset}: the learnable scale's offset has "
+                            "NaN or infinite values",
+                            fix="load a checkpoint saved before training diverged")
+        elif (plain not in state_dict and isinstance(state_dict.get(offset), torch.Tensor)
+              and isinstance(state_dict.get(ref), torch.Tensor)):
+            o, r = state_dict.pop(offset), state_dict.pop(ref)
+            self._refuse_bad_scale(ref, r)
+            if o.shape == r.shape and not _sharded(o):
+                with torch.no_grad():
+                    state_dict[plain] = learned_scale(o.float(), r.float())
+
+    @staticmethod
+    def _refuse_bad_scale(key: str, value: torch.Tensor) -> None:
+        bad = _not_positive(value)
+        if bad:
+            local = _local_values(value)
+            shown = local.reshape(-1)[:4].tolist() if local is not None else []
+            raise QCompileError(
+                f"state dict entry {key}: {bad} of its {value.numel()} scales are not finite "
+                f"and positive (first values {shown}); a learnable scale must be > 0",
+                fix="load a checkpoint whose scales are positive (re-export it, or "
+                "re-calibrate this quantizer: set observe=True and run a batch)")
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        # a learnable quantizer pickled before scales were parameterised: scale -> ref
+        params = self.__dict__.get("_parameters", {})
+        if self.__dict__.get("learnable") and "scale" in params:
+            old = params.pop("scale").detach().float()
+            params["scale_offset"] = nn.Parameter(torch.zeros_like(old))
+            self._buffers["scale_ref"] = old.clone()
 
     # The weight cache is runtime state of this instance only: moved or converted tensors
     # start without it, and copies and pickles never carry it.

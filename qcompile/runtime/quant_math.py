@@ -124,6 +124,55 @@ class _FakeQuantLSQ(torch.autograd.Function):
         return grad * inside, grad_scale, None, None, None, None
 
 
+# A learned scale never goes below exp(-60) (~1e-26) of its reference: strictly positive
+# and normal in float32 for any reference >= 1e-12 (observers give >= 1.2e-7), so x / scale
+# stays finite even where exp would underflow. Below that the gradient keeps the slope at
+# the bound (it never vanishes, the scale is not stuck by a zero gradient); a scale this
+# small quantizes every value to 0 or the clamp already.
+_LOG_FLOOR = -60.0
+
+
+class _LearnedScale(torch.autograd.Function):
+    """``learned_scale`` as one autograd node: ``d scale / d offset`` is 1 above the
+    reference and ``exp(offset / ref)`` below it, which is the ``below`` it saves."""
+
+    @staticmethod
+    def forward(ctx, offset, ref):  # type: ignore[override]
+        below = torch.div(offset, ref).clamp_(_LOG_FLOOR, 0.0).exp_()  # e^z below, 1 above
+        ctx.save_for_backward(below)
+        return torch.addcmul(offset.clamp(min=0.0), below, ref)  # ref * below + max(u, 0)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (below,) = ctx.saved_tensors
+        return grad * below, None
+
+
+def learned_scale(offset: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """The scale of a learnable (LSQ) quantizer from its parameter ``offset`` and its
+    reference scale ``ref`` (> 0): ``ref + offset`` for ``offset >= 0`` and
+    ``ref * exp(offset / ref)`` below (at least ``ref * exp(-60)``), so it is positive
+    whatever value training gives ``offset``.
+
+    Why this shape: ``offset`` is in the scale's own units and ``d scale / d offset = 1`` at
+    ``offset = 0`` (where every (re)initialisation puts it), so an optimizer's first steps
+    move the scale exactly as they moved a plain scale parameter (SGD and Adam alike, with
+    LSQ's gradient factor as the paper applies it); growth stays linear (as before: no
+    overflow), and a decrease is geometric: each step that would have taken the scale
+    below zero shrinks it by a factor instead. A plain ``exp(log_scale)`` (gradient
+    ``scale * dL/dscale``) would move scales ~1/scale times slower under Adam (and scale^2
+    under SGD), and fixed scales clip weights that outgrow them: measured, it trained far
+    worse. ``C^1``: value and slope agree at ``offset = 0``.
+
+    Example:
+        >>> import torch
+        >>> ref = torch.tensor([0.5, 0.5, 0.5])
+        >>> learned_scale(torch.tensor([0.25, 0.0, -1.0]), ref)
+        tensor([0.7500, 0.5000, 0.0677])
+    """
+    return _LearnedScale.apply(offset, ref)
+
+
 class _FakeQuantFP8(torch.autograd.Function):
     """Cast-based fp8 fake-quant, saturating at +-fp8_max; STE where the value rounds to a
     finite value of the format."""

@@ -352,14 +352,18 @@ def _key(x: torch.Tensor) -> tuple:
 
 def _qkey(fq: Any) -> tuple[tuple, tuple]:
     """What the result depends on besides the weight, and the objects whose ids it uses."""
-    s, z = fq.scale, fq.zero_point
-    pins: tuple = (s, z)
+    # a learnable scale is computed on each read: key on what it is computed from
+    s = fq.scale_offset if fq.learnable else fq.scale
+    z = fq.zero_point if not fq.learnable else fq.scale_ref
+    pins: tuple = (s, z, fq.zero_point)
     obs: tuple = ()
     if fq.observe and fq.observer is not None:
         o = fq.observer
         obs = (id(o.min_val), o.min_val._version, id(o.max_val), o.max_val._version)
         pins += (o.min_val, o.max_val)
-    key = (id(s), s._version, s.data_ptr(), id(z), z._version, z.data_ptr(), fq.observe, obs,
+    zp = fq.zero_point
+    key = (id(s), s._version, s.data_ptr(), id(z), z._version, z.data_ptr(), id(zp),
+           zp._version, zp.data_ptr(), fq.observe, obs,
            fq.dtype, fq.granularity, fq.axis, fq.group_size, fq.quant_min, fq.quant_max,
            fq.learnable, fq.per_example)
     return key, pins
@@ -390,7 +394,7 @@ def forward(fq: Any, x: torch.Tensor) -> torch.Tensor:
     accepts: the cached result when still valid, else computed (observing first when
     ``observe`` is on) and cached."""
     needs_grad = torch.is_grad_enabled() and (
-        x.requires_grad or (fq.learnable and fq.scale.requires_grad))
+        x.requires_grad or (fq.learnable and fq.scale_offset.requires_grad))
     entry: _Entry | None = fq.__dict__.get(ATTR)
     key = _key(x)
     if (entry is not None and entry.src() is x and entry.key == key

@@ -385,8 +385,8 @@ def case_fsdp2_learnable_grads() -> dict[str, Any]:
     ratio = {n: (got[n].norm() / want[n].norm()).item() for n in want
              if n in got and want[n].norm() > 0}
     return {"grad_diff": diff, "ratio": ratio, "no_grad": sorted(set(want) - set(got)),
-            "weight_scales": [f"{n}.scale" for n in weight_q],
-            "act_scales": [f"{n}.scale" for n in act_q],
+            "weight_scales": [f"{n}.scale_offset" for n in weight_q],
+            "act_scales": [f"{n}.scale_offset" for n in act_q],
             "learnable": all(q.learnable for q in qc.quantizers(gm).values())}
 
 

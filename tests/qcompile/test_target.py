@@ -462,7 +462,7 @@ def test_x86_lsq_activation_trains_in_7_bits() -> None:
     fq = qc.quantizers(gm)["fc.output_fake_quant"]
     assert fq.learnable and (fq.quant_min, fq.quant_max) == (0, 127)
     gm(x).square().mean().backward()
-    assert fq.scale.grad is not None and torch.isfinite(fq.scale.grad).all()
+    assert fq.scale_offset.grad is not None and torch.isfinite(fq.scale_offset.grad).all()
     with torch.no_grad():
         q = gm(x) / fq.scale + fq.zero_point
     assert float(q.min()) >= -1e-3 and float(q.max()) <= 127 + 1e-3

@@ -106,17 +106,17 @@ def test_learnable_scales_get_gradients_and_train() -> None:
     assert len(qs) == 6 and all(q.learnable for q in qs.values())
     params = {id(p) for p in gm.parameters()}
     for name, q in qs.items():
-        assert isinstance(q.scale, nn.Parameter) and q.scale.requires_grad, name
-        assert id(q.scale) in params, f"{name}.scale is not in gm.parameters()"
-        assert q.scale.dtype == torch.float32
+        assert isinstance(q.scale_offset, nn.Parameter) and q.scale_offset.requires_grad, name
+        assert id(q.scale_offset) in params, f"{name}.scale_offset is not in gm.parameters()"
+        assert q.scale.dtype == torch.float32 and bool((q.scale > 0).all()), name
 
     opt = torch.optim.SGD(gm.parameters(), lr=0.05)
     opt.zero_grad()
     F.cross_entropy(gm(x), y).backward()  # the first forward initialises activation scales
     before = {}
     for name, q in qs.items():
-        assert q.scale.grad is not None, name
-        assert q.scale.grad.abs().sum() > 0, name
+        assert q.scale_offset.grad is not None, name
+        assert q.scale_offset.grad.abs().sum() > 0, name
         assert q.observe is False, f"{name}: the observer must stop once the scale is learned"
         before[name] = q.scale.detach().clone()
     opt.step()

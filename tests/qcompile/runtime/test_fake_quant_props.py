@@ -510,17 +510,17 @@ def test_lsq_gradients(cx: tuple[Case, np.ndarray], dtype: str, symmetric: bool,
     case, x = cx
     qmin, qmax = ref_qrange(dtype)
     fq = case.make(dtype, symmetric, learnable=True)
-    assert isinstance(fq.scale, nn.Parameter) and fq.observe
+    assert isinstance(fq.scale_offset, nn.Parameter) and fq.observe
     fq(torch.from_numpy(x))  # the first forward initialises the scale from the observer
     assert not fq.observe
     s_ref, zp_ref = ref_qparams(*case.minmax(x), qmin, qmax, symmetric)
     np.testing.assert_array_equal(_np(fq.scale), s_ref)
     np.testing.assert_array_equal(_np(fq.zero_point), zp_ref)
-    assert isinstance(fq.scale, nn.Parameter) and fq.scale.requires_grad
+    assert isinstance(fq.scale_offset, nn.Parameter) and fq.scale_offset.requires_grad
 
     x2 = x * F32(stretch)
     g = data.draw(arrays(np.float32, x.shape, elements=st.floats(-4, 4, width=32)))
-    fq.scale.grad = None
+    fq.scale_offset.grad = None
     xt = torch.from_numpy(x2).requires_grad_(True)
     y = fq(xt)
     y.backward(torch.from_numpy(g))
@@ -549,8 +549,8 @@ def test_lsq_gradients(cx: tuple[Case, np.ndarray], dtype: str, symmetric: bool,
         other = tuple(d for d in range(x.ndim) if d != axis)
         ref = terms.sum(axis=other) * factor
         mag = np.abs(terms).sum(axis=other) * factor
-    got = _np(fq.scale.grad).astype(np.float64)
-    assert fq.scale.grad.shape == fq.scale.shape
+    got = _np(fq.scale_offset.grad).astype(np.float64)
+    assert fq.scale_offset.grad.shape == fq.scale.shape
     # float32 summation order differs from numpy's: relative to the sum of magnitudes
     assert np.all(np.abs(got - ref) <= 1e-5 * mag + 1e-30), (got, ref, mag)
 
