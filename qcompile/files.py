@@ -41,9 +41,11 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a fresh temporary path beside ``path``; on a clean exit move it onto ``path``.
 
     For writers that want a path rather than a file object (``torch.onnx``, safetensors).
-    On an exception the temporary is removed and ``path`` is untouched.
+    On an exception the temporary is removed and ``path`` is untouched. Temporaries of the
+    same target that a killed writer left (older than an hour) are removed first.
     """
     target = Path(path)
+    remove_stale_temporaries(target.parent, prefix=temp_prefix(target))
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(target), suffix=TMP_SUFFIX,
                                dir=target.parent)
     os.close(fd)
@@ -65,12 +67,12 @@ def write_atomically(path: str | os.PathLike[str], data: str | bytes) -> None:
             tmp.write_bytes(data)
 
 
-def remove_stale_temporaries(folder: str | os.PathLike[str], older_than_s: float = 3600.0
-                             ) -> list[Path]:
-    """Remove files named like this module's temporaries (``.*.tmp``) in ``folder`` whose
-    last change is older than ``older_than_s`` seconds: leftovers of killed writers.
-    Younger ones may belong to a writer still running and are kept. Returns what was
-    removed."""
+def remove_stale_temporaries(folder: str | os.PathLike[str], older_than_s: float = 3600.0,
+                             *, prefix: str = ".") -> list[Path]:
+    """Remove files named like this module's temporaries (``<prefix>*.tmp``, by default
+    any ``.*.tmp``; ``temp_prefix(path)`` for one target's) in ``folder`` whose last change
+    is older than ``older_than_s`` seconds: leftovers of killed writers. Younger ones may
+    belong to a writer still running and are kept. Returns what was removed."""
     removed: list[Path] = []
     cutoff = time.time() - older_than_s
     try:
@@ -78,7 +80,8 @@ def remove_stale_temporaries(folder: str | os.PathLike[str], older_than_s: float
     except OSError:
         return removed
     for entry in entries:
-        if not (entry.name.startswith(".") and entry.name.endswith(TMP_SUFFIX)):
+        if not (entry.name.startswith(prefix) and entry.name.startswith(".")
+                and entry.name.endswith(TMP_SUFFIX)):
             continue
         try:
             if entry.is_file() and entry.stat().st_mtime < cutoff:
