@@ -56,7 +56,7 @@ def bench_compile(quick: bool) -> dict[str, Any]:
     each contender runs twice back to back and the second run is timed; medians of the
     rounds, and each ratio's range over the rounds (round by round, side by side).
     Models and specs are built outside the timings (``spec_load_s``: parsing the preset)."""
-    rounds = 3 if quick else 5
+    rounds = 1 if quick else 5  # quick: a smoke run of every contender, not a measurement
     spec = qc.load_spec("int8-qat")
     export_spec = qc.CompileSpec.model_validate({"quant": {"mode": "none"},
                                                  "trace": {"method": "export"}})
