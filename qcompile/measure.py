@@ -42,7 +42,7 @@ from qcompile.graph.matching import innermost_owner, layer_of, module_output
 from qcompile.graph.meta import FOLDS_KEY, MODULE_KEY, SPEC_KEY
 from qcompile.graph.running import untouched
 from qcompile.graph.signature import graph_inputs
-from qcompile.runtime.calibration import call_args, describe
+from qcompile.runtime.calibration import call_args, misfit
 from qcompile.runtime.fake_quant import FakeQuantize
 
 
@@ -92,14 +92,8 @@ def _module_outputs(g: GraphModule) -> dict[str, str]:
     return out
 
 
-def _misfit(e: Exception, index: int, args: tuple, kwargs: dict, names: list[str]
-            ) -> QCompileError:
-    detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return QCompileError(
-        f"qc.sqnr: batch {index} ({describe(args, kwargs, names)}) does not fit the graph: "
-        f"{type(e).__name__}" + (f": {detail}" if detail else ""),
-        fix="give batches like the example inputs the graph was compiled with (same names, "
-            "dtypes and non-batch dimensions)")
+_SQNR_FIX = ("give batches like the example inputs the graph was compiled with (same names, "
+             "dtypes and non-batch dimensions)")
 
 
 def _graph(gm: nn.Module) -> GraphModule:
@@ -150,12 +144,12 @@ def sqnr(gm: nn.Module, reference_model: nn.Module, batches: Iterable[Any], *,
                             fix=(e.fix or "").replace("qc.calibrate", "qc.sqnr")) from None
     if not calls:
         raise QCompileError("qc.sqnr: no batches were given", fix="pass a non-empty iterable")
-    names = [i.name for i in signature if not i.variadic]
     for index, (args, kwargs) in enumerate(calls):  # names and counts, before any work
         try:
             positional(gm, args, kwargs)
         except TypeError as e:
-            raise _misfit(e, index, args, kwargs, names) from None
+            raise misfit(e, index, args, kwargs, signature, what="qc.sqnr: batch",
+                         fix=_SQNR_FIX) from None
     spec = gm.meta.get(SPEC_KEY)
     trace = spec.trace.model_dump() if spec is not None else {}
     args0, kwargs0 = calls[0]
@@ -204,7 +198,8 @@ def sqnr(gm: nn.Module, reference_model: nn.Module, batches: Iterable[Any], *,
             except QCompileError:
                 raise
             except Exception as e:
-                raise _misfit(e, index, args, kwargs, names) from None
+                raise misfit(e, index, args, kwargs, signature, what="qc.sqnr: batch",
+                             fix=_SQNR_FIX) from None
             for row, ref_name, q_name in measured:
                 a, b = f.values.get(ref_name), q.values[q_name]
                 if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (

@@ -361,21 +361,22 @@ class _WithoutFxTrace:
 
 
 def misfit(e: BaseException, index: int, args: tuple, kwargs: dict,
-           signature: Sequence[GraphInput]) -> QCompileError:
-    """The error for calibration batch ``index`` that made the graph raise ``e``: ids
-    beyond an embedding's ``num_embeddings`` are named as such, anything else as a batch
-    that does not fit the graph."""
+           signature: Sequence[GraphInput], *, what: str = "calibration batch",
+           fix: str = "give batches shaped like example_inputs (same dtypes, same "
+                      "non-batch dimensions), or pass inputs=<batch -> model inputs>"
+           ) -> QCompileError:
+    """The error for batch ``index`` (``what``: whose batch, e.g. ``qc.sqnr: batch``)
+    that made the graph raise ``e``: ids beyond an embedding's ``num_embeddings`` are named
+    as such, anything else as a batch that does not fit the graph."""
     names = [i.name for i in signature if not i.variadic]
     if _index_error(e):
         out_of_range = _ids_out_of_range(index, args, kwargs, signature)
         if out_of_range is not None:
             return out_of_range
     return QCompileError(
-        f"calibration batch {index} ({describe(args, kwargs, names)}) does not fit "
+        f"{what} {index} ({describe(args, kwargs, names)}) does not fit "
         f"the graph, compiled for ({_compiled_for(signature)}): "
-        f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}",
-        fix="give batches shaped like example_inputs (same dtypes, same "
-            "non-batch dimensions), or pass inputs=<batch -> model inputs>")
+        f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}", fix=fix)
 
 
 def _index_error(e: BaseException) -> bool:

@@ -353,17 +353,15 @@ def _key(x: torch.Tensor) -> tuple:
 def _qkey(fq: Any) -> tuple[tuple, tuple]:
     """What the result depends on besides the weight, and the objects whose ids it uses."""
     # a learnable scale is computed on each read: key on what it is computed from
-    s = fq.scale_offset if fq.learnable else fq.scale
-    z = fq.zero_point if not fq.learnable else fq.scale_ref
-    pins: tuple = (s, z, fq.zero_point)
+    pins: tuple = ((fq.scale_offset, fq.scale_ref, fq.zero_point) if fq.learnable
+                   else (fq.scale, fq.zero_point))
+    state = tuple(v for t in pins for v in (id(t), t._version, t.data_ptr()))
     obs: tuple = ()
     if fq.observe and fq.observer is not None:
         o = fq.observer
         obs = (id(o.min_val), o.min_val._version, id(o.max_val), o.max_val._version)
         pins += (o.min_val, o.max_val)
-    zp = fq.zero_point
-    key = (id(s), s._version, s.data_ptr(), id(z), z._version, z.data_ptr(), id(zp),
-           zp._version, zp.data_ptr(), fq.observe, obs,
+    key = (state, fq.observe, obs,
            fq.dtype, fq.granularity, fq.axis, fq.group_size, fq.quant_min, fq.quant_max,
            fq.learnable, fq.per_example)
     return key, pins
