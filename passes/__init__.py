@@ -44,6 +44,7 @@ from qcompile.passes import (
 )
 from qcompile.passes.trace.capture_symbolic import refuse_lost_leaf_hooks
 from qcompile.passes.trace.saving import keep_whole
+from qcompile.runtime import recompute
 from qcompile.specs import CompileSpec
 from qcompile.version import __version__
 
@@ -144,6 +145,12 @@ def compile_model(model: nn.Module, spec: CompileSpec, example_inputs: Any = Non
     for m in gm.modules():
         if isinstance(m, GraphModule):
             m.meta.setdefault(COMPILED_KEY, gm.meta.get(COMPILED_KEY))
+    if spec.quant.mode != "none" and spec.train.recompute_weights:
+        # autograd keeps the weights, not their fake-quantized copies: the graph and each
+        # stage (the graph whose code consumes a quantizer's output runs with the hooks)
+        for m in gm.modules():
+            if isinstance(m, GraphModule):
+                recompute.install(m)
     keep_whole(gm)  # torch.save(gm) saves the whole graph (qc.qcompile's and compile_once's)
     for inst in instruments:
         inst.finish(report, gm)

@@ -163,7 +163,8 @@ def _build(scheme: Scheme, ctx: Context, *, role: str, shape: tuple[int, ...] | 
     try:
         return FakeQuantize.from_scheme(scheme, role=role, shape=shape, dynamic=dynamic,
                                         channel_axis=channel_axis,
-                                        target=ctx.spec.quant.target)
+                                        target=ctx.spec.quant.target,
+                                        update=ctx.spec.quant.observer_update)
     except ValueError as e:
         raise QCompileError(f"{where}: {field}: {e}",
                             fix=f"change {field} in the spec, or exclude {where} with a "

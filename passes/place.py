@@ -206,10 +206,57 @@ class OriginalNames:
                     state[prefix + key] = value
 
 
+class Spread:
+    """A module of the original model whose children the stages share out (a
+    transformer's ``layers``: layer 0 in ``stage_0``, layer 1 in ``stage_1``): attribute
+    lookup finds each child in the stage holding it. Not a module (nothing registers it):
+    lookups by original name only, as ``torch.distributed.checkpoint`` resolves a
+    state-dict key (``layers.1.fc.weight``) by ``getattr`` along it."""
+
+    def __init__(self, holders: list[nn.Module]) -> None:
+        self.holders = holders
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "holders":  # pickling, copying: not ours
+            raise AttributeError(name)
+        found = [getattr(h, name) for h in self.holders if hasattr(h, name)]
+        if not found:
+            raise AttributeError(name)
+        if len(found) == 1 or not all(isinstance(f, nn.Module) for f in found):
+            return found[0]
+        return Spread(found)
+
+
+class StageNames:
+    """``_fqn_modifiers`` of a staged graph (the protocol
+    ``torch.distributed.checkpoint.state_dict`` reads): the ``stage_<i>`` children are not
+    part of a state-dict key."""
+
+    def __init__(self, stages: list[str]) -> None:
+        self.stages = stages
+
+    def __call__(self) -> dict[str, str]:
+        return {s: s for s in self.stages}
+
+
 def register_original_names(gm: GraphModule, names: dict[str, list[str]]) -> None:
-    """state_dict under the original qualified names; load_state_dict accepts them."""
+    """state_dict under the original qualified names; load_state_dict accepts them; and
+    the original top-level names resolve by attribute (``gm.layers`` finds the layers in
+    their stages), so ``torch.distributed.checkpoint``'s ``get_model_state_dict`` maps
+    every key to its tensor."""
     gm.register_state_dict_post_hook(OriginalNames("save", names))
     gm.register_load_state_dict_pre_hook(OriginalNames("load", names))
+    stages = [n for n, c in gm.named_children() if isinstance(c, GraphModule)]
+    tops: dict[str, list[nn.Module]] = {}
+    for stage in stages:
+        for name, child in gm.get_submodule(stage).named_children():
+            tops.setdefault(name, []).append(child)
+    for name, holders in tops.items():
+        if name not in gm._modules and name not in gm.__dict__ and not hasattr(type(gm), name):
+            # plain attributes, not submodules: named_modules, state_dict and FSDP2 see
+            # only the stages
+            gm.__dict__[name] = holders[0] if len(holders) == 1 else Spread(holders)
+    gm.__dict__["_fqn_modifiers"] = StageNames(stages)
 
 
 @graph_pass(requires=("stages",), provides=("placed",))

@@ -173,6 +173,11 @@ class TrainSpec(Frozen):
 
     accumulate: StrictInt = Field(1, ge=1, description="micro-batches per optimizer step; "
                                   "with DDP, gradients are all-reduced on the last one only")
+    recompute_weights: StrictBool = Field(
+        True, description="autograd keeps the float weight, not its fake-quantized copy, and "
+        "recomputes the copy in backward: a QAT step holds what a float step holds (under "
+        "FSDP2, no unsharded weight outlives its layer); false keeps the copies (one weight "
+        "per layer more, no recomputation)")
 
 
 class CompileSpec(Frozen):

@@ -328,6 +328,11 @@ class QuantSpec(Frozen):
         "run on the calibration batches in qc.calibrate")
     fold_bn: bool = True
     sync_observers: bool = True
+    observer_update: Literal["step", "forward"] = Field(
+        "step", description="when activation observers change their qparams in training: "
+        "step (statistics of a whole optimizer step, reduced across data-parallel ranks and "
+        "applied once after it: results do not depend on the world size or on gradient "
+        "accumulation) | forward (every forward updates at once, from its own batch)")
 
     @model_validator(mode="after")
     def _mode_fits(self) -> QuantSpec:

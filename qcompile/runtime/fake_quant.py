@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from qcompile.errors import QCompileError
-from qcompile.runtime import kernels, weight_cache
+from qcompile.runtime import kernels, recompute, weight_cache
 from qcompile.runtime.observers import (
     MinMaxObserver,
     MovingAverageObserver,
@@ -142,10 +142,26 @@ class FakeQuantize(nn.Module):
     ``reduce_range`` (plain bool): an 8-bit integer quantizer (uint8, int8) uses the 7-bit
     range ([0, 127], [-64, 63]), as activations do for the ``x86`` target
     (``qcompile.specs.quant.reduces_activation_range``); False for every other dtype.
+
+    ``update`` (``"forward"`` or ``"step"``, the spec's ``quant.observer_update``): with
+    ``"step"``, an activation quantizer with a min-max or moving-average observer does not
+    change its qparams in a training step's forward (training mode, gradients on): it
+    fake-quantizes with the qparams it
+    has and folds the batch's minima and maxima into pending statistics (the minimum and
+    maximum over the step's micro-batches), which ``apply_pending`` (after the optimizer
+    step; across data-parallel ranks, ``qcompile.distributed.data_parallel``) folds into
+    the observer, once per step. Until its observer has statistics such a quantizer passes
+    training inputs through unchanged. Evaluation-mode forwards, and forwards without
+    gradients (``torch.no_grad()``), observe at once.
     """
 
     reuse_weight: bool = True
     reduce_range: bool = False  # also what graphs pickled before the attribute existed read
+    # Class defaults, also for graphs pickled before the attributes existed:
+    weight: bool = False  # quantizes a weight (replicas agree on it: never reduced)
+    update: str = "forward"  # when a training forward's observation takes effect
+    initialised: bool = False  # step updates: the observer has statistics to quantize with
+    _pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -161,16 +177,23 @@ class FakeQuantize(nn.Module):
         dynamic: bool = False,
         per_example: bool = False,
         reduce_range: bool = False,
+        weight: bool = False,
+        update: str = "forward",
     ) -> None:
         # the arguments are validated as a spec's scheme would be
         scheme = Scheme(dtype=dtype, symmetric=symmetric, granularity=granularity,
                         axis=axis if granularity == "per_channel" else None,
                         group_size=group_size, observer=observer, learnable=learnable)
+        if update not in ("forward", "step"):
+            raise QCompileError(f"FakeQuantize: update {update!r} is not known",
+                                fix="use update='forward' or update='step'")
         self._setup(scheme, axis=axis, channels=channels, dynamic=dynamic,
-                    per_example=per_example, reduce_range=reduce_range)
+                    per_example=per_example, reduce_range=reduce_range, weight=weight,
+                    update=update)
 
     def _setup(self, scheme: Scheme, *, axis: int | None, channels: int, dynamic: bool,
-               per_example: bool, reduce_range: bool) -> None:
+               per_example: bool, reduce_range: bool, weight: bool = False,
+               update: str = "forward") -> None:
         """The construction proper, from a validated ``scheme`` (``from_scheme`` comes here
         directly: the spec validated its schemes already)."""
         nn.Module.__init__(self)
@@ -196,9 +219,15 @@ class FakeQuantize(nn.Module):
             reduce_range=bool(reduce_range) and scheme.dtype in REDUCIBLE_DTYPES,
             learnable=scheme.learnable,
             dynamic=dynamic,
+            weight=bool(weight),
+            update=update,
             enabled=True,
             observe=True,
             observed=False,  # observed since the last synchronisation
+            # step updates: (min, max) waiting for apply_pending, or None. Plain tensors,
+            # not buffers: DDP broadcasts buffers from rank 0 before every forward, which
+            # would replace each rank's own micro-batches' statistics
+            _pending=None,
         )
         n = channels if granularity in ("per_channel", "per_group") else 1
         scale = torch.ones(n, dtype=torch.float32)
@@ -221,13 +250,14 @@ class FakeQuantize(nn.Module):
     @classmethod
     def from_scheme(
         cls, scheme: Scheme, *, role: str, shape: tuple[int, ...] | None, dynamic: bool = False,
-        channel_axis: int | None = None, target: str = "generic",
+        channel_axis: int | None = None, target: str = "generic", update: str = "forward",
     ) -> FakeQuantize:
         """Build the quantizer a spec scheme describes for a tensor of ``shape``.
         ``channel_axis`` is the default channel axis when the scheme gives none (a weight
         used as [in, out] has its output channels on axis 1). ``target`` (``quant.target``)
         decides the range of activation quantizers (``role`` other than ``"weight"``):
-        reduced to 7 bits for 8-bit integer dtypes where the target's kernels need it."""
+        reduced to 7 bits for 8-bit integer dtypes where the target's kernels need it.
+        ``update`` (``quant.observer_update``) applies to activation quantizers."""
         if scheme.axis is None and channel_axis is not None:
             scheme = scheme.model_copy(update={"axis": channel_axis})
         fq = cls.__new__(cls)
@@ -238,6 +268,8 @@ class FakeQuantize(nn.Module):
             dynamic=dynamic,
             per_example=role == "activation",
             reduce_range=role != "weight" and reduces_activation_range(target),
+            weight=role == "weight",
+            update=update if role != "weight" else "forward",
         )
         return fq
 
@@ -420,6 +452,7 @@ class FakeQuantize(nn.Module):
     def _observed(self) -> None:
         self.refresh_qparams()
         self.observed = True  # for synchronisation across data-parallel ranks
+        self.__dict__["initialised"] = True
         if self.learnable:
             # LSQ: the observer only initialises the scale; from then on it is learned.
             self.observe = False
@@ -436,6 +469,7 @@ class FakeQuantize(nn.Module):
         if self.observer is not None:
             self.observer.reset()
         self.observed = False
+        self.__dict__.update(_pending=None, initialised=False)
 
     @torch.no_grad()
     def refresh_qparams(self) -> None:
@@ -472,12 +506,14 @@ class FakeQuantize(nn.Module):
             x = x.reshape(x.shape[0], -1, self.group_size)
         if not shaped:
             scale, zero_point = self._shaped(scale, x), self._shaped(zero_point, x)
+        # a weight (its layer keeps it anyway) is saved for backward instead of a mask
+        weight = type(src) is nn.Parameter or type(src._base) is nn.Parameter
         if self.dtype in FP8_DTYPES:
-            out = fake_quantize_fp8(x, scale, self.dtype, FP8_MAX[self.dtype])
+            out = fake_quantize_fp8(x, scale, self.dtype, FP8_MAX[self.dtype], weight=weight)
         else:
             batch = src.shape[0] if self.per_example and src.dim() > 1 else 1
             out = fake_quantize(x, scale, zero_point, self.quant_min, self.quant_max,
-                                learnable=self.learnable, batch=batch)
+                                learnable=self.learnable, batch=batch, weight=weight)
         # per_group only changed the shape; returning a reshape view otherwise would make
         # FSDP2 warn about views at the module boundary
         return out.reshape(src.shape) if self.granularity == "per_group" else out
@@ -507,14 +543,89 @@ class FakeQuantize(nn.Module):
         if self.enabled and self.reuse_weight and self._may_reuse(x):
             return weight_cache.forward(self, x)
         if self.observe:
+            if self.training and torch.is_grad_enabled() and self.deferred():
+                return self._observe_later(x)
             if self.enabled:
                 out = self._observe_fake_quant(x)
                 if out is not None:
-                    return out
+                    return self._recomputable(out, x)
             self.observe_tensor(x)
         if not self.enabled:
             return x
+        return self._recomputable(self._fake_quant(x, self.scale, self.zero_point, shaped=False), x)
+
+    def _recomputable(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out`` (this forward's fake-quantized ``x``), tagged to be recomputed in backward
+        instead of kept (``qcompile.runtime.recompute``) when ``x`` is a weight and a
+        compiled graph's forward runs with the recomputing hooks."""
+        if type(x) is not nn.Parameter:
+            base = x._base
+            if base is None or type(base) is not nn.Parameter:
+                return out
+        # torch.compile: the hooks are not pushed while compiling (and reading them breaks
+        # the graph); Inductor plans what it saves itself
+        if torch.compiler.is_compiling() or not recompute.active():
+            return out
+        # the qparams as this forward used them: set_qparams writes the buffers in place
+        scale = self.scale.detach()
+        if not self.learnable:
+            scale = scale.clone()
+        return recompute.tag(out, x, self._fake_quant_again, scale, self.zero_point.clone())
+
+    def _fake_quant_again(self, x: torch.Tensor, scale: torch.Tensor,
+                          zero_point: torch.Tensor) -> torch.Tensor:
+        return self._fake_quant(x.detach(), scale, zero_point, shaped=False)
+
+    # -- step updates (``update == "step"``) ---------------------------------------------
+    def deferred(self) -> bool:
+        """Whether training forwards defer their observations to ``apply_pending``: step
+        updates, an activation quantizer, a min-max or moving-average observer."""
+        return (self.update == "step" and not self.weight
+                and type(self.observer) in (MinMaxObserver, MovingAverageObserver))
+
+    def _observe_later(self, x: torch.Tensor) -> torch.Tensor:
+        """A training forward with step updates: fold ``x``'s minima / maxima into the
+        pending statistics; fake-quantize with the qparams as they are (unchanged until
+        ``apply_pending``), or pass ``x`` through while the observer has no statistics."""
+        with torch.no_grad():
+            mn, mx = self._minmax(x.detach().float())
+            pending = self._pending
+            if pending is None or pending[0].device != mn.device:
+                self.__dict__["_pending"] = (mn.clone(), mx.clone())
+            else:
+                torch.minimum(pending[0], mn, out=pending[0])
+                torch.maximum(pending[1], mx, out=pending[1])
+        if not self.enabled:
+            return x
+        if not self.initialised:
+            # one check until the first statistics arrive (a loaded or calibrated observer
+            # has them already)
+            if not bool(torch.isfinite(self.observer.min_val).any()):
+                return x
+            self.__dict__["initialised"] = True
         return self._fake_quant(x, self.scale, self.zero_point, shaped=False)
+
+    def pending_stats(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The pending (min, max) of step updates, or None when there are none."""
+        return self._pending
+
+    @torch.no_grad()
+    def apply_pending(self, stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
+        """Fold the pending statistics (or ``stats``: the same reduced across ranks) into
+        the observer, once (a moving average takes one update), and recompute the qparams.
+        Returns whether there was anything to apply."""
+        pending, self.__dict__["_pending"] = self._pending, None
+        if pending is None:
+            return False
+        mn, mx = stats if stats is not None else pending
+        obs = self.observer
+        obs.update(mn.to(obs.min_val.device), mx.to(obs.max_val.device))
+        # reduced already: not `observed` (nothing for a per-forward sync to do)
+        self.refresh_qparams()
+        self.__dict__["initialised"] = True
+        if self.learnable:
+            self.observe = False  # LSQ: the observer only initialises the scale
+        return True
 
     def _may_reuse(self, x: torch.Tensor) -> bool:
         """``x`` is a weight the cache may hold, and observing it again (when ``observe``
@@ -547,6 +658,8 @@ class FakeQuantize(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
         weight_cache.clear(self)
+        # loaded statistics replace the step's; whether they exist is checked again
+        self.__dict__.update(_pending=None, initialised=False)
         self._convert_scale_entries(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         flags = state_dict.get(prefix + "mode_flags")
@@ -613,6 +726,7 @@ class FakeQuantize(nn.Module):
     # statistics but keeps their dtypes: float32 scales and ranges, float64 histograms.
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         weight_cache.clear(self)
+        self.__dict__["_pending"] = None  # a step's pending statistics do not move
         dtypes = {name: t.dtype for name, t in self._state_tensors()}
         out = super()._apply(fn, recurse)
         self._restore_dtypes(dtypes)
@@ -640,6 +754,7 @@ class FakeQuantize(nn.Module):
     def __getstate__(self) -> dict:
         state = super().__getstate__()  # a copy of __dict__
         state.pop(weight_cache.ATTR, None)
+        state.pop("_pending", None)  # runtime state of a step, like the cache
         return state
 
     def extra_repr(self) -> str:

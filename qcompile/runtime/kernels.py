@@ -168,10 +168,15 @@ def release_cache() -> int:
     return int(ops.fake_quant_release_cache()) if ops is not None else 0
 
 
-@torch.compiler.assume_constant_result
 def available() -> bool:
     """Whether the kernels are loaded (a constant to ``torch.compile``)."""
     return load() is not None
+
+
+# What ``torch.compiler.assume_constant_result`` sets (torch._dynamo reads the attribute
+# when it traces a call): the decorator itself imports torch._dynamo, seconds of every
+# process's start-up, for a program that may never compile.
+available._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def main() -> int:

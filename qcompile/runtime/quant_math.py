@@ -99,6 +99,28 @@ class _FakeQuantSTE(torch.autograd.Function):
         return grad * mask, None, None, None, None
 
 
+class _FakeQuantSTEWeight(torch.autograd.Function):
+    """``_FakeQuantSTE`` of a weight: saves the weight (what the float layer keeps anyway;
+    under FSDP2 the unsharded parameter, freed and gathered again as for the float layer)
+    and the qparams instead of a one-byte-per-element mask, which the backward
+    recomputes. The same arithmetic, the same bits, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale, zero_point, quant_min, quant_max):  # type: ignore[override]
+        ctx.save_for_backward(x, scale, zero_point)
+        ctx.qrange = (quant_min, quant_max)
+        q = torch.div(x.float(), scale).round_().add_(zero_point)
+        return q.clamp_(quant_min, quant_max).sub_(zero_point).mul_(scale).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, scale, zero_point = ctx.saved_tensors
+        quant_min, quant_max = ctx.qrange
+        q = torch.div(x.float(), scale).round_().add_(zero_point)
+        mask = (q >= quant_min) & (q <= quant_max)
+        return (grad.float() * mask).to(x.dtype), None, None, None, None
+
+
 class _FakeQuantLSQ(torch.autograd.Function):
     """Learned step size quantization (Esser et al., 2020): the gradient also reaches the
     scale, ``d out / d scale = q - zp - x/scale`` inside the range and ``q - zp`` at the
@@ -200,10 +222,13 @@ def fake_quantize(
     *,
     learnable: bool = False,
     batch: int = 1,
+    weight: bool = False,
 ) -> torch.Tensor:
     """Fake-quantize ``x`` with ``scale``/``zero_point`` already shaped to broadcast
     against it. Math runs in float32; the result has ``x``'s dtype. With ``learnable``,
     LSQ's gradient factor counts ``x.numel() / scale.numel() / batch`` elements.
+    ``weight``: ``x`` is a weight (a parameter, kept by its layer anyway): the eager
+    straight-through node saves it rather than a mask (the CPU kernels keep a 1-bit mask).
 
     CPU tensors run the fused kernels of ``qcompile.runtime.kernels`` (bit-identical results,
     one pass each way); other devices, or no C++ compiler, run ``fake_quantize_eager``."""
@@ -213,6 +238,9 @@ def fake_quantize(
         if learnable:
             return ops.fake_quant_lsq(x, scale, zero_point, quant_min, quant_max, factor)
         return ops.fake_quant(x, scale, zero_point, quant_min, quant_max)
+    if weight and not learnable and torch.is_grad_enabled() and x.requires_grad:
+        zp = zero_point.to(torch.float32)
+        return _FakeQuantSTEWeight.apply(x, scale, zp, quant_min, quant_max)
     return fake_quantize_eager(x, scale, zero_point, quant_min, quant_max,
                                learnable=learnable, grad_factor=factor)
 
@@ -274,8 +302,31 @@ def _fits(t: torch.Tensor, shape: torch.Size) -> bool:
 
 
 def fake_quantize_fp8(
-    x: torch.Tensor, scale: torch.Tensor, fmt: str, fp8_max: float
+    x: torch.Tensor, scale: torch.Tensor, fmt: str, fp8_max: float, *, weight: bool = False
 ) -> torch.Tensor:
-    """Fake-quantize ``x`` to an fp8 format (``fp8_e4m3`` / ``fp8_e5m2``)."""
+    """Fake-quantize ``x`` to an fp8 format (``fp8_e4m3`` / ``fp8_e5m2``). ``weight``: as
+    for ``fake_quantize``, the node saves the weight, not a mask."""
+    if weight and torch.is_grad_enabled() and x.requires_grad:
+        return _FakeQuantFP8Weight.apply(x, scale, FP8_DTYPES[fmt], fp8_max,
+                                         _FP8_ROUNDS_IN[fmt])
     out = _FakeQuantFP8.apply(x.float(), scale, FP8_DTYPES[fmt], fp8_max, _FP8_ROUNDS_IN[fmt])
     return out.to(x.dtype)
+
+
+class _FakeQuantFP8Weight(torch.autograd.Function):
+    """``_FakeQuantFP8`` of a weight: saves the weight and scale, not a mask (see
+    ``_FakeQuantSTEWeight``); the same bits."""
+
+    @staticmethod
+    def forward(ctx, x, scale, fp8_dtype, fp8_max, rounds_in):  # type: ignore[override]
+        ctx.save_for_backward(x, scale)
+        ctx.rounds_in = rounds_in
+        xs = x.float() / scale
+        out = torch.clamp(xs, -fp8_max, fp8_max).to(fp8_dtype).to(xs.dtype) * scale
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, scale = ctx.saved_tensors
+        mask = (x.float() / scale).abs() < ctx.rounds_in
+        return (grad.float() * mask).to(x.dtype), None, None, None, None

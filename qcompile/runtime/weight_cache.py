@@ -106,6 +106,8 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from qcompile.runtime import recompute
+
 __all__ = ["cacheable_weight", "clear", "forward", "remove_step_hooks",
            "saved_tensor_hooks_active", "step_hooks_installed", "tracing"]
 
@@ -317,9 +319,16 @@ class _CachedLSQ(torch.autograd.Function):
 
 
 def saved_tensor_hooks_active() -> bool:
-    """Saved-tensor hooks are active (non-reentrant activation checkpointing, CPU
-    offloading, ...)."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+    """Saved-tensor hooks other than a compiled graph's own weight-recomputing ones are
+    active (non-reentrant activation checkpointing, CPU offloading, ...)."""
+    return recompute.user_hooks_active()
+
+
+def optimizer_steps() -> tuple[object, int]:
+    """(the step counter, its count): changes with every ``Optimizer.step()`` of the
+    process (registers the counting hooks on first use, see ``_StepCounter``)."""
+    counter = _StepCounter.get()
+    return counter, counter.count
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

@@ -488,7 +488,8 @@ def test_x86_activation_values_stay_in_7_bits(mode: str) -> None:
     seen = []
     handle = fq.register_forward_hook(lambda m, args, out: seen.append((args[0], out)))
     try:
-        gm(torch.randn(64, 6, generator=torch.Generator().manual_seed(5)) * 3)
+        with torch.no_grad():  # observes at once (a training step would apply it after)
+            gm(torch.randn(64, 6, generator=torch.Generator().manual_seed(5)) * 3)
     finally:
         handle.remove()
     (inp, out), = seen
@@ -563,10 +564,10 @@ def test_from_scheme_builds_what_the_constructor_builds(kw):
     ``__setattr__`` chain: the module is the one ``FakeQuantize(...)`` builds."""
     from qcompile.specs import Scheme
 
-    a = FakeQuantize(**kw)
+    role = "activation" if kw.get("per_example") else "weight"
+    a = FakeQuantize(**kw, weight=role == "weight")
     fields = {k: kw[k] for k in ("dtype", "symmetric", "granularity", "axis", "group_size",
                                  "observer", "learnable") if k in kw}
-    role = "activation" if kw.get("per_example") else "weight"
     shape = {1: None, 4: (4, 3), 6: (6, 8)}[kw.get("channels", 1)]
     b = FakeQuantize.from_scheme(Scheme(**fields), role=role, shape=shape,
                                  dynamic=kw.get("dynamic", False),
