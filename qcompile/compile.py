@@ -29,6 +29,7 @@ from torch.fx import GraphModule
 
 from qcompile.distributed.data_parallel import watch_observer_sync
 from qcompile.distributed.guards import refuse_wrapped, unwrap_compiled
+from qcompile.distributed.once import block_spec, blocks
 from qcompile.errors import QCompileError
 from qcompile.graph.pipeline import Instrument
 from qcompile.graph.records import report
@@ -61,6 +62,11 @@ def qcompile(
     in silence; so is a hook on a layer the spec quantizes, whose call the graph replaces
     by quantized operations (a ``skip: true`` rule keeps the layer a call, hooks and all).
 
+    With ``data_parallel: {kind: fsdp2}`` (and no pipeline), the graph gets one child graph
+    per repeated block (``qcompile.distributed.once.blocks``: a transformer's layers),
+    which ``qc.distributed.wrap`` shards as one FSDP2 group each; state-dict names are
+    the model's.
+
     A ``torch.compile``'d model is compiled from its original module (``model._orig_mod``;
     names without ``_orig_mod.``, a note in the Report); a model wrapped for data
     parallelism is refused (compile first, then ``qc.distributed.wrap``).
@@ -74,8 +80,20 @@ def qcompile(
     refuse_wrapped(model)
     if spec.quant.mode != "none":  # a NaN weight would give NaN scales, and then NaN outputs
         refuse_nonfinite(model_weights(model), "qcompile")
-    gm = compile_model(model, spec, example_inputs, example_kwargs=example_kwargs,
+    compile_spec, found = spec, []
+    if spec.data_parallel.kind == "fsdp2" and spec.pipeline is None:
+        # one child graph per repeated block, so that qc.distributed.wrap makes each an
+        # FSDP2 group (as compile_once does): the graph reads its weights directly, and a
+        # flat graph would be one group, the whole model unsharded for every step
+        found = blocks(model)
+        if len(found) >= 2:
+            compile_spec = block_spec(spec, found)
+    gm = compile_model(model, compile_spec, example_inputs, example_kwargs=example_kwargs,
                        instruments=instruments, inplace=inplace)
     if note is not None:
         report(gm).passes[0].notes.append(note)
+    if compile_spec is not spec:
+        report(gm).passes[-1].notes.append(
+            f"data_parallel fsdp2: {len(found)} blocks as child graphs, one FSDP2 group "
+            f"each under qc.distributed.wrap ({found[0]} .. {found[-1]})")
     return watch_observer_sync(gm)

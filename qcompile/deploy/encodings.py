@@ -116,7 +116,9 @@ def export_encodings(gm: nn.Module, path: str | Path) -> None:
     missing = uncalibrated(gm, mode)
     if missing:
         fix = ("run qc.calibrate(gm, batches) first" if mode == "static" else
-               "train it for some steps first (observers learn ranges in train mode)")
+               "train it for some steps first (observers learn ranges in train mode; a "
+               "training step's observations take effect after optimizer.step(), or call "
+               "qc.freeze(gm))")
         raise QCompileError(f"export_encodings: {len(missing)} activation quantizer(s) have "
                             f"no ranges yet (their scales are placeholders), e.g. "
                             f"{missing[0]}", fix=fix)

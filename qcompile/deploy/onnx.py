@@ -661,7 +661,8 @@ def _refuse_uncalibrated(gm: nn.Module) -> None:
     missing = uncalibrated(gm, mode)
     if missing:
         fix = ("run qc.calibrate(gm, batches) first" if mode == "static" else
-               "train it for some steps first (observers learn ranges in train mode), then "
+               "train it for some steps first (observers learn ranges in train mode; a "
+               "training step's observations take effect after optimizer.step()), then "
                "qc.freeze(gm)")
         raise QCompileError(f"export_onnx: {len(missing)} activation quantizer(s) have no "
                             f"ranges yet (their qparams are placeholders), e.g. {missing[0]}",

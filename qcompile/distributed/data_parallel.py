@@ -22,12 +22,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.fx import GraphModule
 
 from qcompile.distributed.agree import agree, digest
 from qcompile.distributed.devices import collective_device, staged
 from qcompile.distributed.guards import refuse_wrapped
 from qcompile.errors import QCompileError
 from qcompile.graph.meta import SHARDED_KEY, SYNC_OBSERVERS_KEY
+from qcompile.runtime import weight_cache
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.runtime.observers import MovingAverageObserver
 from qcompile.specs import as_spec
@@ -66,8 +68,8 @@ def _check_observer_sync(module: nn.Module, args: Any) -> None:
     if not module.__dict__.get("_qc_observer_sync_armed", False):
         module.__dict__["_qc_observer_sync_armed"] = True
         return
-    if any(isinstance(m, FakeQuantize) and m.observe and m.observed and m.observer is not None
-           for m in module.modules()):
+    if any(isinstance(m, FakeQuantize) and m.observe and m.observer is not None
+           and (m.observed or m.pending_stats() is not None) for m in module.modules()):
         module.__dict__[_WATCH] = "off"
         warnings.warn(UNSYNCED_WARNING.format(world=world), UserWarning, stacklevel=2)
 
@@ -84,6 +86,8 @@ def watch_observer_sync(gm: nn.Module) -> nn.Module:
     untouched. Evaluation-mode forwards (``qc.calibrate``, which syncs at its end) are not
     checked."""
     meta = getattr(gm, "meta", None)
+    if _apply_after_step not in gm._forward_pre_hooks.values():
+        gm.register_forward_pre_hook(_apply_after_step)
     if isinstance(meta, dict) and meta.get(SYNC_OBSERVERS_KEY) is False:
         return gm  # the spec turned synchronisation off: local observers are intended
     gm.__dict__.setdefault(_WATCH, "watching")
@@ -98,35 +102,92 @@ def _mark_synced(gm: nn.Module) -> None:
             m.__dict__[_WATCH] = "off"
 
 
-def sync_observers(gm: nn.Module, group: Any = None, *, everything: bool = False
-                   ) -> dict[str, int]:
+def sync_observers(gm: nn.Module, group: Any = None, *, everything: bool = False,
+                   weights: bool | None = None) -> dict[str, int]:
     """Reduce observer statistics across the data-parallel group, then recompute qparams.
 
-    ``qc.distributed.wrap`` calls it after every forward. A hand-written loop around
-    ``DistributedDataParallel(gm)`` (or ``fully_shard``) calls it itself, on every rank,
-    after each forward (before ``backward``, or after ``optimizer.step()``)::
+    With step updates (``quant.observer_update: step``, the default), call it once per
+    optimizer step, after ``optimizer.step()``: it reduces the step's pending statistics
+    (every micro-batch's, every rank's) and applies them, so the next step quantizes with
+    the same qparams on every rank, whatever the world size. ``qc.distributed.wrap`` and
+    ``train_step`` do this themselves; so does a graph's next forward after an optimizer
+    step, across the group ``wrap`` was given (without ``wrap``: locally, and a warning
+    says the ranks drift). A hand-written loop around ``DistributedDataParallel(gm)``
+    calls it on every rank::
 
         ddp = DistributedDataParallel(gm)
         for x, y in loader:
-            loss = loss_fn(ddp(x), y)
+            loss_fn(ddp(x), y).backward()
+            opt.step(); opt.zero_grad()
             qc.distributed.sync_observers(gm)   # every rank's qparams identical again
-            loss.backward(); opt.step(); opt.zero_grad()
 
-    Min-max observers take the min of mins and max of maxes; moving averages the mean.
-    All quantizers go in one flattened collective per reduction kind (at most three per
-    call), not one per quantizer, on the backend's device (``collective_device``: the
-    rank's GPU for NCCL, CPU for gloo) whatever device the observers are on. Only
-    quantizers that observed since the last call take part (every rank ran the same
-    forward, so it is the same set), unless ``everything``. ``group`` defaults to the
-    world (with pipeline x data parallel: the stage's data-parallel group). Without a
-    process group it does nothing. Returns the number of collectives and bytes sent."""
-    stats = {"collectives": 0, "bytes": 0}
+    Quantizers that update in every forward (``observer_update: forward``, histogram-based
+    observers) are reduced as they are: min-max observers take the min of mins and max of
+    maxes, moving averages the mean (call it after each forward for those). Step updates
+    take the min of mins and max of maxes of the step and fold them in once. All quantizers
+    go in one flattened collective per reduction kind (at most three per call), not one
+    per quantizer, on the backend's device (``collective_device``: the rank's GPU for NCCL,
+    CPU for gloo) whatever device the observers are on. Only quantizers that observed since
+    the last call take part (every rank ran the same forwards, so it is the same set),
+    unless ``everything``. ``group`` defaults to the world (with pipeline x data parallel:
+    the stage's data-parallel group). ``weights``: reduce weight quantizers too (default:
+    as ``wrap`` registered, False under DDP, whose replicas see the same weights; True for
+    a graph ``wrap`` never saw). Without a process group the pending statistics are
+    applied locally. Returns the number of collectives and bytes sent."""
     _mark_synced(gm)
+    stats = apply_pending(gm, group)
+    if weights is None:
+        registered = gm.__dict__.get(_SYNC_GROUP)
+        weights = registered[1] if registered is not None else True
+    more = _reduce_observed(gm, group, everything=everything, weights=weights)
+    return {k: stats[k] + more[k] for k in stats}
+
+
+def apply_pending(gm: nn.Module, group: Any = None, *, sync: bool = True) -> dict[str, int]:
+    """Apply the step updates' pending statistics of ``gm``'s quantizers (see
+    ``FakeQuantize.apply_pending``): with ``sync`` and a process group, first reduced across
+    ``group`` (the min of the minima, the max of the maxima: one all-reduce of the negated
+    minima and the maxima together); each observer then takes them as one update. Returns
+    the number of collectives and bytes sent."""
+    stats = {"collectives": 0, "bytes": 0}
+    qs = [m for _, m in sorted(gm.named_modules(), key=lambda kv: kv[0])
+          if isinstance(m, FakeQuantize) and m.pending_stats() is not None]
+    if not qs:
+        return stats
+    if not (sync and initialised()):
+        for q in qs:
+            q.apply_pending()
+        return stats
+    device = collective_device(group)
+    pending = [q.pending_stats() for q in qs]
+    with torch.no_grad():
+        flat = torch.cat([staged(t.reshape(-1), device) for mn, mx in pending
+                          for t in (-mn, mx)])
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=group)
+    stats["collectives"] = 1
+    stats["bytes"] = flat.numel() * flat.element_size()
+    offset = 0
+    for q, (mn, _) in zip(qs, pending):
+        n = mn.numel()
+        lo = -flat[offset:offset + n].view_as(mn)
+        hi = flat[offset + n:offset + 2 * n].view_as(mn)
+        offset += 2 * n
+        q.apply_pending((lo, hi))
+    return stats
+
+
+def _reduce_observed(gm: nn.Module, group: Any = None, *, everything: bool = False,
+                     weights: bool = True) -> dict[str, int]:
+    """The per-forward reduction of quantizers that update in every forward (those that
+    observed since the last call, or ``everything``; weight quantizers only with
+    ``weights``): min of mins and max of maxes, mean of moving averages."""
+    stats = {"collectives": 0, "bytes": 0}
     if not initialised():
         return stats
     qs = [m for _, m in sorted(gm.named_modules(), key=lambda kv: kv[0])
           if isinstance(m, FakeQuantize) and m.observer is not None
-          and (everything or m.observed)]
+          and (everything or m.observed) and (weights or not m.weight)
+          and m.pending_stats() is None]
     if not qs:
         return stats
     world = torch.distributed.get_world_size(group)
@@ -175,20 +236,72 @@ def sum_across_ranks(tensors: list[torch.Tensor], group: Any = None) -> None:
                 t.copy_(staged_t)
 
 
-def _sync_after_forward(group: Any) -> Any:
+def _sync_after_forward(group: Any, weights: bool) -> Any:
     def hook(module: nn.Module, args: Any, out: Any) -> None:
-        sync_observers(module, group)
+        _mark_synced(module)
+        _reduce_observed(module, group, weights=weights)
     return hook
 
 
+# The attribute of a compiled graph saying how its observers are kept in sync, once
+# ``wrap`` (or compile_once) does (a ``_Synced``); absent: step updates apply locally.
+_SYNC_GROUP = "_qc_sync_group"
+
+
+class _Synced(tuple):
+    """(the data-parallel group (None: the world), whether weight quantizers are reduced
+    too). Copies of the graph (``qc.convert`` works on one) share it; a pickled graph
+    forgets it (a process group does not pickle): wrap the loaded graph again."""
+
+    def __deepcopy__(self, memo: dict) -> _Synced:
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (_forgotten, ())
+
+
+def _forgotten() -> None:
+    return None
+# ... and the optimizer step count its last forward saw
+_STEPS_SEEN = "_qc_steps_seen"
+
+
+def _apply_after_step(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook of every compiled graph (``watch_observer_sync``): the first
+    forward after an optimizer step applies the pending statistics of the steps before
+    (across the group ``wrap`` registered, else locally). One comparison otherwise."""
+    if torch.compiler.is_compiling():
+        return
+    steps = weight_cache.optimizer_steps()
+    seen = module.__dict__.get(_STEPS_SEEN)
+    module.__dict__[_STEPS_SEEN] = steps
+    if seen is None or seen == steps:
+        return
+    group = module.__dict__.get(_SYNC_GROUP)
+    apply_pending(module, group[0] if group is not None else None, sync=group is not None)
+
+
+def apply_registered(gm: nn.Module) -> dict[str, int]:
+    """``apply_pending`` as ``gm``'s forwards do it: across the group ``wrap`` registered,
+    else locally (``train_step`` after the optimizer step, ``qc.freeze``)."""
+    group = gm.__dict__.get(_SYNC_GROUP)
+    return apply_pending(gm, group[0] if group is not None else None, sync=group is not None)
+
+
 def keep_observers_in_sync(gm: nn.Module, spec: Any, group: Any = None) -> nn.Module:
-    """With ``quant.sync_observers`` under an initialised process group, reduce observer
-    statistics across ``group`` after every forward of ``gm``; either way, no warning
-    about unsynchronised observers (they are synced, or local by the spec's choice)."""
+    """With ``quant.sync_observers`` under an initialised process group, keep ``gm``'s
+    observers equal across ``group``: step updates are reduced and applied once per
+    optimizer step (at the next forward, or by ``train_step``); quantizers that update in
+    every forward are reduced after it (weight quantizers too under FSDP2, where each rank
+    observed its own initial weights at compile time; under DDP every replica sees the
+    same weights, so theirs are never reduced). Either way, no warning about
+    unsynchronised observers (they are synced, or local by the spec's choice)."""
     spec = as_spec(spec)
     _mark_synced(gm)
     if spec.quant.sync_observers and initialised():
-        gm.register_forward_hook(_sync_after_forward(group))
+        weights = spec.data_parallel.kind != "ddp"
+        gm.__dict__[_SYNC_GROUP] = _Synced((group, weights))
+        gm.register_forward_hook(_sync_after_forward(group, weights))
     return gm
 
 
@@ -234,8 +347,15 @@ def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Modul
         return DistributedDataParallel(gm, **kwargs)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
-    read = {str(n.target).rpartition(".")[0] for n in gm.graph.nodes if n.op == "get_attr"}
+    # what each graph calls (the graph, and its child graphs: one per block when the spec
+    # says fsdp2, see qc.qcompile), by qualified name
+    called, read = set(), set()
+    for prefix, g in gm.named_modules():
+        if isinstance(g, GraphModule):
+            at = f"{prefix}." if prefix else ""
+            called |= {at + str(n.target) for n in g.graph.nodes if n.op == "call_module"}
+            read |= {at + str(n.target).rpartition(".")[0] for n in g.graph.nodes
+                     if n.op == "get_attr"}
     for name in sorted(called, key=lambda s: -s.count(".")):  # innermost first
         module = gm.get_submodule(name)
         if not any(True for _ in module.parameters()) or name in read:
@@ -247,7 +367,10 @@ def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Modul
                         mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                        reduce_dtype=torch.float32,
                                                        cast_forward_inputs=False))
-        elif not any(isinstance(m, FakeQuantize) and m.learnable for m in module.modules()):
+        elif isinstance(module, GraphModule) or not any(
+                isinstance(m, FakeQuantize) and m.learnable for m in module.modules()):
+            # a block's child graph is one group (its learnable quantizers, sharded
+            # above, keep their own)
             fully_shard(module, **kwargs)
     return fully_shard(gm, **kwargs)
 
@@ -285,4 +408,9 @@ def train_step(model: nn.Module, optimizer: Any, inputs: Any, target: Any, loss_
             loss.backward()
         total += loss.item()
     optimizer.step()
+    # the step's observations (every micro-batch, every rank) take effect now, once
+    for m in model.modules():
+        if isinstance(m, GraphModule) and _apply_after_step in m._forward_pre_hooks.values():
+            apply_registered(m)
+            m.__dict__[_STEPS_SEEN] = weight_cache.optimizer_steps()
     return total

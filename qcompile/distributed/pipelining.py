@@ -332,16 +332,20 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
     params = list({id(p): p for st in stages for p in st.submod.parameters()}.values())
     inputs = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
     tied = _tied_groups(gm, stage_rank, mine, group, columns)
-    sync = None
-    if hybrid and spec.quant.sync_observers:
-        from qcompile.distributed.data_parallel import sync_observers
+    from qcompile.distributed.data_parallel import apply_pending, sync_observers
 
-        def sync() -> dict[str, int]:  # once per step, over this stage's dp group only
-            stats = {"collectives": 0, "bytes": 0}
-            for mod in modules.values():
-                for key, value in sync_observers(mod, dp_group).items():
-                    stats[key] += value
-            return stats
+    synced = hybrid and spec.quant.sync_observers
+
+    def sync() -> dict[str, int]:
+        """Once per step: over this stage's dp group only (pipeline x data parallel), or
+        this rank's own step updates applied (each stage's quantizers live on one rank)."""
+        stats = {"collectives": 0, "bytes": 0}
+        for mod in modules.values():
+            done = (sync_observers(mod, dp_group, weights=spec.data_parallel.kind != "ddp")
+                    if synced else apply_pending(mod, sync=False))
+            for key, value in done.items():
+                stats[key] += value
+        return stats
     return (stages if kind == "interleaved_1f1b" else stages[0],
             PipelineSchedule(schedule, inputs, m, tied, params, sync=sync, dp_group=dp_group,
                              accumulate=spec.train.accumulate))

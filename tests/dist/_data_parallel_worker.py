@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -75,15 +76,29 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def qat_spec(kind: str = "none", learnable: bool = False, sync: bool = True) -> dict[str, Any]:
+    """int8-qat with observers updating in every forward (``observer_update: forward``):
+    these cases test that per-forward synchronisation; step updates, and results that do
+    not depend on the world size, are ``test_world_size_invariance.py``'s."""
     spec = qc.load_spec("int8-qat").model_dump()
     spec["data_parallel"] = {"kind": kind}
     spec["quant"]["sync_observers"] = sync
+    spec["quant"]["observer_update"] = "forward"
     if learnable:
         for rule in spec["quant"]["rules"]:
             for role in ("weight", "activation"):
                 if rule.get(role):
                     rule[role]["learnable"] = True
     return spec
+
+
+def plain(name: str) -> str:
+    """A graph's name without the child graph it sits in (``data_parallel: fsdp2`` compiles
+    one child graph per block): the model's own name."""
+    return re.sub(r"^stage_\d+\.", "", name)
+
+
+def plain_items(items: Any) -> list[tuple[str, Any]]:
+    return [(plain(n), v) for n, v in items]
 
 
 def static_spec(sync: bool = True) -> dict[str, Any]:
@@ -104,8 +119,8 @@ def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def all_tensors(gm: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer (qparams, observer statistics, flags) by name."""
     out = dict(gm.state_dict())
-    out.update(dict(gm.named_buffers()))
-    out.update(dict(gm.named_parameters()))
+    out.update(dict(plain_items(gm.named_buffers())))
+    out.update(dict(plain_items(gm.named_parameters())))
     return {k: full(v) for k, v in sorted(out.items())}
 
 
@@ -129,7 +144,8 @@ def gather_bad(local_bad: list[str]) -> list[str]:
 
 
 def flags(gm: nn.Module) -> dict[str, list[bool]]:
-    return {n: [bool(q.enabled), bool(q.observe)] for n, q in qc.quantizers(gm).items()}
+    return {n: [bool(q.enabled), bool(q.observe)]
+            for n, q in plain_items(qc.quantizers(gm).items())}
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -168,7 +184,7 @@ def train_against_reference(spec: dict[str, Any], steps: int) -> dict[str, Any]:
         ref_opt.zero_grad()
         mse(ref(x), y).backward()
         ref_opt.step()
-    got = {n: full(p) for n, p in gm.named_parameters()}
+    got = {n: full(p) for n, p in plain_items(gm.named_parameters())}
     want = {n: full(p) for n, p in ref.named_parameters()}
     return {"param_diff": max_diff(got, want),
             "moved": max(max_diff(want, start).values()),
@@ -199,7 +215,7 @@ def case_ddp_qat_observers() -> dict[str, Any]:
         differing[str(step + 1)] = gather_bad(differing_from_rank0(all_tensors(gm)))
         if step in (0, 7):
             names, wrong, local_differs = [], [], []
-            for n, q in qc.quantizers(gm).items():
+            for n, q in plain_items(qc.quantizers(gm).items()):
                 everyone = [torch.empty_like(mine[n]) for _ in range(dist.get_world_size())]
                 dist.all_gather(everyone, mine[n])
                 stacked = torch.stack(everyone)
@@ -235,7 +251,7 @@ def calibration_batches(rank: int) -> list[tuple[torch.Tensor]]:
 def qparams(gm: nn.Module) -> dict[str, dict[str, list[Any]]]:
     return {n: {"scale": q.scale.tolist(), "zero_point": q.zero_point.tolist(),
                 "min": q.observer.min_val.tolist(), "max": q.observer.max_val.tolist()}
-            for n, q in qc.quantizers(gm).items()}
+            for n, q in plain_items(qc.quantizers(gm).items())}
 
 
 def case_static_calibration() -> dict[str, Any]:
@@ -249,7 +265,7 @@ def case_static_calibration() -> dict[str, Any]:
     qc.calibrate(alone, calibration_batches(rank))
     got, want, own = qparams(gm), qparams(ref), qparams(alone)
     scales_bits = {n: [q.scale.view(torch.int32).tolist(), q.zero_point.tolist()]
-                   for n, q in qc.quantizers(gm).items()}
+                   for n, q in plain_items(qc.quantizers(gm).items())}
     return {"got": got, "want": want,
             "mismatch": sorted(n for n in want if got[n] != want[n]),
             "own_data_differs": sorted(n for n in want if own[n] != want[n]),
@@ -277,8 +293,8 @@ def case_static_algorithms() -> dict[str, Any]:
     qc.calibrate(ref, everything)
     alone = compiled(algorithms_spec(sync=False))
     qc.calibrate(alone, calibration_batches(rank))
-    names = [n for n, _ in gm.named_parameters()]
-    got, want = dict(gm.named_parameters()), dict(ref.named_parameters())
+    names = [n for n, _ in plain_items(gm.named_parameters())]
+    got, want = dict(plain_items(gm.named_parameters())), dict(ref.named_parameters())
     mine = dict(alone.named_parameters())
     x = torch.cat([b[0] for b in everything])
     with torch.no_grad():
@@ -326,8 +342,10 @@ class CountCollectives:
 
 
 def observer_elements(gm: nn.Module) -> int:
+    """The activation observers' statistics: DDP replicas agree on the weights, so weight
+    quantizers' statistics are never sent."""
     return sum(q.observer.min_val.numel() + q.observer.max_val.numel()
-               for q in qc.quantizers(gm).values() if q.observer is not None)
+               for q in qc.quantizers(gm).values() if q.observer is not None and not q.weight)
 
 
 def case_fused_sync() -> dict[str, Any]:
@@ -373,13 +391,13 @@ def initialised_learnable(spec: dict[str, Any]) -> tuple[Any, Any]:
 def case_fsdp2_learnable_grads() -> dict[str, Any]:
     spec = qat_spec("fsdp2", learnable=True)
     gm, ref = initialised_learnable(spec)
-    weight_q = [n for n in qc.quantizers(gm) if n.endswith("weight_fake_quant")]
-    act_q = [n for n in qc.quantizers(gm) if n.endswith("output_fake_quant")]
+    weight_q = [plain(n) for n in qc.quantizers(gm) if n.endswith("weight_fake_quant")]
+    act_q = [plain(n) for n in qc.quantizers(gm) if n.endswith("output_fake_quant")]
     model = qc.distributed.wrap(gm, spec)
     x, y = global_batch(0, scale_rank1=2.0)
     mse(model(local(x)), local(y)).backward()
     mse(ref(x), y).backward()
-    got = {n: full(p.grad) for n, p in gm.named_parameters() if p.grad is not None}
+    got = {n: full(p.grad) for n, p in plain_items(gm.named_parameters()) if p.grad is not None}
     want = {n: full(p.grad) for n, p in ref.named_parameters() if p.grad is not None}
     diff = {n: (got[n] - want[n]).abs().max().item() for n in want if n in got}
     ratio = {n: (got[n].norm() / want[n].norm()).item() for n in want
@@ -404,7 +422,7 @@ def bf16_run(learnable: bool) -> dict[str, Any]:
         seen.setdefault(module._qc_name, set()).add(str(module.scale.dtype))  # type: ignore[attr-defined]
         seen.setdefault("<inputs>", set()).add(str(args[0].dtype))
 
-    for name, q in qc.quantizers(gm).items():
+    for name, q in plain_items(qc.quantizers(gm).items()):
         q._qc_name = name
         q.register_forward_pre_hook(record)
     model = qc.distributed.wrap(gm, spec,
@@ -424,8 +442,9 @@ def bf16_run(learnable: bool) -> dict[str, Any]:
         error = f"{type(e).__name__}: {e}".strip().splitlines()[-1][:400]
     return {"error": error, "losses": losses,
             "scale_dtypes_in_forward": {n: sorted(s) for n, s in seen.items()},
-            "scale_dtypes_stored": {n: str(q.scale.dtype) for n, q in qc.quantizers(gm).items()},
-            "quantizers": sorted(qc.quantizers(gm))}
+            "scale_dtypes_stored": {n: str(q.scale.dtype)
+                                    for n, q in plain_items(qc.quantizers(gm).items())},
+            "quantizers": sorted(plain(n) for n in qc.quantizers(gm))}
 
 
 def case_fsdp2_bf16() -> dict[str, Any]:
@@ -588,7 +607,7 @@ def hand_written_run(how: str, steps: int = 5) -> dict[str, Any]:
             loss.backward()
             opt.step()
     unsynced = [str(w.message) for w in seen if "nothing synchronises" in str(w.message)]
-    qparams = {f"{n}.{k}": full(getattr(q, k)) for n, q in qc.quantizers(gm).items()
+    qparams = {f"{n}.{k}": full(getattr(q, k)) for n, q in plain_items(qc.quantizers(gm).items())
                for k in ("scale", "zero_point")}
     return {"warnings": unsynced, "differing": gather_bad(differing_from_rank0(qparams)),
             "quantizers": len(qc.quantizers(gm))}
@@ -615,7 +634,7 @@ def from_scratch(kind: str) -> dict[str, Any]:
             opt.step()
     except Exception as e:
         error = f"{type(e).__name__}: {e}".splitlines()[0][:400]
-    scales = {n: full(q.scale) for n, q in qc.quantizers(gm).items()}
+    scales = {n: full(q.scale) for n, q in plain_items(qc.quantizers(gm).items())}
     return {"error": error,
             "scales": {n: s.tolist() for n, s in scales.items()},
             "differing": gather_bad(differing_from_rank0(scales)),

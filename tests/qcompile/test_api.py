@@ -378,8 +378,12 @@ def test_freeze_stops_every_observer() -> None:
     gm = qc.qcompile(seeded(CNN), "int8-qat", (cnn_input(),))
     opt = torch.optim.SGD(gm.parameters(), lr=0.5)
     gm(cnn_input(seed=1))
+    opt.step()  # (no gradients: nothing moves) the step's observations apply
+    gm(cnn_input(seed=1))
     start = qparams(gm)
     gm(cnn_input(seed=2) * 5)
+    opt.step()
+    gm(cnn_input(seed=2))
     assert not same_qparams(start, qparams(gm)), "observers did not update before freeze"
 
     assert qc.freeze(gm) is gm

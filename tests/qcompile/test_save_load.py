@@ -73,9 +73,11 @@ def build(mode: str, method: str, model: nn.Module, x: torch.Tensor, **extra: ob
         gen = torch.Generator().manual_seed(2)
         qc.calibrate(gm, [(torch.randn(x.shape, generator=gen),) for _ in range(3)],
                      progress=False)
-    elif mode == "qat":  # a few training forwards: live observers moved the qparams
+    elif mode == "qat":  # a few training steps: live observers moved the qparams
+        opt = torch.optim.SGD(gm.parameters(), lr=0.0)
         for _ in range(2):
             gm(x).sum().backward()
+            opt.step()  # the step's observations apply
     return gm
 
 

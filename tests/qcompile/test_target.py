@@ -461,6 +461,8 @@ def test_x86_lsq_activation_trains_in_7_bits() -> None:
     gm = qc.qcompile(model.train(), s, example_inputs=(x,))
     fq = qc.quantizers(gm)["fc.output_fake_quant"]
     assert fq.learnable and (fq.quant_min, fq.quant_max) == (0, 127)
+    with torch.no_grad():  # a batch initialises the learnable scale (observed at once)
+        gm(x)
     gm(x).square().mean().backward()
     assert fq.scale_offset.grad is not None and torch.isfinite(fq.scale_offset.grad).all()
     with torch.no_grad():

@@ -243,7 +243,11 @@ def test_untrained_qat_graph_is_not_exported(tmp_path: Path) -> None:
         qc.export_encodings(gm, tmp_path / "q.encodings")
     assert "train it" in excinfo.value.fix
     gm.train()
-    gm(X)  # one training-mode forward: the observers have ranges
+    gm(X)  # one training step's forward: its observations wait for the optimizer step
+    with pytest.raises(qc.QCompileError, match="no ranges yet") as excinfo:
+        qc.export_encodings(gm, tmp_path / "q.encodings")
+    assert "qc.freeze(gm)" in excinfo.value.fix
+    qc.freeze(gm)  # applies them: the observers have ranges
     qc.export_encodings(gm, tmp_path / "q.encodings")
     assert (tmp_path / "q.encodings").is_file()
 

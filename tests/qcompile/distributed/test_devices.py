@@ -85,7 +85,8 @@ def test_sync_observers_stages_on_the_collective_device(monkeypatch: pytest.Monk
     import qcompile.distributed.data_parallel as dp
 
     gm = qc.qcompile(torch.nn.Linear(4, 4), "int8-qat", (torch.randn(2, 4),))
-    gm(torch.randn(2, 4))
+    with torch.no_grad():  # observed at once: the per-forward reduction
+        gm(torch.randn(2, 4))
     seen: list[torch.device] = []
 
     def all_reduce(t: torch.Tensor, op: object = None, group: object = None) -> None:
