@@ -24,7 +24,8 @@ from qcompile.distributed.agree import (
     collective_phase,
     unchanged_on_failure,
 )
-from qcompile.distributed.data_parallel import sum_across_ranks, sync_observers
+from qcompile.distributed.convert import shard_converted
+from qcompile.distributed.data_parallel import apply_registered, sum_across_ranks, sync_observers
 from qcompile.distributed.guards import data_parallel_inner
 from qcompile.errors import QCompileError
 from qcompile.graph.algorithms import pending, refuse_pending, run_pending
@@ -41,13 +42,13 @@ from qcompile.graph.records import Report, report
 from qcompile.graph.signature import graph_inputs
 from qcompile.passes import DATA_ALGORITHMS
 from qcompile.passes.convert import convert_graph
+from qcompile.passes.convert.sharded import local_rows_copy, refusal
 from qcompile.runtime.calibration import (
     call_args,
     check_calibratable,
     collect_statistics,
     describe,
     distributed_failure,
-    freeze,
     misfit,
     model_weights,
     quantizers,
@@ -56,10 +57,33 @@ from qcompile.runtime.calibration import (
     uncalibrated,
     weight_quantizers,
 )
+from qcompile.runtime.calibration import freeze as freeze_observers
 from qcompile.runtime.fake_quant import FakeQuantize
 
 __all__ = ["Report", "calibrate", "convert", "freeze", "quantizers", "report",
            "weight_quantizers"]
+
+
+def freeze(gm: nn.Module) -> nn.Module:
+    """Stop observers: qparams stay as they are (``observe=False`` on every quantizer).
+
+    The statistics of the last optimizer step (``quant.observer_update: step``) are applied
+    first, across the data-parallel group ``qc.distributed.wrap`` registered (call it on
+    every rank then); weight quantizers still tracking their weights (QAT) take the
+    current weights' ranges, as their next forward would (torch.ao's convert likewise
+    observes the final weights).
+
+    Example:
+        >>> import torch, qcompile as qc
+        >>> gm = qc.qcompile(torch.nn.Linear(4, 4), "int8-qat", (torch.randn(2, 4),))
+        >>> all(not q.observe for q in qc.freeze(gm).modules()
+        ...     if isinstance(q, qc.FakeQuantize))
+        True
+    """
+    for m in gm.modules():
+        if isinstance(m, GraphModule):
+            apply_registered(m)
+    return freeze_observers(gm)
 
 
 def _mode(gm: nn.Module) -> str | None:
@@ -190,10 +214,21 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
     graph). ``instruments`` (e.g. ``GraphDumps``) see every conversion step, numbered after
     the compile passes, and ``finish`` with the result's report.
 
-    A graph sharded by FSDP (``fully_shard``) is refused with the recipe: gather the full
-    state with ``torch.distributed.checkpoint.state_dict.get_model_state_dict(...,
-    options=StateDictOptions(full_state_dict=True, cpu_offload=True))`` on every rank,
-    then on rank 0 load it into an unsharded compile of the model and convert that.
+    Memory: the copy shares ``gm``'s float weights (they are only read) and each weight
+    becomes integers one layer at a time (stored in the smallest integer type its grid
+    fits), so the peak is about ``gm`` plus the result plus one layer.
+
+    A graph sharded by FSDP2 (``fully_shard``, e.g. ``qc.distributed.compile_once`` with
+    ``data_parallel: fsdp2``) converts per rank (call it on every rank): each rank turns
+    its own rows of every weight into integers, and the result is ``fully_shard``-ed the
+    same way, its integer weights sharded, so no rank ever holds the whole model (every
+    weight is stored as integers, ``int_storage``: torch's packed kernels cannot be
+    sharded). ``fully_shard(qc.convert(gm))`` of an unsharded graph shards the integer
+    weights too. What a rank cannot convert from its own rows (FSDP1, learnable scales,
+    weight quantizers still observing, per-group weights quantized transposed, layouts
+    other than rows on a 1-D mesh) is refused with the recipe: gather the full state with
+    ``get_model_state_dict(..., options=StateDictOptions(full_state_dict=True,
+    cpu_offload=True))`` on every rank, then convert an unsharded compile on rank 0.
 
     Example:
         >>> import torch, qcompile as qc
@@ -206,9 +241,14 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
     """
 
     sharded = sharded_by(gm)
-    if sharded is not None:  # FSDP refuses deepcopy; each rank holds only its shard
-        raise QCompileError(f"convert: {sharded}: a sharded graph cannot be converted, each "
-                            "rank holds 1/N of every parameter", fix=_GATHER_RECIPE)
+    if sharded is not None:
+        fsdp1 = any(c.__name__ == "FullyShardedDataParallel"
+                    for m in gm.modules() for c in type(m).__mro__)
+        why = "FSDP1 keeps flat parameters" if fsdp1 else refusal(gm)
+        if why is not None:  # what a rank cannot convert from its own rows
+            raise QCompileError(f"convert: {sharded}: a sharded graph converts per rank only "
+                                f"when every rank can convert its own rows, and {why}",
+                                fix=_GATHER_RECIPE)
     rep = report(gm)
     if not quantizers(gm):
         raise QCompileError("convert: the graph has no quantizers (quant.mode "
@@ -218,18 +258,31 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
     missing = uncalibrated(gm, rep.mode)
     if missing:
         fix = ("run qc.calibrate(gm, batches) first" if rep.mode == "static" else
-               "train it for some steps first (observers learn ranges in train mode)")
+               "train it for some steps first (observers learn ranges in train mode; a "
+               "training step's observations take effect after optimizer.step(), or call "
+               "qc.freeze(gm))")
         raise QCompileError(f"convert: {len(missing)} activation quantizer(s) have no "
                             f"ranges yet, e.g. {missing[0]}", fix=fix)
-    refuse_nonfinite(model_weights(gm), "convert")  # NaN weights make NaN integer weights
-    out = copy.deepcopy(gm)
+    rows = None
+    if sharded is not None:  # each rank converts its rows; the ranks shard the result
+        agree("convert", {"graph": str(getattr(gm, "code", "")),
+                          "example_inputs": example_inputs is not None})
+        rows = local_rows_copy(gm)
+        weights = model_weights(rows.graph)
+        refuse_nonfinite(weights, "convert")  # NaN weights make NaN integer weights
+        out = rows.graph
+    else:
+        weights = model_weights(gm)
+        refuse_nonfinite(weights, "convert")  # NaN weights make NaN integer weights
+        out = _sharing_copy(gm, weights)
     freeze(out)
     out.eval()
     ref = None
     if example_inputs is not None:
         try:
             with torch.no_grad(), quiet_fx_trace():  # our error below says what misfit
-                ref = _outputs(out(*example_inputs))
+                # a sharded graph computes with all its rows only as itself (collectively)
+                ref = _outputs((gm if rows is not None else out)(*example_inputs))
         except Exception as e:  # the user's inputs, not a bug of ours: say what misfit
             sig = graph_inputs(out)
             given = describe(tuple(example_inputs), {}, [i.name for i in sig])
@@ -250,10 +303,13 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
         if isinstance(target, GraphModule):
             done, passes = convert_graph(target, spec, prefix=f"convert.{stage}",
                                          instruments=instruments,
-                                         first_index=len(new_report.passes) + 1)
+                                         first_index=len(new_report.passes) + 1,
+                                         rows_only=rows is not None)
             records += done
             new_report.passes += passes
     new_report.conversions = records
+    if rows is not None:
+        out = shard_converted(out, rows.mesh, rows.units, rows.rank, rows.world, rows.cut)
     if ref is not None:
         with torch.no_grad():
             got = _outputs(out(*example_inputs))
@@ -264,10 +320,33 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
             new_report.max_deviation[f"output{i}"] = dev
             if i < len(steps) and steps[i] is not None:
                 new_report.max_deviation[f"output{i}_steps"] = dev / steps[i]
+    if rows is None:
+        _own_parameters(out, weights)
     out.meta[REPORT_KEY] = new_report
     for inst in instruments:
         inst.finish(new_report, out)
     return out
+
+
+def _sharing_copy(gm: nn.Module, weights: dict[str, torch.Tensor]) -> nn.Module:
+    """A deep copy of ``gm`` that shares ``weights`` (its parameters outside quantizers)
+    instead of copying them: the conversion only reads them, and a second float copy of
+    the model would be most of convert's peak. Quantizers, buffers and the graph are
+    copied (``freeze`` and the conversion steps change them)."""
+    memo: dict[int, Any] = {id(p): p for p in weights.values()}
+    return copy.deepcopy(gm, memo)
+
+
+def _own_parameters(out: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """The float parameters the converted graph still reads (biases, norms, weights left
+    in float) become its own, one at a time: the result shares nothing with ``gm``."""
+    shared = {id(p) for p in weights.values()}
+    with torch.no_grad():
+        for module in out.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and id(p) in shared:
+                    module._parameters[name] = nn.Parameter(p.detach().clone(),
+                                                            requires_grad=p.requires_grad)
 
 
 def _output_steps(gm: nn.Module) -> list[float | None]:

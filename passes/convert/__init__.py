@@ -61,7 +61,7 @@ from qcompile.graph.context import Context
 from qcompile.graph.pipeline import Instrument, Pass, Pipeline
 from qcompile.graph.records import ConversionRecord, PassRecord, Report
 from qcompile.passes.convert.collect_weights import collect_weights
-from qcompile.passes.convert.common import state
+from qcompile.passes.convert.common import Conversion, state
 from qcompile.passes.convert.fold_batchnorm import fold_batchnorm
 from qcompile.passes.convert.lower_activations import lower_activations
 from qcompile.passes.convert.sink_dequantize import sink_dequantize
@@ -104,11 +104,15 @@ class _Numbered:
 
 def convert_graph(gm: GraphModule, spec: CompileSpec | None = None, *,
                   prefix: str = "convert.", instruments: Sequence[Instrument] = (),
-                  first_index: int = 1) -> tuple[list[ConversionRecord], list[PassRecord]]:
+                  first_index: int = 1, rows_only: bool = False
+                  ) -> tuple[list[ConversionRecord], list[PassRecord]]:
     """Rewrite ``gm`` (a checked copy, frozen, in eval mode) in place through the
     conversion pipeline; returns what became what and one ``PassRecord`` per step.
-    Instruments see the steps numbered from ``first_index``."""
+    Instruments see the steps numbered from ``first_index``. ``rows_only``: ``gm`` holds
+    one rank's rows of a sharded graph (``sharded.local_rows_copy``): every weight is
+    stored as integers laid out by rows, no kernels."""
     ctx = Context(spec=spec if spec is not None else CompileSpec(), model=gm)
+    ctx.conversion = Conversion(rows_only=rows_only)  # collect_weights keeps the option
     # Kernels are packed with the engine that computes what quant.target simulated (packed
     # weights keep their engine); a target this CPU cannot honour is refused here.
     engine = require_engine(ctx.spec.quant.target)

@@ -39,7 +39,9 @@ def weight_source(node: Node) -> Node:
 
 @graph_pass(requires=("frozen_graph",), provides=("integer_weights",))
 def collect_weights(gm: GraphModule, ctx: Context) -> GraphModule:
-    conv = ctx.conversion = Conversion()
+    # convert_graph may have prepared the Conversion with its options (rows_only)
+    prepared = ctx.conversion if isinstance(ctx.conversion, Conversion) else None
+    conv = ctx.conversion = Conversion(rows_only=prepared is not None and prepared.rows_only)
     for node in gm.graph.nodes:
         fq = module_at(gm, node)
         if not isinstance(fq, FakeQuantize) or not node.args:

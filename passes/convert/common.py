@@ -50,7 +50,7 @@ ADD = frozenset({operator.add, torch.add, aten.add.Tensor})
 class IntTensor:
     """A weight as integers with its qparams (the fake-quant's exact grid)."""
 
-    q: torch.Tensor  # int32, the weight's shape
+    q: torch.Tensor  # the weight's shape, the smallest integer dtype holding the grid
     scale: torch.Tensor  # float32, 1-D
     zero_point: torch.Tensor  # int32, 1-D
     axis: int | None
@@ -63,9 +63,22 @@ class IntTensor:
         return max(1, math.ceil(math.log2(self.quant_max - self.quant_min + 1)))
 
 
+def grid_dtype(quant_min: int, quant_max: int) -> torch.dtype:
+    """The smallest integer dtype holding ``quant_min..quant_max``: a weight's integers
+    take a quarter of its float32 bytes at 8 bits (int32 would take as many)."""
+    for dtype in (torch.int8, torch.uint8, torch.int16):
+        info = torch.iinfo(dtype)
+        if info.min <= quant_min and quant_max <= info.max:
+            return dtype
+    return torch.int32
+
+
 def integers(fq: FakeQuantize, w: torch.Tensor) -> IntTensor:
-    """``w`` on ``fq``'s grid: ``clamp(round(w / scale) + zp)``, as its forward computes."""
-    x = w.detach().float()
+    """``w`` on ``fq``'s grid: ``clamp(round(w / scale) + zp)``, as its forward computes.
+    One float temporary of the weight's size (rounded and clamped in place), then the
+    integers in ``grid_dtype``: converting a layer costs about its own size."""
+    x = w.detach()
+    x = x if x.dtype == torch.float32 else x.float()
     scale, zp = fq.scale.detach().float(), fq.zero_point.detach()
     if fq.group_size is not None:
         xs = x.reshape(x.shape[0], -1, fq.group_size)
@@ -76,8 +89,11 @@ def integers(fq: FakeQuantize, w: torch.Tensor) -> IntTensor:
         xs, s, z = x, scale.view(view), zp.view(view)
     else:
         xs, s, z = x, scale, zp
-    q = torch.clamp(torch.round(xs / s) + z, fq.quant_min, fq.quant_max)
-    return IntTensor(q.to(torch.int32).reshape(x.shape), scale.clone(), zp.to(torch.int32),
+    q = xs / s  # the only float temporary of the weight's size
+    q.round_().add_(z).clamp_(fq.quant_min, fq.quant_max)
+    q = q.to(grid_dtype(fq.quant_min, fq.quant_max))
+    q = q.reshape(x.shape)
+    return IntTensor(q, scale.clone(), zp.to(torch.int32),
                      fq.axis % x.dim() if fq.axis is not None else None, fq.group_size,
                      fq.quant_min, fq.quant_max)
 
@@ -88,7 +104,7 @@ def qint8(t: IntTensor) -> torch.Tensor | None:
     if t.group_size is not None or (t.axis not in (None, 0)) or t.quant_max - t.quant_min > 255:
         return None
     shift = 128 if t.quant_min >= 0 else 0  # uint8 grid -> int8 grid, same values
-    q, zp = t.q - shift, t.zero_point - shift
+    q, zp = t.q.to(torch.int16) - shift, t.zero_point - shift
     if bool((zp != 0).any()) or int(q.min()) < -128 or int(q.max()) > 127:
         return None
     if t.axis is None:
@@ -174,6 +190,17 @@ class Conversion:
     # node reading a lowered quantizer's output -> the path of its ActivationQParams: a
     # kernel that later takes the quantizer's place (quantized::add) reads them from there
     qparams_after: dict[Node, str] = field(default_factory=dict)
+    # each rank converts its own rows of an FSDP2-sharded graph (``qc.convert``): no
+    # kernels (they need whole weights), and every tensor of an ``IntWeight`` is laid out
+    # by rows whatever its values, so that the ranks' shards fit one global tensor
+    rows_only: bool = False
+
+    def release(self, node: Node) -> None:
+        """Forget ``node``'s integers once nothing reads its weight any more (a kernel or
+        an ``IntWeight`` holds them now): the conversion then holds each weight's
+        integers once, not twice, and a converted layer's temporaries go with it."""
+        if not node.users:
+            self.weights.pop(node, None)
 
     def record(self, node: Node, path: str, op: str, note: str = "",
                layer: str | None = None) -> None:
@@ -188,9 +215,14 @@ class Conversion:
         gm.add_submodule(name, module)
         return name
 
-    def add_buffer(self, gm: GraphModule, base: str, value: torch.Tensor) -> str:
+    def add_buffer(self, gm: GraphModule, base: str, value: torch.Tensor, *,
+                   parameter: bool = False) -> str:
+        """A new tensor of ``gm``: a buffer, or a parameter without gradient."""
         name = self._name(base)
-        gm.register_buffer(name, value)
+        if parameter:
+            gm.register_parameter(name, nn.Parameter(value, requires_grad=False))
+        else:
+            gm.register_buffer(name, value)
         return name
 
     def records(self) -> list[ConversionRecord]:

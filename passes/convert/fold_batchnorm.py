@@ -73,7 +73,7 @@ def fold_batchnorm(gm: GraphModule, ctx: Context) -> GraphModule:
             # (clamped: -128 has no mirror in int8, one step of error at most).
             q = torch.clamp((t.q - zp.view(view)) * sign.view(view) + zp.view(view),
                             t.quant_min, t.quant_max)
-            conv_state.weights[w_node] = replace(t, q=q.to(torch.int32),
+            conv_state.weights[w_node] = replace(t, q=q.to(t.q.dtype),
                                                  scale=(scale * factor.abs()).contiguous(),
                                                  zero_point=zp.contiguous(), axis=0)
         conv_state.bias[conv] = new_bias.detach()

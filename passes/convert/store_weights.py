@@ -29,7 +29,9 @@ from qcompile.passes.convert.collect_weights import weight_source
 from qcompile.passes.convert.common import (
     CONV,
     LINEAR,
+    IntTensor,
     attr_value,
+    grid_dtype,
     module_at,
     qint8,
     state,
@@ -43,32 +45,50 @@ def _fits_fp16(scale: torch.Tensor) -> bool:
     return bool(((scale >= 6.2e-5) & (scale <= 65504)).all())
 
 
+def _storage(t: IntTensor, rows_only: bool) -> tuple[torch.Tensor, int]:
+    """The integers in their storage dtype (the grid's, whatever the values: every rank
+    of a sharded conversion picks the same) and the bits ``IntWeight`` packs them at."""
+    bits = t.bits
+    q = t.q if t.q.dtype == grid_dtype(t.quant_min, t.quant_max) else t.q.to(
+        grid_dtype(t.quant_min, t.quant_max))
+    if rows_only and bits <= 4:
+        return q.to(torch.int8), 8  # two per byte would cut rows apart: one per byte
+    return q, 4 if bits <= 4 else 8 if bits <= 8 else 16
+
+
 @graph_pass(requires=("kernels",), provides=("int_storage",))
 def store_weights(gm: GraphModule, ctx: Context) -> GraphModule:
     conv = state(ctx)
     g = gm.graph
     stored = 0
-    for w_node, t in conv.weights.items():
+    for w_node in list(conv.weights):
         if w_node._erased or not w_node.users:
-            continue  # consumed by a kernel (the node was erased with it)
+            conv.weights.pop(w_node)  # consumed by a kernel (the node was erased with it)
+            continue
+        # taken out of the conversion as it is stored: its integers live in one place
+        t = conv.weights.pop(w_node)
         users = list(w_node.users)
         fq = module_at(gm, w_node)
         param_node = weight_source(w_node.args[0])  # a transposed weight: its parameter
         param_name = str(param_node.target)
         param = attr_value(gm, param_node)
-        bits = t.bits
         scale = t.scale
         note = ""
-        if t.group_size is not None and bits <= 4 and _fits_fp16(scale):
+        if conv.rows_only and t.bits <= 4:
+            note = "int4 stored one per byte (each rank converts its rows)"
+        elif (t.group_size is not None and t.bits <= 4 and _fits_fp16(scale)
+              and not conv.rows_only):  # ranks would disagree on fitting
             # 4-bit groups of 32: fp32 scales alone would be 25% of the int4 payload
             scale = scale.half()
             note = "per-group scales stored as float16"
         elif qint8(t) is None and any(u.target in LINEAR or u.target in CONV for u in users):
             note = f"{fq.dtype} {fq.granularity}: no integer kernel for this weight"
-        module = IntWeight(t.q.to(torch.int16 if bits > 8 else torch.int8), scale,
-                           t.zero_point, axis=t.axis, group_size=t.group_size,
-                           bits=4 if bits <= 4 else 8 if bits <= 8 else 16,
-                           dtype=param.dtype)
+        q, bits = _storage(t, conv.rows_only)
+        zero_point, axis, group_size = t.zero_point, t.axis, t.group_size
+        del t  # the IntWeight holds the integers from here on
+        module = IntWeight(q, scale, zero_point, axis=axis, group_size=group_size, bits=bits,
+                           dtype=param.dtype, by_rows=conv.rows_only)
+        del q
         name = conv.add_module(gm, param_name, module)
         with g.inserting_before(w_node):
             new = g.call_module(name, ())
@@ -80,7 +100,9 @@ def store_weights(gm: GraphModule, ctx: Context) -> GraphModule:
                     note or "dequantized for the float op", layer=param_name)
         for user in users:  # a folded BatchNorm's bias replaces the op's own
             if user in conv.bias:
-                b = conv.add_buffer(gm, f"{where(user)}.bias", conv.bias[user])
+                # rows of a sharded graph: a parameter, which fully_shard shards
+                b = conv.add_buffer(gm, f"{where(user)}.bias", conv.bias[user],
+                                    parameter=conv.rows_only)
                 with g.inserting_before(user):
                     b_node = g.get_attr(b)
                 args = list(user.args)

@@ -92,7 +92,9 @@ def _static_kernel(gm: GraphModule, conv: Conversion, node: Node) -> bool:
     if qweight is None:
         return False
     bias = conv.bias.get(node, attr_value(gm, arg(node, 2, "bias", None)))
-    bias = None if bias is None else bias.detach().float()
+    # a copy: the packed kernel keeps the tensor it is given, and the graph's float
+    # parameters are the source graph's own (qc.convert shares them while converting)
+    bias = None if bias is None else bias.detach().float().clone()
     scale, zp = out_q.meta[QPARAMS_KEY][:2]
     shape = tuple(qweight.shape)
     if node.target in LINEAR:
@@ -117,6 +119,7 @@ def _static_kernel(gm: GraphModule, conv: Conversion, node: Node) -> bool:
         new = gm.graph.call_module(name, (x.args[0],))
     new.meta[MODULE_KEY] = new.meta[FINAL_NAME_KEY] = where(node)
     _replace_chain(gm, node, out_q, relu, new)
+    conv.release(w_node)
     op = f"quantized::{'linear' if node.target in LINEAR else 'conv'}" + (
         "_relu" if has_relu else "")
     conv.record(new, "kernel", op,
@@ -161,13 +164,14 @@ def _dynamic_kernel(gm: GraphModule, conv: Conversion, node: Node) -> bool:
     # target's dynamic fake-quant does (fbgemm's int16 pair sums stay exact on every CPU)
     module = DynamicLinear(qweight.shape[1], qweight.shape[0], bias_=bias is not None,
                            reduce_range=fq.quant_max == 127)
-    module.set_weight_bias(qweight, None if bias is None else bias.detach().float())
+    module.set_weight_bias(qweight, None if bias is None else bias.detach().float().clone())
     name = conv.add_module(gm, where(node), module)
     with gm.graph.inserting_before(node):
         new = gm.graph.call_module(name, (x.args[0],))
     new.meta[MODULE_KEY] = new.meta[FINAL_NAME_KEY] = where(node)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
+    conv.release(w_node)
     conv.record(new, "dynamic_kernel", "quantized::linear_dynamic",
                 f"weight {tuple(qweight.shape)} int8, "
                 f"{'7' if fq.quant_max == 127 else '8'}-bit activations")
@@ -194,6 +198,10 @@ def _add_kernel(gm: GraphModule, conv: Conversion, node: Node) -> bool:
 @graph_pass(requires=("batchnorm_folded", "dequantize_sunk"), provides=("kernels",))
 def use_kernels(gm: GraphModule, ctx: Context) -> GraphModule:
     conv = state(ctx)
+    if conv.rows_only:
+        ctx.note("each rank converts its rows of a sharded graph: no integer kernels (they "
+                 "need whole weights); every weight is stored as integers")
+        return gm
     if not all(t.device.type == "cpu" for t in gm.parameters()):
         ctx.note("parameters not on the CPU: no integer kernels (they run on CPU only)")
         return gm

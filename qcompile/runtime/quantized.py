@@ -33,6 +33,11 @@ import torch.ao.nn.quantized.dynamic as nnqd
 from torch import nn
 
 
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    """A parameter without gradient: ``fully_shard`` shards parameters, not buffers."""
+    return nn.Parameter(t, requires_grad=False)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Signed int4 values (int8 tensor in [-8, 7], even numel) -> uint8, two per byte: the
     first value in the low nibble."""
@@ -54,31 +59,55 @@ class IntWeight(nn.Module):
     ``axis`` is the channel axis for per-channel scales; ``group_size`` means per-group
     scales along the flattened trailing dims (rows = dim 0). ``bits=4`` packs two values
     per byte. Scales may be stored in float16 (``qc.convert`` does so for per-group int4
-    to meet the size budget), zero points as a single value when they are all equal."""
+    to meet the size budget), zero points as a single value when they are all equal.
+
+    The integers, scales and zero points are parameters without gradient (not buffers),
+    so ``fully_shard`` shards them along dim 0 like any weight and gathers them for the
+    forward; the state dict is the same either way. ``by_rows=True`` keeps every tensor
+    in a layout that depends only on the scheme, never on the values (no packing, one
+    zero point per scale, per-group scales as ``[rows, groups]``): what each rank of a
+    sharded conversion stores for its own rows of one global tensor."""
+
+    by_rows: bool = False  # a class default: graphs pickled before it existed load as before
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, *,
                  axis: int | None = None, group_size: int | None = None, bits: int = 8,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, by_rows: bool = False) -> None:
         super().__init__()
         self.shape = tuple(q.shape)
         self.axis = axis
         self.group_size = group_size
         self.bits = bits
         self.out_dtype = dtype
+        self.by_rows = by_rows
         if bits <= 4:
             if q.numel() % 2:
                 q = torch.cat([q.reshape(-1), q.new_zeros(1)])
-            self.register_buffer("packed", pack_int4(q))
+            q = pack_int4(q)
+        elif by_rows or q.dtype in (torch.int8, torch.uint8):
+            pass  # stored as given (int8 / uint8 / int16 grids)
         else:
-            self.register_buffer("packed", q.to(torch.int8 if q.min() >= -128 and q.max() <= 127
-                                                else torch.int16))
-        self.register_buffer("scale", scale)
+            q = q.to(torch.int8 if q.min() >= -128 and q.max() <= 127 else torch.int16)
+        self.packed = _frozen(q)
         zp = zero_point.to(torch.int32)
-        if zp.numel() > 1 and bool((zp == zp.reshape(-1)[0]).all()):
+        if by_rows and group_size is not None:
+            scale, zp = scale.reshape(self.shape[0], -1), zp.reshape(self.shape[0], -1)
+        if not by_rows and zp.numel() > 1 and bool((zp == zp.reshape(-1)[0]).all()):
             # symmetric schemes: one zero point, not one per scale (cloned: a slice would
             # keep, and serialize, the whole storage)
             zp = zp.reshape(-1)[:1].clone()
-        self.register_buffer("zero_point", zp)
+        self.scale = _frozen(scale)
+        self.zero_point = _frozen(zp)
+
+    def row_tensors(self) -> tuple[str, ...]:
+        """The tensors laid out by the weight's rows (dim 0 = the weight's dim 0), which a
+        row-sharded weight shards alike; the others (per-tensor qparams, per-column scales)
+        are the same on every rank."""
+        rows = ("packed",) if self.bits > 4 else ()
+        if self.group_size is None and self.axis != 0:
+            return rows
+        return rows + tuple(n for n in ("scale", "zero_point")  # one zero point: shared
+                            if self.by_rows or getattr(self, n).numel() > 1)
 
     def integers(self) -> torch.Tensor:
         """The stored integers, unpacked, in the weight's shape."""

@@ -1,8 +1,8 @@
-"""``qc.convert`` of a sharded graph: refused with a ``QCompileError`` whose fix is the
-recipe (gather the full state with ``get_model_state_dict(..., full_state_dict=True,
-cpu_offload=True)``, convert an unsharded compile on rank 0). One test runs in one
-process on a stand-in class named like FSDP2's; the other on 2 gloo ranks with the real
-``fully_shard``, and follows the recipe to an integer model."""
+"""``qc.convert`` of a sharded graph. A ``fully_shard``-ed graph converts per rank into
+sharded integer storage (2 gloo ranks, one launch: outputs equal the unsharded convert's,
+each rank holds its rows of the integers); ``fully_shard`` of a converted graph shards its
+integer weights. What a rank cannot convert alone (here: a stand-in class named like
+FSDP2's over plain parameters) is refused with the gather recipe."""
 
 from __future__ import annotations
 
@@ -53,17 +53,32 @@ def test_convert_of_an_unsharded_graph_is_unaffected():
 
 @pytest.fixture(scope="module")
 def dist_run(tmp_path_factory: pytest.TempPathFactory, dist_launcher: Any) -> Any:
-    return dist_launcher(WORKER, ["convert_fsdp2"], tmp_path_factory.mktemp("convert"),
-                         LAUNCH_DEADLINE)
+    return dist_launcher(WORKER, ["convert_sharded", "fully_shard_converted"],
+                         tmp_path_factory.mktemp("convert"), LAUNCH_DEADLINE)
 
 
-def test_convert_fully_shard_graph_is_refused_and_the_recipe_converts(dist_run: Any) -> None:
-    r0, r1 = dist_run.case("convert_fsdp2")
-    for rank, r in enumerate((r0, r1)):
-        err = r["error"]
-        assert err is not None and "raw" not in err, f"rank {rank}: {err}"
-        assert "sharded" in err["text"] and "get_model_state_dict" in err["text"]
-    assert r1["keys"] == 0 and r0["keys"] > 0  # cpu_offload: the full state on rank 0 only
-    assert r0["fresh_diff"] == 0.0  # the gathered state is the calibrated graph's
-    assert r0["ops"], "nothing was converted"
-    assert r0["max_deviation"]["output0_steps"] <= 1.0
+def test_a_sharded_graph_converts_per_rank_into_sharded_integer_weights(dist_run: Any) -> None:
+    ranks = dist_run.case("convert_sharded")
+    for r in ranks:
+        assert r["dtensors"], "every parameter of the result is FSDP2-sharded"
+        # int storage (no kernels): the same numbers as the unsharded convert's kernels,
+        # within one output step (the convert contract), and as the fake-quant graph
+        assert r["diff_steps"] <= 1.0 and r["fake_diff_steps"] <= 1.0, r
+        assert r["max_deviation"]["output0"] <= r["diff_steps"] + 1.0
+        assert r["paths"] == ["int_storage", "quantize"]
+        assert r["gm_unchanged"] == 0.0  # the sharded source graph computes as before
+    total = ranks[0]["int_total"]
+    assert ranks[1]["int_total"] == total
+    assert sum(r["int_here"] for r in ranks) == total  # the rows add up, nothing twice
+    for r in ranks:  # 5 rows split 3 / 2: about half of the integer bytes each
+        assert r["int_here"] <= 0.6 * total, r
+
+
+def test_fully_shard_of_a_converted_graph_shards_its_integer_weights(dist_run: Any) -> None:
+    ranks = dist_run.case("fully_shard_converted")
+    for r in ranks:
+        assert r["int_params"] == 6  # integers, scales, zero points: parameters
+        assert r["before"] == r["int_total"]
+        assert r["diff"] == 0.0  # the gathered integers are the same integers
+        assert r["int_here"] <= 0.6 * r["int_total"], r
+    assert sum(r["int_here"] for r in ranks) == ranks[0]["int_total"]

@@ -1,6 +1,8 @@
 """The ``convert`` suite: int8 inference latency after ``qc.convert`` relative to fp32
 eager, next to torch.ao ``convert_fx`` (MLP at batch 64 and 1, ResNet-style CNN at batch
 32), both calibrated on the same batches. Prints as ``records`` (one line per case).
+``convert_memory`` adds the memory row: peak RSS of ``qc.convert`` over the calibrated
+graph's resident size, in a fresh process, next to the model and its largest layer.
 
 Example:
     >>> from qcompile.tools.bench.suites.convert import int8_spec
@@ -12,7 +14,11 @@ Example:
 from __future__ import annotations
 
 import copy
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 import warnings
 from typing import Any
@@ -78,3 +84,40 @@ def bench_convert(quick: bool) -> dict[str, Any]:
                      "convert_fx_speedup": times["fp32"] / times["convert_fx"],
                      "kernels": kernels, "max_dev_vs_fake_quant": dev}
     return out
+
+
+_MEMORY_SCRIPT = """
+import gc, json, sys, torch, qcompile as qc
+from qcompile.tools.bench.models import big_model
+from qcompile.tools.bench.workers import _reset_peak, _status
+torch.manual_seed(0)
+gm = qc.qcompile(big_model(int(sys.argv[1]), 2048), "int8-static",
+                 example_inputs=(torch.randn(4, 2048),), inplace=True)
+qc.calibrate(gm, [(torch.randn(4, 2048),)], progress=False)
+sizes = [p.numel() * p.element_size() / 2**20 for p in gm.parameters()]
+gc.collect()
+_reset_peak()
+base = _status()
+int8 = qc.convert(gm)
+now = _status()
+# what the result must hold: int8 weights, float32 biases (packed kernels hide theirs)
+ints = sum(p.numel() * (1 if p.dim() > 1 else 4) for p in gm.parameters()) / 2**20
+print(json.dumps({"model_mb": sum(sizes), "largest_layer_mb": max(sizes), "result_mb": ints,
+                  "convert_peak_mb": now["VmHWM"] - base["VmRSS"]}))
+"""
+
+
+def convert_memory(quick: bool, mmap_threshold: int | None = None) -> dict[str, float]:
+    """Peak RSS of ``qc.convert`` (MB over the calibrated graph, which stays resident: the
+    source is untouched) for ``big_model`` (8 blocks, 256 MB; 2 with ``quick``), in a fresh
+    process, default allocator unless ``mmap_threshold`` (``MALLOC_MMAP_THRESHOLD_``).
+    The bound: the result plus one layer (``bound_mb``)."""
+    env = dict(os.environ)
+    if mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
+    run = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, "2" if quick else "8"],
+                         capture_output=True, text=True, env=env, check=True)
+    row = json.loads(run.stdout.strip().splitlines()[-1])
+    row["bound_mb"] = row["result_mb"] + row["largest_layer_mb"]
+    row["ok"] = row["convert_peak_mb"] <= row["bound_mb"] * 1.1
+    return {k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}
