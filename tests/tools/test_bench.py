@@ -104,13 +104,14 @@ def test_text_and_json_come_from_one_sink(capsys: pytest.CaptureFixture[str],
 
 
 def test_hybrid_counts_traffic_per_layout(capsys: pytest.CaptureFixture[str]) -> None:
-    """4 ranks per layout: gradient buckets only with replicas, observer sync in one fused
-    collective per reduction kind (3 per rank) over each stage's replicas, sends only
-    between stages; 2 x 2 replicas hold half the model each, so half dp4's gradients."""
+    """4 ranks per layout: gradient buckets only with replicas, observer sync in one
+    collective per step and rank (the step's minima and maxima together; DDP replicas
+    agree on their weights) over each stage's replicas, sends only between stages; 2 x 2
+    replicas hold half the model each, so half dp4's gradients."""
     assert main(["hybrid", "--quick", "--format", "json"]) == 0
     data = json.loads(capsys.readouterr().out)
     hybrid, dp4, pp4 = data["2x2"], data["dp4"], data["pp4"]
-    assert hybrid["all_reduce"] == dp4["all_reduce"] == 3 * 4
+    assert hybrid["all_reduce"] == dp4["all_reduce"] == 1 * 4
     assert pp4["all_reduce"] == 0 and pp4["grad_buckets"] == 0
     assert dp4["p2p_sends"] == 0 and hybrid["p2p_sends"] > 0 and pp4["p2p_sends"] > 0
     assert 0 < hybrid["grad_bytes"] < dp4["grad_bytes"]
@@ -226,3 +227,74 @@ def test_rewrite_floor_rebuilds_the_compiled_graph(name: str,
     torch.testing.assert_close(floor.eval()(x), gm.eval()(x))
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def _train_row(world: int, variant: str, peak: float, saved: float,
+               vs_float: float) -> dict[str, object]:
+    return {"mmap_threshold": None, "world": world, "variant": variant,
+            "total_peak_mb": [peak + r for r in range(world)], "peak_mb": [peak / 10] * world,
+            "after_mb": [0.5] * world, "saved_mb": [saved] * world,
+            "setup_mb": [1.0] * world, "warm_mb": [2.0] * world,
+            "local_param_mb": [1.0 / world] * world,
+            "vs_float": vs_float, "ok": vs_float <= 1.1}
+
+
+def test_memory_text_says_the_training_step_rows() -> None:
+    """The memory suite's text on a fabricated quick result (1 and 2 ranks, 1 MB model):
+    the compile rows as records, then one table line per (N, variant) with every rank's
+    peak, the ratio to the float step and whether it is within 10%; the weights-kept
+    row's note when the spec refused it."""
+    from qcompile.tools.bench.suites.compile import memory_text
+    from qcompile.tools.bench.train_memory import TRAIN_VARIANTS
+
+    rows = []
+    for world in (1, 2):
+        rows += [_train_row(world, "float", 40.0, 0.1, 1.0),
+                 _train_row(world, "qat", 42.0, 0.1, 1.05),
+                 _train_row(world, "naive", 90.0, 1.2, 2.25)]
+    result = {"qcompile": {"peak_mb": 900.0, "net_mb": 500.0},
+              "qcompile_vs_prepare_qat_fx": 0.9,
+              "train_step": {"model_mb": 1.0, "blocks": 4, "width": 256, "batch": 8,
+                             "rows": rows, "note": "weights kept: not measured"}}
+    lines = memory_text(result).splitlines()
+    assert lines[:2] == ["qcompile: peak_mb 900, net_mb 500", "qcompile_vs_prepare_qat_fx: 0.9"]
+    assert lines[2].startswith("training step under FSDP2") and "1 MB model of 4 blocks" in lines[2]
+    assert lines[3] == "glibc malloc defaults:"
+    table = [line.split() for line in lines[5:-1]]
+    assert len(table) == 6 and lines[-1] == "weights kept: not measured"
+    for cells, row in zip(table, rows):
+        assert cells[0] == str(row["world"])
+        assert " ".join(cells).startswith(f"{row['world']} {TRAIN_VARIANTS[row['variant']]} ")
+    two_ranks_qat = " ".join(table[4])
+    assert two_ranks_qat.endswith(" 42 / 43 1.05 yes 4 0 0")  # step 4.2, after 0.5, kept 0.1
+    assert " 2.25 no " in " ".join(table[5])
+
+
+def test_saved_bytes_counts_each_storage_once_as_it_is_after_forward() -> None:
+    """The training-step rows' allocator-independent number: views of one storage count
+    once, and a storage resized to 0 before the forward returns (as FSDP2 frees an
+    unsharded weight) counts 0."""
+    import torch
+
+    from qcompile.tools.bench.train_memory import saved_bytes
+
+    w = torch.randn(16, 32, requires_grad=True)
+    x = torch.randn(4, 16)
+
+    def forward() -> torch.Tensor:
+        h = x @ w  # keeps x (256 B): w needs a gradient, x none
+        return (h[:, :16] * h[:, 16:]).sum()  # both halves views of h's storage (512 B)
+
+    out, kept = saved_bytes(forward)
+    assert kept == 4 * 16 * 4 + 4 * 32 * 4
+    out.backward()  # what was saved still serves backward
+    assert w.grad is not None and w.grad.shape == w.shape
+
+    freed = torch.randn(64, 64)
+
+    def forward_freeing() -> torch.Tensor:
+        y = (w.sum() * freed).sum()  # keeps freed (16 KiB)
+        freed.untyped_storage().resize_(0)
+        return y
+
+    assert saved_bytes(forward_freeing)[1] == 0

@@ -19,7 +19,10 @@ Subcommands:
   compile time of 50..400-block MLPs (scaling).
 - ``memory``: peak RSS of compile + 2 QAT steps of the 12-layer transformer, qcompile
   (with and without its copy of the model) vs torch.ao ``prepare_qat_fx``, each in a
-  fresh process.
+  fresh process; and the training step under FSDP2 on 1, 2 and 4 ranks (gloo): per-rank
+  peak of a float step, a qcompile QAT step (``compile_once``), the same keeping its
+  fake-quantized weights (``train.recompute_weights: false``) and torch.ao
+  ``prepare_qat_fx`` + ``fully_shard``, with the bytes autograd keeps after the forward.
 - ``step``: QAT training-step time relative to the fp32 eager step, qcompile vs
   ``prepare_qat_fx``, same models.
 - ``convert``: int8 inference latency after ``qc.convert`` vs fp32, next to torch.ao

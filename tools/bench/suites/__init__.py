@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qcompile.tools.bench.suites.algorithms import algorithms_text, bench_algorithms
-from qcompile.tools.bench.suites.compile import bench_compile, bench_memory
+from qcompile.tools.bench.suites.compile import bench_compile, bench_memory, memory_text
 from qcompile.tools.bench.suites.convert import bench_convert
 from qcompile.tools.bench.suites.distributed import (
     compile_once_text,
@@ -49,7 +49,7 @@ SUITES: dict[str, Suite] = {
     "observer-sync": Suite(run_observer_sync, observer_sync_text),
     "hybrid": Suite(run_hybrid, hybrid_text),
     "compile": Suite(bench_compile, threads=2),
-    "memory": Suite(bench_memory, threads=2),
+    "memory": Suite(bench_memory, memory_text, threads=2),
     "step": Suite(bench_step, threads=2),
     "fakequant": Suite(bench_fakequant, threads=2),
     "convert": Suite(bench_convert, threads=2),

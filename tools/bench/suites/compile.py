@@ -8,9 +8,12 @@
   to ``torch.export.export``, next to ``ep.module()`` (torch's own unlifting, which the
   front end calls); then compile time of 50..400-block MLPs (scaling);
 - ``memory``: peak RSS of compile + 2 QAT steps of the transformer, each way in a fresh
-  process.
+  process; then the training-step rows (``qcompile.tools.bench.train_memory``): per-rank
+  memory of one SGD step under FSDP2 on 1, 2 and 4 gloo ranks, float vs qcompile QAT vs
+  torch.ao ``prepare_qat_fx``.
 
-Both print as ``records`` (one line per model).
+``compile`` prints as ``records`` (one line per model); ``memory_text`` says ``memory``
+as records and a table.
 
 Example:
     >>> from qcompile.tools.bench.suites.compile import bench_compile, bench_memory
@@ -40,7 +43,9 @@ from qcompile.tools.bench.competitors import (
 from qcompile.tools.bench.floors import rewrite_floor
 from qcompile.tools.bench.measure import median_seconds
 from qcompile.tools.bench.models import deep_mlp, workloads
+from qcompile.tools.bench.train_memory import bench_train_memory, train_memory_text
 from qcompile.tools.bench.workers import memory_worker
+from qcompile.tools.output import records
 
 
 def bench_compile(quick: bool) -> dict[str, Any]:
@@ -132,7 +137,14 @@ def bench_memory(quick: bool) -> dict[str, Any]:
     """Peak RSS (MB) of compile + 2 QAT steps of the transformer (12 layers; 4 with
     ``quick``), each way in a fresh process: qcompile (which compiles a copy and leaves the
     model alone), qcompile ``inplace=True``, and torch.ao ``prepare_qat_fx`` (in place).
-    ``*_net_mb`` is above the process's RSS after imports (torch, qcompile, torch.ao)."""
+    ``*_net_mb`` is above the process's RSS after imports (torch, qcompile, torch.ao).
+
+    ``train_step``: per-rank memory of one SGD training step under FSDP2 (float,
+    qcompile QAT through ``compile_once``, the same keeping the fake-quantized weights for
+    backward, torch.ao ``prepare_qat_fx`` + ``fully_shard``), one fresh process group per
+    variant and world size (``train_memory.bench_train_memory``): a 256 MB model of 8
+    blocks at batch 8 on 1, 2 and 4 ranks, with glibc's malloc defaults and with
+    ``MALLOC_MMAP_THRESHOLD_=1048576``; ``quick``: a 2 MB model on 1 and 2 ranks."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -159,4 +171,29 @@ def bench_memory(quick: bool) -> dict[str, Any]:
     for how in ("qcompile", "qcompile_inplace"):
         out[f"{how}_vs_prepare_qat_fx"] = out[how]["peak_mb"] / ao["peak_mb"]
         out[f"{how}_vs_prepare_qat_fx_net"] = out[how]["net_mb"] / ao["net_mb"]
+    if quick:  # a smoke run of every variant
+        out["train_step"] = bench_train_memory(4, 256, 8, (1, 2))
+    else:  # 8 blocks of 2 x Linear(2048): 256 MB, weights >> activations at batch 8
+        out["train_step"] = bench_train_memory(8, 2048, 8, (1, 2, 4),
+                                               mmap_thresholds=(None, 1 << 20))
     return out
+
+
+def memory_text(r: dict[str, Any]) -> str:
+    """``bench_memory``'s result: the compile + QAT-step rows as records, then the
+    training-step table (``train_memory.train_memory_text``).
+
+    >>> row = {"peak_mb": 900.0, "net_mb": 500.0}
+    >>> print(memory_text({"qcompile": row, "qcompile_vs_prepare_qat_fx": 0.9,
+    ...                    "train_step": {"model_mb": 2.0, "blocks": 4, "batch": 8,
+    ...                                   "rows": []}}))  # doctest: +NORMALIZE_WHITESPACE
+    qcompile: peak_mb 900, net_mb 500
+    qcompile_vs_prepare_qat_fx: 0.9
+    training step under FSDP2 (SGD; one warm-up step first): per-rank MB, 2 MB model of 4
+    blocks (0.5 MB each), batch 8; a QAT step within 10% of the float step
+    """
+    rest = {k: v for k, v in r.items() if k != "train_step"}
+    lines = [records(rest)] if rest else []
+    if "train_step" in r:
+        lines.append(train_memory_text(r["train_step"]))
+    return "\n".join(lines)
