@@ -8,10 +8,11 @@ With DDP, rank 0 builds and compiles the model; the others build it on the meta 
 receive the compiled state; with ``--fsdp2`` every rank compiles on the meta device and
 holds 1/N of every block (``compile_once`` shards it; ``wrap`` then returns it as is).
 The graph is wrapped *after* compiling (DDP or fully_shard),
-and observer statistics are reduced across ranks after every forward, so every rank's
-quantizers stay identical. (A hand-written ``DistributedDataParallel(gm)`` loop instead
-calls ``qc.distributed.sync_observers(gm)`` after every forward; without it the scales drift
-apart and qcompile warns once.) With ``--cuda`` each rank sets its GPU (``LOCAL_RANK``)
+and each step's activation statistics are reduced across ranks once, after the optimizer
+step, so every rank's quantizers stay identical and equal to one process's on the global
+batch. (A hand-written ``DistributedDataParallel(gm)`` loop instead calls
+``qc.distributed.sync_observers(gm)`` after each ``optimizer.step()``; without it the
+scales drift apart and qcompile warns once.) With ``--cuda`` each rank sets its GPU (``LOCAL_RANK``)
 before ``init_process_group``; qcompile's collectives run on that device.
 """
 

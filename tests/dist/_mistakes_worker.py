@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -161,7 +162,9 @@ def case_calibrate_wrapped() -> dict[str, Any]:
         gm = qc.qcompile(mlp(), spec, example_inputs=(x,))
         wrapped = qc.distributed.wrap(gm, spec)
         got = qc.calibrate(wrapped, batches(rank), progress=False)
-        scales = {n: (q.scale.full_tensor() if hasattr(q.scale, "full_tensor") else q.scale)
+        # (fsdp2: one child graph per block, stage_<i>.: the model's names without it)
+        scales = {re.sub(r"^stage_\d+\.", "", n):
+                  (q.scale.full_tensor() if hasattr(q.scale, "full_tensor") else q.scale)
                   .detach().clone() for n, q in qc.quantizers(gm).items()}
         out[kind] = {"returned_wrapper": got is wrapped,
                      "compared": len(want),

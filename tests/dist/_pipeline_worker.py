@@ -32,6 +32,7 @@ from _worker_main import cases_in, error_of, run_cases
 from torch import nn
 
 import qcompile as qc
+from qcompile.distributed.data_parallel import apply_pending
 
 BATCH, MICRO = 8, 4
 D, V, T = 16, 11, 5  # features; vocabulary and sequence length of the tied model
@@ -292,6 +293,8 @@ def live_case(pipeline: dict[str, Any], steps: int = 20) -> dict[str, Any]:
     ref = qc.qcompile(build(Residual), {**spec, "pipeline": None}, example_inputs=(x[:2],))
     ref.load_state_dict(gm.state_dict())
     ref_losses = reference(ref, mse, x, y)
+    # the step's observations (every micro-batch) apply once, as the schedule's step does
+    apply_pending(ref, sync=False)
     stage, schedule = qc.distributed.pipeline(gm, spec, loss_fn=mse)
     stages = as_list(stage)
     ref_buffers = dict(ref.named_buffers())
