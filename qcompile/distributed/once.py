@@ -18,7 +18,10 @@ Three ways, by the spec and the arguments:
 
 Then every rank calibrates on its own ``calibration`` batches; with
 ``quant.sync_observers`` the observer statistics are reduced across ranks, so the qparams
-equal one process calibrating on all ranks' batches. With a ``cache_dir``, what compiling
+equal one process calibrating on all ranks' batches. Sharded, the calibration unshards one
+block at a time and hands the memory each block freed back to the OS before the next
+(``one_block_at_a_time``): a rank peaks at its shards + 2 blocks with glibc's default
+malloc settings, which are left unchanged. With a ``cache_dir``, what compiling
 and calibrating produced (quantizer state, buffers such as BatchNorm statistics; never the
 weights) is stored under a key over the checkpoint's content (or the model's weights), the
 spec, the graph's code, every rank's calibration data and the versions.
@@ -36,10 +39,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -72,6 +76,7 @@ from qcompile.runtime.calibration import (
     model_weights,
     quantizers,
     refuse_nonfinite,
+    return_freed_memory,
     weight_quantizers,
 )
 from qcompile.runtime.fake_quant import FakeQuantize
@@ -107,7 +112,7 @@ def blocks(model: nn.Module) -> list[str]:
     return [n for n, c in model.named_children() if owns(c)]
 
 
-def _block_spec(spec: CompileSpec, names: list[str]) -> CompileSpec:
+def block_spec(spec: CompileSpec, names: list[str]) -> CompileSpec:
     """``spec`` with one pipeline stage per block (in one process): the graph gets one
     child per block, which ``fully_shard`` makes an FSDP2 group."""
     stages = [{"modules": [n, f"{n}.*"]} for n in names]
@@ -364,6 +369,58 @@ def _observe_rows(fq: FakeQuantize, weight: torch.Tensor, group: Any, rank: int,
     return True
 
 
+@contextlib.contextmanager
+def one_block_at_a_time(gm: nn.Module) -> Iterator[None]:
+    """Forwards through a sharded graph (one FSDP2 group per block child, as
+    ``compile_once`` shards it) in the body hold at most one block unsharded, and no
+    memory a finished block freed stays resident: calibration at model/N + 2 blocks.
+
+    Right before each block child's forward, the memory freed so far goes back to the OS
+    (``return_freed_memory``: the fake-quant kernels' pooled outputs and, under glibc, the
+    free heap pages; glibc otherwise keeps each gathered block's freed tensors, and the
+    default allocator grew a rank by about a block per forward), then the child is
+    unsharded by its own ``unshard()``. FSDP2's pre-forward then finds it unsharded; left
+    to itself it would keep the previous block's all-gather buffer (a block) alive until
+    this block's all-gather is copied out, to overlap the two on a GPU stream, which a
+    CPU rank pays for in memory and nothing else. FSDP2 reshards each child after its
+    forward as usual. The memory peak per block is then its all-gather buffer and its
+    unsharded weights during the copy-out (2 blocks), over the shards. Hooks are removed,
+    and freed memory returned once more, on leaving. Nothing here changes an allocator
+    setting; ``return_freed_memory`` only hands back pages that are free.
+
+    Not covered: gloo gathers into a temporary buffer of the gathered size that its worker
+    thread allocates; for blocks under 32 MiB (glibc's largest mmap threshold) that
+    buffer comes from the thread's own malloc arena, whose free top ``malloc_trim`` does
+    not release, so each gloo worker thread may keep one block more (measured on 2 ranks
+    with 3 blocks of 24.5 MiB: 4 blocks over the shards instead of 2). Blocks of 32 MiB
+    and more are mapped and unmapped on each gather, and NCCL gathers in place.
+
+    Example:
+        >>> import torch
+        >>> from qcompile.distributed.once import one_block_at_a_time
+        >>> gm = torch.nn.Sequential(torch.nn.Linear(2, 2))   # no block children: as is
+        >>> with one_block_at_a_time(gm):
+        ...     gm(torch.ones(1, 2)).shape
+        torch.Size([1, 2])
+    """
+    def before(child: nn.Module, args: Any) -> None:
+        return_freed_memory()  # what the previous block freed (its weights, outputs)
+        child.unshard()
+        # the all-gather buffer, freed by now, may have come from free heap chunks
+        return_freed_memory()
+
+    handles = [child.register_forward_pre_hook(before, prepend=True)
+               for name, child in gm.named_children()
+               if name.startswith("stage_") and callable(getattr(child, "unshard", None))]
+    return_freed_memory()  # what loading the weights left behind
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        return_freed_memory()
+
+
 def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
                  example_kwargs: dict[str, Any] | None = None,
                  calibration: Any = None, checkpoint: Any = None,
@@ -465,9 +522,10 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
     elif batches is not None:
         sync = spec.quant.sync_observers and on
         if shard:  # every forward is a collective: counts and shapes were agreed above
-            collect_statistics(gm, batches, signature=graph_inputs(gm),
-                               sync=(lambda m: sync_observers(m, group, everything=True))
-                               if sync else None)
+            with one_block_at_a_time(gm):
+                collect_statistics(gm, batches, signature=graph_inputs(gm),
+                                   sync=(lambda m: sync_observers(m, group, everything=True))
+                                   if sync else None)
         else:  # a batch refused on one rank is refused on every rank, before the sync
             with collective_phase("compile_once (calibrating)", group):
                 collect_statistics(gm, batches, signature=graph_inputs(gm))
@@ -480,8 +538,8 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
             if rank == 0:  # a folder rank 0 cannot write is an error on every rank
                 CompileCache(directory).store(key, entry, report(gm).model_dump_json())
     report(gm).passes[-1].notes.append(f"compile cache: {why}")
-    if shard:
-        keep_observers_in_sync(gm, spec, group)
+    if shard:  # step updates applied after each optimizer step, across the group
+        keep_observers_in_sync(watch_observer_sync(gm), spec, group)
         gm.meta[SHARDED_KEY] = True
         return gm
     return watch_observer_sync(gm)
@@ -566,7 +624,7 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
         compile_spec = spec
         found = blocks(meta_model) if shard else []
         if shard and len(found) >= 2:
-            compile_spec = _block_spec(spec, found)
+            compile_spec = block_spec(spec, found)
         meta_inputs = tuple(_to_meta(v) for v in inputs) if inputs is not None else None
         meta_kwargs = {k: _to_meta(v) for k, v in (example_kwargs or {}).items()} or None
         gm = compile_model(meta_model, compile_spec, meta_inputs, example_kwargs=meta_kwargs,

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from qcompile.errors import QCompileError
+from qcompile.runtime import kernels
 from qcompile.runtime.fake_quant import FakeQuantize
 
 
@@ -271,6 +273,36 @@ def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
         q.observe = False
         q.enabled = True
     return gm
+
+
+def return_freed_memory() -> bool:
+    """Give the memory this process has freed back to the operating system: the output
+    blocks the fake-quant kernels keep for reuse (``qcompile.runtime.kernels.release_cache``)
+    and, under glibc (Linux), the free pages of every malloc arena (``malloc_trim(0)``).
+    Returns whether glibc released any.
+
+    glibc keeps freed heap memory for later allocations: after the first large free it
+    raises its mmap threshold (up to 32 MB), so tensors of that size come from the heap
+    and, once freed, stay resident (counted in RSS) until reused, and a heap fragmented by
+    small long-lived allocations cannot reuse them for the next size. A loop that frees
+    and allocates weight-sized tensors (a sharded calibration gathering one block after
+    another) then grows by a block or more per iteration. Trimming changes no allocator
+    setting: it only returns pages that are free now. Elsewhere (another C library,
+    another OS) only the kernels' blocks are released.
+
+    Example:
+        >>> from qcompile.runtime.calibration import return_freed_memory
+        >>> return_freed_memory() in (True, False)
+        True
+    """
+    kernels.release_cache()
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the C library the process runs on
+    except (AttributeError, OSError):  # not glibc (musl has no malloc_trim)
+        return False
+    return bool(trim(0))
 
 
 def _never_observed(q: FakeQuantize) -> bool:

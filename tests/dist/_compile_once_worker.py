@@ -472,6 +472,93 @@ def case_cache() -> dict[str, Any]:
             "first_vs_reference": compare(states[0], gathered(ref))}
 
 
+# -- 8. calibration at 1/N per rank, default allocator ---------------------------------------
+# 3 blocks of 2 x Linear(2048), 32 MiB each, 96 MiB in all; a block's all-gather buffer is
+# then above glibc's largest mmap threshold (32 MiB): see the README on smaller blocks
+MEM_BLOCKS, MEM_WIDTH = 3, 2048
+MEM_BATCHES = 2  # per rank (the first batch already showed the growth)
+
+
+class MemBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(MEM_WIDTH, MEM_WIDTH), nn.Linear(MEM_WIDTH, MEM_WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc2(torch.relu(self.fc1(x))))
+
+
+class MemModel(nn.Module):
+    """``MEM_BLOCKS`` identical blocks: what ``compile_once`` shards one FSDP2 group each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([MemBlock() for _ in range(MEM_BLOCKS)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def rss_mb() -> dict[str, float]:
+    """This process's VmRSS (current) and VmHWM (peak), MB, from /proc/self/status."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(rest.split()[0]) / 1024
+    return out
+
+
+def reset_peak() -> bool:
+    """VmHWM := VmRSS (Linux >= 4.0); False where /proc/self/clear_refs refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def case_fsdp2_calibration_memory() -> dict[str, Any]:
+    """Calibrated sharded compile_once (int8-static, from a checkpoint, ``MEM_BATCHES``
+    batches per rank) with glibc's malloc defaults: this rank's peak RSS over the RSS
+    before the call. A tiny calibrated sharded compile_once runs first, so that what
+    loads once per process (FSDP2's and DTensor's modules, the kernels' library) is in the
+    baseline, as the benchmark's is; memory freed before the call is handed back first
+    (``return_freed_memory``), so the call cannot hide its growth in it."""
+    import gc
+
+    from qcompile.runtime.calibration import return_freed_memory
+
+    warm = qc.distributed.compile_once(BlockModel, spec_of("int8-static", "fsdp2"),
+                                       (torch.randn(2, D_IN),),
+                                       calibration=rank_batches(dist.get_rank()))
+    del warm
+    # rank 0 alone builds the real model, to write the checkpoint
+    ckpt = save_checkpoint(MemModel().state_dict() if dist.get_rank() == 0 else {},
+                           "mem.safetensors")
+    g = torch.Generator().manual_seed(500 + dist.get_rank())
+    batches = [torch.randn(4, MEM_WIDTH, generator=g) for _ in range(MEM_BATCHES)]
+    example = torch.randn(4, MEM_WIDTH)
+    gc.collect()
+    return_freed_memory()
+    dist.barrier()
+    measurable = reset_peak()
+    before = rss_mb()["VmRSS"]
+    gm = qc.distributed.compile_once(MemModel, spec_of("int8-static", "fsdp2"), (example,),
+                                     calibration=batches, checkpoint=ckpt)
+    peak = rss_mb()["VmHWM"] - before
+    model_mb = sum(p.numel() * p.element_size() for p in gm.parameters()) / 2**20  # global
+    local_mb = sum(p.to_local().numel() * p.element_size() for p in gm.parameters()) / 2**20
+    return {"measurable": measurable, "peak_mb": peak, "model_mb": model_mb,
+            "block_mb": model_mb / MEM_BLOCKS, "local_param_mb": local_mb,
+            "world": dist.get_world_size(), "flags": flags(gm),
+            "children": sorted(n for n, _ in gm.named_children())}
+
+
 # -- known failure (runs last: it leaves the process group unusable) ---------------------------
 SHORT_TIMEOUT = datetime.timedelta(seconds=4)
 

@@ -31,10 +31,12 @@ QUANTIZERS = 13  # weight + output quantizer per Linear (5), one per residual ad
 STATE = WEIGHTS + 5 * QUANTIZERS
 QPARAMS = 4 * QUANTIZERS  # scale, zero_point, observer min/max
 
-# every case the worker knows, in launch order; fsdp2_unequal_batches (a known failure
-# that leaves the process group unusable) must stay last
-ORDER = ["fsdp2_static_ckpt", "fsdp2_static_stream", "fsdp2_qat_train", "fsdp2_cnn_fold",
-         "ddp_static_folder", "errors", "cache", "fsdp2_unequal_batches"]
+# every case the worker knows, in launch order; fsdp2_calibration_memory first (the
+# process's allocator as fresh as it gets); fsdp2_unequal_batches (a known failure that
+# leaves the process group unusable) must stay last
+ORDER = ["fsdp2_calibration_memory", "fsdp2_static_ckpt", "fsdp2_static_stream",
+         "fsdp2_qat_train", "fsdp2_cnn_fold", "ddp_static_folder", "errors", "cache",
+         "fsdp2_unequal_batches"]
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +225,29 @@ def test_cache_stores_no_weights_and_hits_the_second_time(dist_run: Any) -> None
             assert len(names) == STATE - WEIGHTS, names
             assert any(n.endswith(".scale") for n in names)
     assert r0["entries"] == r1["entries"]
+
+
+# -- 8. calibration at 1/N per rank -----------------------------------------------------------
+@uses("fsdp2_calibration_memory")
+def test_fsdp2_calibration_peaks_within_one_nth_plus_two_blocks(dist_run: Any) -> None:
+    """A 96 MiB model of 3 blocks, int8-static from a checkpoint, 2 calibration batches
+    per rank through the sharded graph, glibc's malloc defaults: every rank's peak RSS
+    over its RSS before the call is at most (model/N + 2 blocks) + 10% (all-gather buffer
+    and unsharded weights of one block at a time over the shards), and at least its
+    shards (so the measurement sees the call). Freed memory kept by the allocator used to
+    put a rank at 2.4x the model."""
+    for rank, r in enumerate(dist_run.case("fsdp2_calibration_memory")):
+        if not r["measurable"]:
+            pytest.skip("/proc/self/clear_refs cannot reset the peak RSS here")
+        world, model, block = r["world"], r["model_mb"], r["block_mb"]
+        assert 90 < model < 100 and r["children"] == ["stage_0", "stage_1", "stage_2"]
+        assert abs(r["local_param_mb"] - model / world) < 0.01 * model, r["local_param_mb"]
+        bound = 1.1 * (model / world + 2 * block)
+        assert model / world <= r["peak_mb"] <= bound, (
+            f"rank {rank}: peak {r['peak_mb']:.1f} MB over the RSS before the call, bound "
+            f"{bound:.1f} MB (model {model:.1f} MB / {world} + 2 blocks of {block:.1f} MB "
+            "+ 10%)")
+        assert all(f == [True, False] for f in r["flags"].values()), r["flags"]
 
 
 # -- uneven calibration ------------------------------------------------------------------------

@@ -126,7 +126,8 @@ def test_compile_once_shards_every_variant(capsys: pytest.CaptureFixture[str]) -
     assert main(["compile-once", "--quick", "--format", "json"]) == 0
     data = json.loads(capsys.readouterr().out)
     rows = {(row["world"], row["variant"]): row for row in data["rows"]}
-    assert set(rows) == {(n, v) for n in (1, 2) for v in ("checkpoint", "stream", "naive")}
+    assert set(rows) == {(n, v) for n in (1, 2)
+                         for v in ("checkpoint", "stream", "naive", "calibrated")}
     for (world, variant), row in rows.items():
         assert len(row["peaks_mb"]) == world and all(p >= 0 for p in row["peaks_mb"])
         assert all(phases and phases[-1][0] == ("sharded" if variant == "naive" else "returned")

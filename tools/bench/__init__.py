@@ -8,7 +8,8 @@ Subcommands:
 - ``compile-once``: peak RSS of each rank, over its post-import baseline, when 1, 2 or 4
   ranks share one compile of a 384 MB model (``qc.distributed.compile_once`` with
   ``fsdp2``: from a safetensors checkpoint, streamed from rank 0, and the naive way where
-  every rank builds and compiles the whole model), against model/N + 2 blocks + 10%.
+  every rank builds and compiles the whole model, and a calibrated static compile from
+  the checkpoint, 8 batches per rank), against model/N + 2 blocks + 10%.
 - ``observer-sync``: collectives and bytes per step that keep observers identical on 2
   DDP ranks (one flattened collective per reduction kind, whatever the quantizer count).
 - ``hybrid``: traffic per training step (gradient buckets, observer all-reduces,

@@ -5,9 +5,10 @@ a JSON file the parent reads; none prints.
 
 - ``pipeline_rank``: a 2-stage GPipe training step (4 micro-batches), median step time;
 - ``compile_once_rank``: one of N ranks getting ``big_model`` sharded with FSDP2, one or
-  more ways (``compile_once`` from a checkpoint, ``compile_once`` streamed from rank 0,
-  or naive: build, ``qc.qcompile``, ``wrap``): peak RSS over the post-import baseline,
-  local parameter bytes and RSS after each phase;
+  more ways (``compile_once`` from a checkpoint, the same int8-static calibrated on 8
+  batches per rank, ``compile_once`` streamed from rank 0, or naive: build,
+  ``qc.qcompile``, ``wrap``): peak RSS over the post-import baseline, local parameter
+  bytes and RSS after each phase;
 - ``observer_sync_rank``: collectives and bytes of ``qc.distributed.sync_observers``;
 - ``hybrid_rank``: one of 4 ranks training 2 stages x 2 replicas, 4 replicas or 4 stages:
   collectives, gradient buckets and pipeline sends per step;
@@ -96,7 +97,7 @@ class _Phases:
     helpers (measuring only; the library is unchanged)."""
 
     STEPS = {"unwrap_compiled": "built", "compile_model": "compiled", "_sharded": "sharded",
-             "_observe_weights": "loaded+observed"}
+             "_observe_weights": "loaded+observed", "collect_statistics": "calibrated"}
 
     def __init__(self) -> None:
         self.base = _status()
@@ -146,17 +147,21 @@ def _local_bytes(gm: nn.Module) -> int:
     return total
 
 
+CALIBRATION_BATCHES = 8  # per rank, in compile_once_rank's calibrated variant
+
+
 def compile_once_rank(rank: int, world: int, store: str, variants: list[str], blocks: int,
                       width: int, checkpoint: str, out_dir: str) -> None:
     """One of ``world`` ranks (gloo, CPU, one thread) getting ``big_model(blocks, width)``
     int8-QAT and sharded with FSDP2, each of ``variants`` in turn: ``checkpoint``
-    (``compile_once`` reading ``checkpoint``), ``stream`` (``compile_once``, rank 0
-    streams) or ``naive`` (every rank builds the model, ``qc.qcompile``s it and
-    ``qc.distributed.wrap``s it). The baseline is the RSS after importing torch and
-    qcompile, initialising the process group and compiling a tiny model (qcompile's
-    modules load lazily); the peak is VmHWM, reset to the current RSS before each
-    variant (one variant per process for clean numbers: freed memory may stay in the
-    allocator)."""
+    (``compile_once`` reading ``checkpoint``), ``calibrated`` (the same, int8-static, with
+    ``CALIBRATION_BATCHES`` batches of this rank's own data), ``stream``
+    (``compile_once``, rank 0 streams) or ``naive`` (every rank builds the model,
+    ``qc.qcompile``s it and ``qc.distributed.wrap``s it). The baseline is the RSS after
+    importing torch and qcompile, initialising the process group and compiling a tiny
+    model (qcompile's modules load lazily); the peak is VmHWM, reset to the current RSS
+    before each variant (one variant per process for clean numbers: freed memory may stay
+    in the allocator)."""
     import functools
 
     import torch.distributed as dist
@@ -165,6 +170,7 @@ def compile_once_rank(rank: int, world: int, store: str, variants: list[str], bl
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     spec = qc.load_spec("int8-qat").model_dump()
     spec["data_parallel"] = {"kind": "fsdp2"}
+    static = {**qc.load_spec("int8-static").model_dump(), "data_parallel": {"kind": "fsdp2"}}
     import safetensors.torch  # noqa: F401  (the checkpoint reader: in the baseline)
     from torch.distributed.fsdp import fully_shard  # noqa: F401
 
@@ -173,6 +179,8 @@ def compile_once_rank(rank: int, world: int, store: str, variants: list[str], bl
     dist.barrier()
     build = functools.partial(big_model, blocks, width)
     x = torch.randn(2, width)
+    g = torch.Generator().manual_seed(1000 + rank)  # each rank its own data (KBs)
+    batches = [torch.randn(2, width, generator=g) for _ in range(CALIBRATION_BATCHES)]
     results = {}
     for variant in variants:
         dist.barrier()
@@ -187,6 +195,10 @@ def compile_once_rank(rank: int, world: int, store: str, variants: list[str], bl
                 phases.mark("compiled")
                 gm = qc.distributed.wrap(gm, spec)
                 phases.mark("sharded")
+            elif variant == "calibrated":
+                gm = qc.distributed.compile_once(build, static, (x,), checkpoint=checkpoint,
+                                                 calibration=batches)
+                phases.mark("returned")
             else:
                 gm = qc.distributed.compile_once(
                     build, spec, (x,), checkpoint=checkpoint if variant == "checkpoint" else None)
@@ -225,10 +237,11 @@ def observer_sync_rank(rank: int, store: str, quantized_layers: int, out_dir: st
         dist.all_reduce = counting
         try:
             ddp(torch.randn(16, 64)).square().mean().backward()
-            stats = qc.distributed.sync_observers(gm)
+            opt.step()
+            # once per step, after it; DDP replicas agree on their weights
+            stats = qc.distributed.sync_observers(gm, weights=False)
         finally:
             dist.all_reduce = original
-        opt.step()
     if rank == 0:
         with open(os.path.join(out_dir, "sync.json"), "w") as f:
             json.dump({"quantizers": len(qc.quantizers(gm)), "collectives": stats["collectives"],

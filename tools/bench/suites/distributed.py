@@ -5,9 +5,11 @@
   on 2 ranks next to the same 4 micro-batches in one process;
 - ``compile-once``: per-rank peak RSS (over the post-import baseline) of getting a ~400 MB
   model of 12 blocks int8-QAT and FSDP2-sharded on 1, 2 and 4 ranks: ``compile_once``
-  from a safetensors checkpoint, ``compile_once`` streamed from rank 0, and the naive way
+  from a safetensors checkpoint, the same int8-static and calibrated through the sharded
+  graph (8 batches per rank), ``compile_once`` streamed from rank 0, and the naive way
   (every rank builds and compiles the whole model), against the bound model/N + 2 blocks
-  + 10% (``quick``: a ~2 MB model on 1 and 2 ranks);
+  + 10%, with glibc's malloc defaults and with a 1 MB mmap threshold (``quick``: a ~2 MB
+  model on 1 and 2 ranks, defaults only);
 - ``observer-sync``: collectives and bytes per step keeping observers identical on 2 DDP
   ranks;
 - ``hybrid``: traffic per training step of one int8-QAT MLP on 4 ranks laid out as 2
@@ -37,6 +39,7 @@ import qcompile as qc
 from qcompile.tools.bench.measure import median_seconds
 from qcompile.tools.bench.models import deep_mlp
 from qcompile.tools.bench.workers import (
+    CALIBRATION_BATCHES,
     compile_once_rank,
     hybrid_rank,
     observer_sync_rank,
@@ -120,7 +123,9 @@ def pipeline_text(r: dict[str, Any]) -> str:
     ])
 
 
-COMPILE_ONCE_VARIANTS = {"checkpoint": "fsdp2 + checkpoint", "stream": "fsdp2 stream from rank 0",
+COMPILE_ONCE_VARIANTS = {"checkpoint": "fsdp2 + checkpoint",
+                         "calibrated": "fsdp2 + checkpoint, calibrated",
+                         "stream": "fsdp2 stream from rank 0",
                          "naive": "naive (build + qcompile + wrap)"}
 
 
@@ -199,7 +204,8 @@ def run_compile_once(quick: bool) -> dict[str, Any]:
 def compile_once_text(r: dict[str, Any]) -> str:
     """The table: world size, variant, each rank's peak, the bound, whether it holds, and
     the most file-backed RSS each rank held (part of its peak: the checkpoint's mapped
-    pages); one section per allocator setting.
+    pages); one section per allocator setting. The calibrated variant is int8-static with
+    8 calibration batches per rank (the others int8-qat, uncalibrated).
 
     >>> print(compile_once_text({"model_mb": 400.0, "block_mb": 50.0, "blocks": 8, "rows": [
     ...     {"world": 2, "variant": "checkpoint", "peaks_mb": [250.0, 240.0],
@@ -214,6 +220,9 @@ def compile_once_text(r: dict[str, Any]) -> str:
     lines = [f"compile_once: peak RSS per rank over the post-import baseline, "
              f"{r['model_mb']:.0f} MB model of {r['blocks']} blocks ({r['block_mb']:.0f} MB "
              f"each); bound (model/N + 2 blocks) + 10%"]
+    if any(row["variant"] == "calibrated" for row in r["rows"]):
+        lines.append(f"calibrated: int8-static, {CALIBRATION_BATCHES} calibration batches per "
+                     "rank through the sharded graph; the other rows int8-qat, uncalibrated")
     section: Any = ()
     for row in r["rows"]:
         threshold = row.get("mmap_threshold")
