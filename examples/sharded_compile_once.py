@@ -9,7 +9,8 @@ have). Then every rank calls ``compile_once`` with ``data_parallel.kind: fsdp2``
 is built on the meta device, compiled, split into one FSDP2 group per block, allocated, and
 each rank reads only its rows of every weight from the file. Every rank calibrates nothing
 here (QAT learns its ranges) and trains on its own data; each step's observer statistics
-are reduced across the ranks once, after the optimizer step. The script prints each rank's share of the weights and the loss.
+are reduced across the ranks once, after the optimizer step. The script prints each
+rank's share of the weights and the loss.
 """
 
 from __future__ import annotations

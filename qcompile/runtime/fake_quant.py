@@ -754,7 +754,6 @@ class FakeQuantize(nn.Module):
     def __getstate__(self) -> dict:
         state = super().__getstate__()  # a copy of __dict__
         state.pop(weight_cache.ATTR, None)
-        state.pop("_pending", None)  # runtime state of a step, like the cache
         return state
 
     def extra_repr(self) -> str:

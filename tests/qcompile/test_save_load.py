@@ -77,7 +77,10 @@ def build(mode: str, method: str, model: nn.Module, x: torch.Tensor, **extra: ob
         opt = torch.optim.SGD(gm.parameters(), lr=0.0)
         for _ in range(2):
             gm(x).sum().backward()
-            opt.step()  # the step's observations apply
+            opt.step()
+            # the step's observations apply now, as train_step does (the state dict then
+            # holds all of them)
+            qc.distributed.sync_observers(gm)
     return gm
 
 
