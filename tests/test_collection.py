@@ -28,9 +28,15 @@ def _collected(*args: str) -> list[str]:
 def test_default_run_collects_every_multiprocess_test() -> None:
     explicit = {t for t in _collected("tests/dist") if t.startswith("tests/dist/")}
     assert len(explicit) >= 20, "tests/dist should hold the multi-process tests"
-    # the default test paths, as tools/test runs them, narrowed to the `dist` marker (which
-    # every multi-process test carries): one collection checks both
-    default = {t for t in _collected("-m", "dist") if t.startswith("tests/dist/")}
+    # the default test path (`testpaths`, what tools/test runs), recursed into as pytest
+    # does by default, narrowed to the `dist` marker (which every multi-process test
+    # carries); the other folders and modules are left out of this collection only to
+    # save importing them: recursion into `tests/dist` is what norecursedirs decides
+    others = [f"--ignore={p.relative_to(ROOT)}" for p in sorted((ROOT / "tests").iterdir())
+              if p.name != "dist" and (p.is_dir() or p.suffix == ".py")
+              and p.name != "conftest.py"]
+    default = {t for t in _collected("tests", *others, "-m", "dist")
+               if t.startswith("tests/dist/")}
     missing = sorted(explicit - default)
     assert not missing, f"tools/test does not collect {len(missing)} multi-process test(s), " \
                         f"e.g. {missing[0]}"

@@ -117,6 +117,14 @@ def case_ddp() -> dict[str, Any]:
 
 
 def case_fsdp2() -> dict[str, Any]:
+    return fsdp2(("wrap", "compile_once"))
+
+
+def case_fsdp2_once() -> dict[str, Any]:
+    return fsdp2(("compile_once",))
+
+
+def fsdp2(hows: tuple[str, ...]) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     model = build()
@@ -124,7 +132,7 @@ def case_fsdp2() -> dict[str, Any]:
         fully_shard(block)
     float_kept = two_steps(fully_shard(model))["kept"]
     out: dict[str, Any] = {"float": float_kept, "model": model_bytes()}
-    for how in ("wrap", "compile_once"):
+    for how in hows:
         runs = {}
         for recompute in (True, False):
             s = spec("fsdp2", recompute)

@@ -134,6 +134,7 @@ def test_convolutions():
 
 
 def test_deterministic():
-    a = calibrated(mlp(), spec([ADA]), CALIB).state_dict()
-    b = calibrated(mlp(), spec([ADA]), CALIB).state_dict()
+    short = {**ADA, "iterations": 40}  # the same rounding twice: no need to converge
+    a = calibrated(mlp(), spec([short]), CALIB).state_dict()
+    b = calibrated(mlp(), spec([short]), CALIB).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -69,6 +69,7 @@ def converted(make: type[nn.Module] | object, s: qc.CompileSpec, shape: tuple[in
             gm(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
+        qc.distributed.sync_observers(gm)  # the last step's observations, as train_step
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return gm, qc.convert(gm, example_inputs=batches[0])
