@@ -619,9 +619,16 @@ class FakeQuantize(nn.Module):
             return False
         mn, mx = stats if stats is not None else pending
         obs = self.observer
-        obs.update(mn.to(obs.min_val.device), mx.to(obs.max_val.device))
+        both = torch.cat([mn.reshape(-1), mx.reshape(-1)]).to(obs.min_val.device)
+        if self.granularity == "per_tensor" and self._observe_fused(both):
+            # one C++ call: the observer's update and the qparams, the same bits as below
+            # (the minimum and maximum of [min, max] are min and max)
+            self.__dict__["observed"] = False
+        else:
+            obs.update(both[:mn.numel()].view_as(obs.min_val),
+                       both[mn.numel():].view_as(obs.max_val))
+            self.refresh_qparams()
         # reduced already: not `observed` (nothing for a per-forward sync to do)
-        self.refresh_qparams()
         self.__dict__["initialised"] = True
         if self.learnable:
             self.observe = False  # LSQ: the observer only initialises the scale
