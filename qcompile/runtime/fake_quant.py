@@ -588,13 +588,29 @@ class FakeQuantize(nn.Module):
         pending statistics; fake-quantize with the qparams as they are (unchanged until
         ``apply_pending``), or pass ``x`` through while the observer has no statistics."""
         with torch.no_grad():
-            mn, mx = self._minmax(x.detach().float())
             pending = self._pending
-            if pending is None or pending[0].device != mn.device:
-                self.__dict__["_pending"] = (mn.clone(), mx.clone())
+            if self._fusable(x) is not None:
+                # one C++ pass: a running min / max into the pending statistics (the qparams
+                # it also computes go to scratch tensors, never used)
+                if pending is None:
+                    obs = self.observer
+                    pending = (torch.full_like(obs.min_val, float("inf")),
+                               torch.full_like(obs.max_val, float("-inf")))
+                    self.__dict__["_pending"] = pending
+                scratch = self.__dict__.get("_scratch")
+                if scratch is None or scratch[0].shape != self.scale.shape:
+                    scratch = (torch.empty_like(self.scale), torch.empty_like(self.zero_point))
+                    self.__dict__["_scratch"] = scratch
+                torch.ops.qcompile.observe_minmax(x.detach(), pending[0], pending[1], *scratch,
+                                                  self.quant_min, self.quant_max,
+                                                  self.symmetric, -1.0)
             else:
-                torch.minimum(pending[0], mn, out=pending[0])
-                torch.maximum(pending[1], mx, out=pending[1])
+                mn, mx = self._minmax(x.detach().float())
+                if pending is None or pending[0].device != mn.device:
+                    self.__dict__["_pending"] = (mn.clone(), mx.clone())
+                else:
+                    torch.minimum(pending[0], mn, out=pending[0])
+                    torch.maximum(pending[1], mx, out=pending[1])
         if not self.enabled:
             return x
         if not self.initialised:
@@ -761,6 +777,7 @@ class FakeQuantize(nn.Module):
     def __getstate__(self) -> dict:
         state = super().__getstate__()  # a copy of __dict__
         state.pop(weight_cache.ATTR, None)
+        state.pop("_scratch", None)
         return state
 
     def extra_repr(self) -> str:
