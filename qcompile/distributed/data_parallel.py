@@ -1,8 +1,10 @@
 """Data parallelism: wrap a compiled graph in DDP or FSDP2, keep observers in sync across
 ranks, and one optimizer step with gradient accumulation.
 
-``wrap`` synchronises observers after every forward. A hand-written loop around
-``DistributedDataParallel(gm)`` calls ``sync_observers(gm)`` itself after each forward;
+``wrap`` keeps observers in sync: with step updates (``quant.observer_update: step``,
+the default) once per optimizer step, else after every forward. A hand-written loop around
+``DistributedDataParallel(gm)`` calls ``sync_observers(gm)`` itself after each
+``optimizer.step()`` (after each forward with ``observer_update: forward``);
 a graph whose observers keep training under a process group of several ranks with nothing
 synchronising them warns once (``watch_observer_sync``).
 
@@ -45,9 +47,10 @@ _WATCH = "_qc_observer_sync"
 UNSYNCED_WARNING = (
     "observers of this graph keep updating under a process group of {world} ranks, but "
     "nothing synchronises them: each rank's scales drift apart. Wrap the graph with "
-    "qc.distributed.wrap(gm, spec) (it syncs after every forward), or in a hand-written "
-    "DistributedDataParallel loop call qc.distributed.sync_observers(gm) after each forward "
-    "(or qc.freeze(gm) to stop the observers)")
+    "qc.distributed.wrap(gm, spec) (it syncs them), or in a hand-written "
+    "DistributedDataParallel loop call qc.distributed.sync_observers(gm) after each "
+    "optimizer.step() (after each forward with quant.observer_update: forward; or "
+    "qc.freeze(gm) to stop the observers)")
 
 
 def _check_observer_sync(module: nn.Module, args: Any) -> None:
@@ -319,8 +322,9 @@ def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Modul
     A graph ``compile_once`` already sharded (``fsdp2``) is returned as it is.
 
     With ``quant.sync_observers`` and an initialised process group, observer statistics
-    are reduced across ranks after every forward (``sync_observers``), and the graph's
-    unsynchronised-observer warning is switched off.
+    are reduced across ranks (``keep_observers_in_sync``: step updates once per optimizer
+    step, the others after every forward), and the graph's unsynchronised-observer
+    warning is switched off.
     """
     spec = as_spec(spec)
     kind = spec.data_parallel.kind

@@ -106,7 +106,7 @@ def refusal(kind: str) -> QCompileError:
         fix = ("compile the bare module: gm = qc.qcompile(ddp_model.module, spec, ...), then "
                "wrap the result with qc.distributed.wrap(gm, spec), which also synchronises "
                "observers across ranks (a hand-written DistributedDataParallel(gm) must call "
-               "qc.distributed.sync_observers(gm) after every forward)")
+               "qc.distributed.sync_observers(gm) after each optimizer.step())")
     elif kind == "FullyShardedDataParallel":
         fix = ("compile the unwrapped model, then shard the result with FSDP2: "
                "qc.distributed.wrap(gm, spec) with data_parallel.kind: fsdp2; FSDP1 cannot "

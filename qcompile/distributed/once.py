@@ -436,7 +436,8 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
     this rank's batches (every rank passes its own). Tensors live on the backend's device
     (``collective_device``: the rank's GPU for NCCL, so call ``torch.cuda.set_device``
     first; CPU for gloo). The sharded result is already ``fully_shard``-ed and keeps
-    observers in sync after every forward (``qc.distributed.wrap`` returns it as it is); a
+    observers in sync (``keep_observers_in_sync``; ``qc.distributed.wrap`` returns it as
+    it is); a
     replicated result is wrapped as usual (``qc.distributed.wrap``).
 
     Every rank first builds the model on the meta device (free): a model already wrapped
