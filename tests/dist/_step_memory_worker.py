@@ -1,4 +1,4 @@
-"""One rank of the training-step memory tests (``test_step_memory.py`` launches 2 or 4).
+"""One rank of the training-step memory tests (``test_step_memory.py`` launches 2).
 
 Run as a script: ``python tests/dist/_step_memory_worker.py OUTDIR CASE [CASE ...]`` with
 ``RANK``, ``WORLD_SIZE`` and ``QC_DIST_INIT`` in the environment (see ``_worker_main``).
@@ -118,10 +118,6 @@ def case_ddp() -> dict[str, Any]:
 
 def case_fsdp2() -> dict[str, Any]:
     return fsdp2(("wrap", "compile_once"))
-
-
-def case_fsdp2_once() -> dict[str, Any]:
-    return fsdp2(("compile_once",))
 
 
 def fsdp2(hows: tuple[str, ...]) -> dict[str, Any]:
