@@ -34,9 +34,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.fx import GraphModule
 
-from qcompile.passes.convert.collect_weights import weight_source
+from qcompile.runtime.calibration import weight_quantizer_sites
 from qcompile.runtime.fake_quant import FakeQuantize
 
 __all__ = ["LocalRows", "local_rows_copy", "refusal", "rows_of"]
@@ -81,25 +80,6 @@ class LocalRows:
     cut: dict[str, torch.Tensor] = field(default_factory=dict)  # buffer -> its whole value
 
 
-def _weight_quantizers(gm: nn.Module) -> list[tuple[nn.Module, str, FakeQuantize, bool]]:
-    """(graph, weight path in it, quantizer, read transposed) for every weight quantizer."""
-    found = []
-    for owner in gm.modules():
-        if not isinstance(owner, GraphModule):
-            continue
-        for node in owner.graph.nodes:
-            if node.op != "call_module" or not node.args:
-                continue
-            fq = owner.get_submodule(str(node.target))
-            src = node.args[0]
-            if not isinstance(fq, FakeQuantize) or not isinstance(src, torch.fx.Node):
-                continue
-            param = weight_source(src)
-            if param.op == "get_attr":
-                found.append((owner, str(param.target), fq, param is not src))
-    return found
-
-
 def refusal(gm: nn.Module) -> str | None:
     """Why this rank cannot convert its rows of ``gm`` alone, or None."""
     mesh = None
@@ -115,7 +95,7 @@ def refusal(gm: nn.Module) -> str | None:
             mesh = p.device_mesh
         elif p.device_mesh != mesh:
             return "the parameters are sharded over more than one device mesh"
-    for owner, path, fq, transposed in _weight_quantizers(gm):
+    for owner, path, fq, transposed in weight_quantizer_sites(gm):
         p = owner.get_parameter(path) if _has_param(owner, path) else None
         if p is None:
             continue
@@ -174,7 +154,7 @@ def local_rows_copy(gm: nn.Module) -> LocalRows:
     world, rank = mesh.size(), mesh.get_local_rank()
     out = LocalRows(local, mesh, rank, world, [n for n in units if n] + [""], sharded)
     # per-row buffers: a weight quantizer's qparams, the statistics beside a sharded param
-    for owner, path, fq, _ in _weight_quantizers(local):
+    for owner, path, fq, _ in weight_quantizer_sites(local):
         prefix = _prefix(local, owner)
         total = sharded.get(prefix + path, (0,))[0]
         if prefix + path not in sharded or (fq.axis != 0 and fq.group_size is None):

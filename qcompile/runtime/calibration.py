@@ -89,11 +89,11 @@ def freeze(gm: nn.Module) -> nn.Module:
     return gm
 
 
-def weight_quantizers(gm: nn.Module) -> list[tuple[FakeQuantize, torch.Tensor]]:
-    """(quantizer, weight) for every weight quantizer in ``gm``'s graph(s): a
-    ``FakeQuantize`` called on a ``get_attr`` of a parameter (the parameter itself), or on
-    ``torch.t`` of one (a weight stored [in, out], e.g. GPT-2's ``Conv1D``, quantized per
-    group along its inputs: the transposed view, which is what the quantizer sees)."""
+def weight_quantizer_sites(gm: nn.Module
+                           ) -> list[tuple[GraphModule, str, FakeQuantize, bool]]:
+    """(graph, attribute path in it, quantizer, read transposed) for every quantizer in
+    ``gm``'s graph(s) called on a ``get_attr``, or on ``torch.t`` of one (a weight stored
+    [in, out], e.g. GPT-2's ``Conv1D``, quantized per group along its inputs)."""
     found = []
     for owner in gm.modules():
         if not isinstance(owner, GraphModule):
@@ -109,12 +109,22 @@ def weight_quantizers(gm: nn.Module) -> list[tuple[FakeQuantize, torch.Tensor]]:
                           and isinstance(src.args[0], torch.fx.Node))
             if transposed:
                 src = src.args[0]
-            if src.op != "get_attr":
-                continue
-            parent, _, leaf = str(src.target).rpartition(".")
-            value = getattr(owner.get_submodule(parent) if parent else owner, leaf)
-            if isinstance(value, nn.Parameter):
-                found.append((fq, value.t() if transposed else value))
+            if src.op == "get_attr":
+                found.append((owner, str(src.target), fq, transposed))
+    return found
+
+
+def weight_quantizers(gm: nn.Module) -> list[tuple[FakeQuantize, torch.Tensor]]:
+    """(quantizer, weight) for every weight quantizer in ``gm``'s graph(s): a
+    ``FakeQuantize`` called on a ``get_attr`` of a parameter (the parameter itself), or on
+    ``torch.t`` of one (the transposed view, which is what the quantizer sees; see
+    ``weight_quantizer_sites``)."""
+    found = []
+    for owner, path, fq, transposed in weight_quantizer_sites(gm):
+        parent, _, leaf = path.rpartition(".")
+        value = getattr(owner.get_submodule(parent) if parent else owner, leaf)
+        if isinstance(value, nn.Parameter):
+            found.append((fq, value.t() if transposed else value))
     return found
 
 

@@ -26,6 +26,32 @@ def median_seconds(fn: Callable[[], Any], repeat: int) -> float:
     return statistics.median(times)
 
 
+def spawn_ranks(fn: Callable[..., Any], args: tuple[Any, ...], world: int, out: str,
+                threshold: int | None = None) -> list[dict[str, Any]]:
+    """``torch.multiprocessing.spawn(fn, args, world)`` with glibc's
+    ``MALLOC_MMAP_THRESHOLD_`` at ``threshold`` bytes in the ranks (None: glibc's default;
+    the spawned ranks' glibc reads it at start), then each rank's ``out/rank<r>.json``."""
+    import json
+    import os
+
+    import torch
+
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    if threshold is not None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
+    try:
+        torch.multiprocessing.spawn(fn, args=args, nprocs=world, join=True)
+    finally:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        if saved is not None:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+    ranks = []
+    for r in range(world):
+        with open(os.path.join(out, f"rank{r}.json")) as f:
+            ranks.append(json.load(f))
+    return ranks
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident set size so far (MB)."""
     import resource

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 import qcompile as qc
+from qcompile.tools.bench.measure import spawn_ranks
 from qcompile.tools.bench.models import big_model
 from qcompile.tools.bench.workers import _local_bytes, _reset_peak, _status
 
@@ -242,23 +243,8 @@ def bench_train_memory(blocks: int, width: int, batch: int, worlds: tuple[int, .
 
 def _launch(world: int, out: str, variant: str, blocks: int, width: int, batch: int,
             ckpt: str, threshold: int | None) -> list[dict[str, Any]]:
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    if threshold is not None:  # the spawned ranks' glibc reads it at start
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
-    try:
-        torch.multiprocessing.spawn(
-            train_memory_rank,
-            args=(world, os.path.join(out, "store"), variant, blocks, width, batch, ckpt, out),
-            nprocs=world, join=True)
-    finally:
-        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-        if saved is not None:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
-    ranks = []
-    for r in range(world):
-        with open(os.path.join(out, f"rank{r}.json")) as f:
-            ranks.append(json.load(f))
-    return ranks
+    return spawn_ranks(train_memory_rank, (world, os.path.join(out, "store"), variant, blocks,
+                                           width, batch, ckpt, out), world, out, threshold)
 
 
 def train_memory_text(r: dict[str, Any]) -> str:

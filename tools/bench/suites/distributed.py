@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 import qcompile as qc
-from qcompile.tools.bench.measure import median_seconds
+from qcompile.tools.bench.measure import median_seconds, spawn_ranks
 from qcompile.tools.bench.models import deep_mlp
 from qcompile.tools.bench.workers import (
     CALIBRATION_BATCHES,
@@ -165,23 +165,9 @@ def bench_compile_once(blocks: int, width: int, worlds: tuple[int, ...],
         for threshold, world, i, variants in runs:
             out = os.path.join(tmp, f"m{threshold}-w{world}-{i}")
             os.makedirs(out)
-            saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-            if threshold is not None:  # the spawned ranks' glibc reads it at start
-                os.environ["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
-            try:
-                torch.multiprocessing.spawn(
-                    compile_once_rank,
-                    args=(world, os.path.join(out, "store"), variants, blocks, width, ckpt,
-                          out),
-                    nprocs=world, join=True)
-            finally:
-                os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-                if saved is not None:
-                    os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
-            ranks = []
-            for r in range(world):
-                with open(os.path.join(out, f"rank{r}.json")) as f:
-                    ranks.append(json.load(f))
+            ranks = spawn_ranks(compile_once_rank,
+                                (world, os.path.join(out, "store"), variants, blocks, width,
+                                 ckpt, out), world, out, threshold)
             bound = compile_once_bound(model_mb, block_mb, world)
             for v in variants:
                 peaks = [rank[v]["peak_mb"] for rank in ranks]
