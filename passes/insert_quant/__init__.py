@@ -50,13 +50,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Node
-from torch.fx.passes.shape_prop import TensorMetadata
 
 from qcompile.errors import QCompileError
 from qcompile.graph.context import Context
 from qcompile.graph.matching import (
     innermost_owner,
-    is_size_like,
     layer_of,
     module_output,
     op_name,
@@ -65,67 +63,36 @@ from qcompile.graph.matching import (
 )
 from qcompile.graph.meta import FUSION_KEY, MODULE_KEY, NN_MODULE_STACK, QSCHEME_KEY, TENSOR_META
 from qcompile.graph.pipeline import graph_pass
-from qcompile.graph.records import QuantizerRecord
-from qcompile.runtime.fake_quant import FakeQuantize
-from qcompile.specs import Scheme
+from qcompile.passes.insert_quant.common import (
+    add_quantizer,
+    attr,
+    build,
+    insert_after,
+    model_device,
+    move_to,
+    param_attr,
+    quantizer_call,
+    quantizer_record,
+    set_activation_mode,
+    set_flag,
+    tensor_shape,
+)
 
 _CONV = {"conv1d": F.conv1d, "conv2d": F.conv2d, "conv3d": F.conv3d}
 
 
-def _device(gm: GraphModule) -> torch.device:
-    """Where the model's tensors live (activation quantizers go there too). Looks at the
-    first tensor only: called once per pass, never per node."""
-    first = next(iter(gm.parameters()), None)
-    if first is None:
-        first = next(iter(gm.buffers()), None)
-    return first.device if first is not None else torch.device("cpu")
 
 
-def _free_name(gm: GraphModule, base: str) -> str:
-    """``base``, or ``base_1``, ``base_2``... whichever names no existing attribute."""
-    parent, _, leaf = base.rpartition(".")
-    try:
-        owner = gm.get_submodule(parent) if parent else gm
-    except AttributeError:  # the owner holds no parameters, so the graph never copied it
-        return base  # add_submodule creates the containers
-    name, k = leaf, 0
-    while hasattr(owner, name):
-        k += 1
-        name = f"{leaf}_{k}"
-    return f"{parent}.{name}" if parent else name
 
 
-def _to(fq: FakeQuantize, device: torch.device) -> None:
-    """``fq.to(device)``; a quantizer is built on the CPU, where ``Module.to`` would only
-    walk its tensors to find nothing to move."""
-    if device.type != "cpu":
-        fq.to(device)
 
 
-def _add(gm: GraphModule, base: str, fq: FakeQuantize) -> str:
-    name = _free_name(gm, base)
-    gm.add_submodule(name, fq)
-    return name
 
 
-def _attr(gm: GraphModule, target: str) -> Any:
-    parent, _, leaf = target.rpartition(".")
-    return getattr(gm.get_submodule(parent) if parent else gm, leaf)
 
 
-def _quantizer_call(gm: GraphModule, name: str, x: Node) -> Node:
-    """``gm.graph.call_module(name, (x,))`` for a quantizer this pass just added: the node
-    it makes, without its look-up of the module (which it only warns about when absent)."""
-    return gm.graph.create_node("call_module", name, (x,))
 
 
-def _param_attr(g: torch.fx.Graph, m: nn.Module, target: str, name: str) -> Node:
-    """``g.get_attr("<target>.<name>")``; for a parameter of the module (what Linear / Conv
-    / Embedding hold), the node without ``get_attr``'s look-up, which only warns about an
-    attribute that is missing or not a parameter, buffer or module."""
-    if isinstance(m._parameters.get(name), nn.Parameter):
-        return g.create_node("get_attr", f"{target}.{name}")
-    return g.get_attr(f"{target}.{name}")
 
 
 def _functionalize(gm: GraphModule, node: Node, op: str) -> Node:
@@ -136,8 +103,8 @@ def _functionalize(gm: GraphModule, node: Node, op: str) -> Node:
     g = gm.graph
     x = node.args[0] if node.args else next(iter(node.kwargs.values()))
     with g.inserting_before(node):
-        w = _param_attr(g, m, t, "weight")
-        b = _param_attr(g, m, t, "bias") if getattr(m, "bias", None) is not None else None
+        w = param_attr(g, m, t, "weight")
+        b = param_attr(g, m, t, "bias") if getattr(m, "bias", None) is not None else None
         if op == "linear":
             new = g.call_function(F.linear, (x, w, b))
         elif op == "embedding":
@@ -157,58 +124,16 @@ def _functionalize(gm: GraphModule, node: Node, op: str) -> Node:
     return new
 
 
-def _build(scheme: Scheme, ctx: Context, *, role: str, shape: tuple[int, ...] | None,
-           dynamic: bool, where: str, field: str,
-           channel_axis: int | None = None) -> FakeQuantize:
-    try:
-        return FakeQuantize.from_scheme(scheme, role=role, shape=shape, dynamic=dynamic,
-                                        channel_axis=channel_axis,
-                                        target=ctx.spec.quant.target,
-                                        update=ctx.spec.quant.observer_update)
-    except ValueError as e:
-        raise QCompileError(f"{where}: {field}: {e}",
-                            fix=f"change {field} in the spec, or exclude {where} with a "
-                            "skip rule") from None
-    except QCompileError as e:  # an observer this version does not provide
-        raise QCompileError(f"{where}: {field}.observer: {e.message}", fix=e.fix) from None
 
 
-def _record(name: str, fq: FakeQuantize, role: str, node: str, rule: int | None) -> QuantizerRecord:
-    return QuantizerRecord(name=name, role=role, node=node, rule=rule, dtype=fq.dtype,
-                           granularity=fq.granularity, symmetric=fq.symmetric,
-                           scales=fq.scale.numel(), learnable=fq.learnable, dynamic=fq.dynamic)
 
 
-def _set_flag(fq: FakeQuantize, name: str, value: bool) -> None:
-    """``fq.<name> = value`` where it changes anything: setting a switch mirrors it into the
-    quantizer's flag buffer (a tensor write) and drops its weight cache, ~20 us each, and a
-    new quantizer already has ``enabled`` and ``observe`` on."""
-    if getattr(fq, name) is not value:
-        setattr(fq, name, value)
 
 
-def _set_activation_mode(fq: FakeQuantize, mode: str) -> None:
-    if mode == "static":
-        _set_flag(fq, "enabled", False)  # observe float activations until qc.calibrate
-    _set_flag(fq, "observe", True)
 
 
-def _insert_after(gm: GraphModule, node: Node, name: str) -> Node:
-    with gm.graph.inserting_after(node):
-        q = _quantizer_call(gm, name, node)
-    node.replace_all_uses_with(q, delete_user_cb=lambda u: u is not q)
-    q.meta[TENSOR_META] = node.meta.get(TENSOR_META)
-    if NN_MODULE_STACK in node.meta:
-        q.meta[NN_MODULE_STACK] = node.meta[NN_MODULE_STACK]
-    return q
 
 
-def _tensor_shape(node: Node, ctx: Context) -> tuple[bool, tuple[int, ...] | None]:
-    """(is a floating-point tensor, shape) from ShapeProp; a guess without shapes."""
-    tm = node.meta.get(TENSOR_META)
-    if not isinstance(tm, TensorMetadata):
-        return not ctx.has_shapes and not is_size_like(node), None
-    return tm.dtype.is_floating_point, tuple(tm.shape)
 
 
 def _activation_name(gm: GraphModule, head: Node) -> str:
@@ -253,29 +178,29 @@ def _dynamic_input(gm: GraphModule, ctx: Context, op: Node, qs: Any) -> None:
     x = _data_input(op)
     if not isinstance(x, Node):
         return
-    is_float, shape = _tensor_shape(x, ctx)
+    is_float, shape = tensor_shape(x, ctx)
     if not is_float:
         ctx.note(f"rule {qs.rule}: the input of {op.name} is not a floating-point tensor; "
                  "it is not quantized")
         return
-    fq = _build(qs.activation, ctx, role="activation", shape=shape, dynamic=True,
+    fq = build(qs.activation, ctx, role="activation", shape=shape, dynamic=True,
                 where=f"node {op.name!r}", field=f"quant.rules[{qs.rule}].activation")
-    _to(fq, _device(gm))
+    move_to(fq, model_device(gm))
     module = layer_of(op)
     base = f"{module}.input_fake_quant" if module else f"{op.name}_input_fake_quant"
-    name = _add(gm, base, fq)
+    name = add_quantizer(gm, base, fq)
     with gm.graph.inserting_before(op):
-        q = _quantizer_call(gm, name, x)
+        q = quantizer_call(gm, name, x)
     q.meta[TENSOR_META] = x.meta.get(TENSOR_META)
     if NN_MODULE_STACK in op.meta:
         q.meta[NN_MODULE_STACK] = op.meta[NN_MODULE_STACK]
     op.replace_input_with(x, q)
-    ctx.quantizers.append(_record(name, fq, "activation", op.name, qs.rule))
+    ctx.quantizers.append(quantizer_record(name, fq, "activation", op.name, qs.rule))
 
 
 def _activations(gm: GraphModule, ctx: Context) -> None:
     mode = ctx.spec.quant.mode
-    device = _device(gm)
+    dev = model_device(gm)
     by_name = {n.name: n for n in gm.graph.nodes}
     done: set[tuple[str, ...]] = set()
     weighted_ops = _weighted_ops(gm) if mode == "dynamic" else {}
@@ -298,20 +223,20 @@ def _activations(gm: GraphModule, ctx: Context) -> None:
         if len(ops) == 1:  # the module's one weighted op reads what dynamic mode quantizes
             _dynamic_input(gm, ctx, ops[0], qs)
             continue
-        is_float, shape = _tensor_shape(last, ctx)
+        is_float, shape = tensor_shape(last, ctx)
         if not is_float:
             ctx.note(f"rule {qs.rule}: {last.name} does not output a floating-point tensor; "
                      "its activation is not quantized")
             continue
         field = f"quant.rules[{qs.rule}].activation"
-        fq = _build(qs.activation, ctx, role="activation", shape=shape,
+        fq = build(qs.activation, ctx, role="activation", shape=shape,
                     dynamic=mode == "dynamic",
                     where=f"node {last.name!r}", field=field)
-        _set_activation_mode(fq, mode)
-        _to(fq, device)
-        name = _add(gm, _activation_name(gm, head), fq)
-        _insert_after(gm, last, name)
-        ctx.quantizers.append(_record(name, fq, "activation", last.name, qs.rule))
+        set_activation_mode(fq, mode)
+        move_to(fq, dev)
+        name = add_quantizer(gm, _activation_name(gm, head), fq)
+        insert_after(gm, last, name)
+        ctx.quantizers.append(quantizer_record(name, fq, "activation", last.name, qs.rule))
 
 
 def _weights(gm: GraphModule, ctx: Context) -> None:
@@ -333,7 +258,7 @@ def _weights(gm: GraphModule, ctx: Context) -> None:
             continue
         w_node = use.param
         target = str(w_node.target)
-        weight = _attr(gm, target)
+        weight = attr(gm, target)
         if not isinstance(weight, nn.Parameter):
             no_weight.setdefault(qs.rule, []).append(node.name)
             continue
@@ -353,19 +278,19 @@ def _weights(gm: GraphModule, ctx: Context) -> None:
                 f"{node.name} uses it as [in, out]",
                 fix="use granularity per_channel for this layer, or skip it with a rule")
         shape = tuple(weight.shape[::-1]) if transposed else tuple(weight.shape)
-        fq = _build(qs.weight, ctx, role="weight", shape=shape, dynamic=False,
+        fq = build(qs.weight, ctx, role="weight", shape=shape, dynamic=False,
                     where=where, field=field,
                     channel_axis=0 if transposed else use.axis % weight.dim())
-        _to(fq, weight.device)  # a quantizer lives where its tensor does (cuda, meta, ...)
+        move_to(fq, weight.device)  # a quantizer lives where its tensor does (cuda, meta, ...)
         fq.observe_tensor(weight.detach().t() if transposed else weight)
         # Weights move only in QAT: keep tracking them there, freeze them otherwise.
-        _set_flag(fq, "observe", mode == "qat" and not fq.learnable)
-        name = _add(gm, f"{target}_fake_quant", fq)
+        set_flag(fq, "observe", mode == "qat" and not fq.learnable)
+        name = add_quantizer(gm, f"{target}_fake_quant", fq)
         stack = {k: v for k, v in node.meta.items() if k == NN_MODULE_STACK}
         with gm.graph.inserting_after(w_node):
             src = gm.graph.call_function(torch.t, (w_node,)) if transposed else w_node
         with gm.graph.inserting_after(src):
-            q = _quantizer_call(gm, name, src)
+            q = quantizer_call(gm, name, src)
         out = q
         if transposed:
             with gm.graph.inserting_after(q):
@@ -378,7 +303,7 @@ def _weights(gm: GraphModule, ctx: Context) -> None:
                      "[out, in] transpose (groups along the input dimension)")
         use.consumer.replace_input_with(w_node, out)
         by_param[id(weight)] = out
-        ctx.quantizers.append(_record(name, fq, "weight", target, qs.rule))
+        ctx.quantizers.append(quantizer_record(name, fq, "weight", target, qs.rule))
     for rule, names in sorted(no_weight.items()):
         ctx.note(f"rule {rule}: weight scheme not applied to {len(names)} node(s) without a "
                  f"Linear/Conv/Embedding weight ({', '.join(names[:4])})")
@@ -388,19 +313,19 @@ def _inputs(gm: GraphModule, ctx: Context) -> None:
     scheme = ctx.spec.quant.inputs
     if scheme is None:
         return
-    device = _device(gm)
+    dev = model_device(gm)
     for node in [n for n in gm.graph.nodes if n.op == "placeholder"]:
-        is_float, shape = _tensor_shape(node, ctx)
+        is_float, shape = tensor_shape(node, ctx)
         if not is_float:
             continue
-        fq = _build(scheme, ctx, role="activation", shape=shape,
+        fq = build(scheme, ctx, role="activation", shape=shape,
                     dynamic=ctx.spec.quant.mode == "dynamic",
                     where=f"input {node.target!r}", field="quant.inputs")
-        _set_activation_mode(fq, ctx.spec.quant.mode)
-        _to(fq, device)
-        name = _add(gm, f"{node.target}_input_fake_quant", fq)
-        _insert_after(gm, node, name)
-        ctx.quantizers.append(_record(name, fq, "input", node.name, None))
+        set_activation_mode(fq, ctx.spec.quant.mode)
+        move_to(fq, dev)
+        name = add_quantizer(gm, f"{node.target}_input_fake_quant", fq)
+        insert_after(gm, node, name)
+        ctx.quantizers.append(quantizer_record(name, fq, "input", node.name, None))
 
 
 @graph_pass(requires=("annotations", "fusion_groups"), provides=("quantizers",),
