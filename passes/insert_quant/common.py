@@ -107,7 +107,8 @@ def build(scheme: Scheme, ctx: Context, *, role: str, shape: tuple[int, ...] | N
 
 
 
-def quantizer_record(name: str, fq: FakeQuantize, role: str, node: str, rule: int | None) -> QuantizerRecord:
+def quantizer_record(name: str, fq: FakeQuantize, role: str, node: str,
+                     rule: int | None) -> QuantizerRecord:
     return QuantizerRecord(name=name, role=role, node=node, rule=rule, dtype=fq.dtype,
                            granularity=fq.granularity, symmetric=fq.symmetric,
                            scales=fq.scale.numel(), learnable=fq.learnable, dynamic=fq.dynamic)
