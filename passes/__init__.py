@@ -134,6 +134,8 @@ def compile_model(model: nn.Module, spec: CompileSpec, example_inputs: Any = Non
         passes=records,
         quantizers=ctx.quantizers,
         rule_matches=ctx.rule_matches,
+        parameters_quantized=(None if ctx.parameters_quantized is None else round(
+            ctx.parameters_quantized[0] / max(ctx.parameters_quantized[1], 1), 4)),
         stages=ctx.stages,
         balance=ctx.balance,
         balance_ratio=_balance_ratio(ctx),

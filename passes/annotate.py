@@ -45,7 +45,14 @@ from qcompile.specs import Rule
 def _describe(rule: Rule) -> str:
     m = rule.match
     fields = [(k, v) for k, v in (("module", m.module), ("name", m.name), ("op", m.op)) if v]
-    return ", ".join(f"{k}: {v[0] if len(v) == 1 else v}" for k, v in fields)
+    text = ", ".join(f"{k}: {v[0] if len(v) == 1 else v}" for k, v in fields)
+    return text + (", reads_weight: true" if m.reads_weight else "")
+
+
+def _contents(modules: frozenset[str], ops: frozenset[str]) -> str:
+    seen = [f"modules {', '.join(sorted(modules))}" if modules else "",
+            f"ops {', '.join(sorted(ops))}" if ops else ""]
+    return " and ".join(s for s in seen if s) or "no call nodes"
 
 
 @dataclass(frozen=True)
@@ -122,13 +129,20 @@ def annotate(gm: GraphModule, ctx: Context) -> GraphModule:
                 "node(s) it matches are all taken by earlier rules (first match wins)",
                 fix="move the rule before the rules that shadow it, or remove it",
             )
-        seen = [f"modules {', '.join(sorted(modules_seen))}" if modules_seen else "",
-                f"ops {', '.join(sorted(ops_seen))}" if ops_seen else ""]
-        contents = " and ".join(s for s in seen if s) or "no call nodes"
         raise QCompileError(
-            f"quant.rules[{i}] ({_describe(rule)}) matched no node; the graph has {contents}",
+            f"quant.rules[{i}] ({_describe(rule)}) matched no node; the graph has "
+            f"{_contents(modules_seen, ops_seen)}",
             fix="correct the match, remove the rule, or set optional: true on it",
         )
+    if rules and ctx.spec.quant.mode != "none" and not any(won.values()):
+        # every rule is optional (a preset's are) and none applies
+        raise QCompileError(
+            f"quant.rules select nothing to quantize in this model; the graph has "
+            f"{_contents(modules_seen, ops_seen)}",
+            fix="add a rule that matches one of them (match: {module: ...} or {op: ...}), "
+                "or use quant.mode: none" + (
+                    "; embedding tables are quantized by the w8-weight-only preset"
+                    if modules_seen & {"Embedding", "EmbeddingBag"} else ""))
     ctx.rule_matches = {i: names for i, names in won.items() if names}
     for i, names in won.items():
         if rules[i].skip:

@@ -1,6 +1,11 @@
 """``fold_bn``: find fusion groups (conv-bn-relu, conv-relu, linear-relu, ...) and, for
 static and dynamic quantization, fold BatchNorm into the preceding conv / linear.
 
+Transposed convolutions (``ConvTranspose1d/2d/3d``) form the same groups. Their weight is
+stored ``[in, out / groups, k...]``, so the BatchNorm factor of output channel
+``g * (out / groups) + j`` scales ``weight[g * (in / groups):(g + 1) * (in / groups), j]``
+(along the weight's axis 1, group by group).
+
 Fusion groups are recorded as ``node.meta[FUSION_KEY]`` (member names, head
 first) on every member; ``insert_quant`` then quantizes only the group's output, as the
 fused integer kernel would produce it.
@@ -39,6 +44,9 @@ from qcompile.graph.meta import FOLDS_KEY, FUSION_KEY, TENSOR_META
 from qcompile.graph.pipeline import graph_pass
 
 _BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+# the ops a fusion group starts with (conv-bn-relu, linear-relu, ...)
+_TRANSPOSED = ("conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
+_HEADS = ("linear", "conv1d", "conv2d", "conv3d", *_TRANSPOSED)
 _RELU_MODULES = (nn.ReLU, nn.ReLU6)
 
 
@@ -80,7 +88,7 @@ def _head_op(mods: _Modules, node: Node) -> str | None:
     op = module_op(m) if m is not None else None
     if op is None and is_weighted_call(node):
         op = op_name(node)
-    return op if op in ("linear", "conv1d", "conv2d", "conv3d") else None
+    return op if op in _HEADS else None
 
 
 def _fusion_groups(mods: _Modules) -> list[list[Node]]:
@@ -101,6 +109,54 @@ def _fusion_groups(mods: _Modules) -> list[list[Node]]:
     return groups
 
 
+def fuse_conv_transpose_bn_weights(weight: torch.Tensor, bias: torch.Tensor | None,
+                                   mean: torch.Tensor, var: torch.Tensor, eps: float,
+                                   gamma: torch.Tensor | None, beta: torch.Tensor | None,
+                                   groups: int = 1, first_row: int = 0,
+                                   in_channels: int | None = None
+                                   ) -> tuple[nn.Parameter, nn.Parameter]:
+    """BatchNorm (running statistics) folded into a transposed convolution whose weight is
+    ``[in, out / groups, k...]``: (folded weight, folded bias). ``weight`` may be rows
+    ``first_row..`` of an ``in_channels``-row weight (a rank's shard); the bias and the
+    statistics are whole (``[out]``). ``torch.nn.utils.fusion`` folds ``groups == 1``
+    only.
+
+    Example:
+        >>> import torch
+        >>> ct = torch.nn.ConvTranspose2d(4, 6, 3, groups=2).eval()
+        >>> bn = torch.nn.BatchNorm2d(6).eval()
+        >>> _ = bn.running_mean.uniform_(-1, 1), bn.running_var.uniform_(0.5, 2)
+        >>> w, b = fuse_conv_transpose_bn_weights(ct.weight, ct.bias, bn.running_mean,
+        ...     bn.running_var, bn.eps, bn.weight, bn.bias, groups=2)
+        >>> x = torch.randn(1, 4, 5, 5)
+        >>> y = torch.nn.functional.conv_transpose2d(x, w, b, groups=2)
+        >>> torch.allclose(y, bn(ct(x)), atol=1e-5)
+        True
+    """
+    factor = torch.rsqrt(var + eps)
+    if gamma is not None:
+        factor = factor * gamma
+    b = bias if bias is not None else torch.zeros_like(mean)
+    new_bias = (b - mean) * factor + (beta if beta is not None else 0.0)
+    in_channels = weight.shape[0] if in_channels is None else in_channels
+    rows = torch.arange(first_row, first_row + weight.shape[0])
+    # row r belongs to group r // (in / groups); its column j is output channel
+    # group * (out / groups) + j
+    scale = factor.reshape(groups, -1)[rows // (in_channels // groups)]
+    fused = weight * scale.reshape(*scale.shape, *([1] * (weight.dim() - 2))).to(weight.dtype)
+    return (nn.Parameter(fused.detach(), weight.requires_grad),
+            nn.Parameter(new_bias.detach().to(weight.dtype), weight.requires_grad))
+
+
+def _groups(head: Node, layer: nn.Module | None) -> int:
+    """The ``groups`` of a conv call: the module's, else the functional call's argument
+    (conv: index 6, transposed conv: index 6 too)."""
+    if layer is not None:
+        return int(getattr(layer, "groups", 1))
+    g = head.args[6] if len(head.args) > 6 else head.kwargs.get("groups", 1)
+    return int(g) if isinstance(g, int) else 1
+
+
 def _functional_params(gm: GraphModule, head: Node) -> tuple[str, str | None] | None:
     """(weight target, bias target or None) of a functional conv/linear reading its
     parameters straight from graph attributes (export graphs), else None."""
@@ -118,6 +174,7 @@ def _fold(gm: GraphModule, head: Node, bn_node: Node, calls: Counter, uses: Coun
     """Fold ``bn_node`` into ``head`` in the traced copy; False (with a note) when unsafe.
     ``uses``: how many names each parameter (by id) has in ``gm``."""
     bn = gm.get_submodule(str(bn_node.target))
+    layer = None
     if head.op == "call_module":
         layer = gm.get_submodule(str(head.target))
         where, weight, is_linear = str(head.target), layer.weight, isinstance(layer, nn.Linear)
@@ -141,6 +198,8 @@ def _fold(gm: GraphModule, head: Node, bn_node: Node, calls: Counter, uses: Coun
     if uses[id(weight)] > 1:
         ctx.note(f"kept {bn_node.target}: {where}.weight is shared with another layer")
         return False
+    transposed = _head_op(_Modules(gm), head) in _TRANSPOSED
+    groups = _groups(head, layer)
     if is_linear:
         tm = head.meta.get(TENSOR_META)
         if tm is None:
@@ -152,6 +211,9 @@ def _fold(gm: GraphModule, head: Node, bn_node: Node, calls: Counter, uses: Coun
             return False
         w, b = fuse_linear_bn_weights(weight, bias, bn.running_mean,
                                       bn.running_var, bn.eps, bn.weight, bn.bias)
+    elif transposed:
+        w, b = fuse_conv_transpose_bn_weights(weight, bias, bn.running_mean, bn.running_var,
+                                              bn.eps, bn.weight, bn.bias, groups=groups)
     else:
         w, b = fuse_conv_bn_weights(weight, bias, bn.running_mean,
                                     bn.running_var, bn.eps, bn.weight, bn.bias)
@@ -172,7 +234,8 @@ def _fold(gm: GraphModule, head: Node, bn_node: Node, calls: Counter, uses: Coun
     bn_name = str(bn_node.target)
     gm.meta.setdefault(FOLDS_KEY, {})[targets[0]] = Fold(
         weight=targets[0], bias=targets[1], out_bias=bias_target, bn=bn_name, eps=bn.eps,
-        linear=is_linear)
+        linear=is_linear, groups=groups if transposed else 0,
+        in_channels=weight.shape[0] if transposed else 0)
     bn_node.replace_all_uses_with(head)
     gm.graph.erase_node(bn_node)
     ctx.note(f"folded {bn_node.target} into {where}")
@@ -185,7 +248,9 @@ class Fold:
     when the layer had none) name the layer's own tensors, ``out_bias`` the folded bias,
     ``bn`` the BatchNorm module (``<bn>.weight``, ``.bias``, ``.running_mean``,
     ``.running_var``). ``apply`` recomputes the folded values from those tensors, for any
-    range of output channels (a rank's shard): what a sharded ``compile_once`` needs."""
+    range of rows (a rank's shard): what a sharded ``compile_once`` needs. A transposed
+    convolution (``groups`` > 0) has its input channels as weight rows: its rows are
+    folded with the whole statistics (``in_channels`` rows in all)."""
 
     weight: str
     bias: str | None
@@ -193,6 +258,8 @@ class Fold:
     bn: str
     eps: float
     linear: bool
+    groups: int = 0  # a transposed convolution's groups; 0: not transposed
+    in_channels: int = 0  # a transposed convolution's weight rows
 
     def sources(self) -> list[str]:
         names = [self.weight, *(f"{self.bn}.{k}" for k in ("weight", "bias", "running_mean",
@@ -202,6 +269,16 @@ class Fold:
     def apply(self, read: Callable[[str, slice | None], torch.Tensor], rows: slice | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """(folded weight rows, folded bias rows), ``read(name, rows)`` giving the sources."""
+        if self.groups:  # weight rows are input channels, the bias rows output channels
+            w = read(self.weight, rows)
+            whole = {k: read(f"{self.bn}.{k}", None) for k in ("weight", "bias",
+                                                                 "running_mean", "running_var")}
+            b = read(self.bias, None) if self.bias is not None else None
+            fw, fb = fuse_conv_transpose_bn_weights(
+                w, b, whole["running_mean"], whole["running_var"], self.eps, whole["weight"],
+                whole["bias"], groups=self.groups,
+                first_row=0 if rows is None else rows.start or 0, in_channels=self.in_channels)
+            return fw.detach(), (fb if rows is None else fb[rows]).detach()
         w = read(self.weight, rows)
         b = read(self.bias, rows) if self.bias is not None else None
         bn = {k: read(f"{self.bn}.{k}", rows) for k in ("weight", "bias", "running_mean",

@@ -8,7 +8,7 @@ Example:
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
     >>> gm = qc.qcompile(model, qc.load_spec("int8-qat"), example_inputs=(torch.randn(2, 8),))
     >>> sorted(qc.quantizers(gm))
-    ['0.output_fake_quant', '0.weight_fake_quant']
+    ['0.output_fake_quant', '0.weight_fake_quant', 'input_input_fake_quant']
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ Example:
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
     >>> batches = [torch.randn(4, 8) for _ in range(2)]
     >>> gm = qc.calibrate(qc.qcompile(model, "int8-static", example_inputs=(batches[0],)), batches)
-    >>> [r["sqnr_db"] > 20 for r in qc.sqnr(gm, model, batches)]  # the ReLU's output
-    [True]
+    >>> [r["sqnr_db"] > 20 for r in qc.sqnr(gm, model, batches)]  # the ReLU's output, the input
+    [True, True]
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def sqnr(gm: nn.Module, reference_model: nn.Module, batches: Iterable[Any], *,
         >>> gm = qc.qcompile(model, "int8-static", example_kwargs=xs[0])
         >>> gm = qc.calibrate(gm, xs, progress=False)
         >>> [row["node"] for row in qc.sqnr(gm, model, xs)]
-        ['_1']
+        ['_1', 'input_1']
     """
     gm = _graph(gm)
     if any(name.startswith("stage_") for name, _ in gm.named_children()):

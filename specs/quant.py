@@ -14,13 +14,24 @@ Example:
     ('x86', True)
     >>> Scheme(dtype="uint8").qrange(reduce_range=q.reduce_range)
     (0, 127)
+    >>> QuantSpec.model_validate({"mode": "static", "inputs": "auto"}).inputs  # as torch.ao
+    'auto'
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictInt,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 INT_DTYPES = tuple(f"int{b}" for b in range(2, 17))
 UINT_DTYPES = tuple(f"uint{b}" for b in range(2, 17))
@@ -180,11 +191,15 @@ class Match(Frozen):
     the owning module's whole qualified name (``encoder.*``). A node is owned by the module
     it calls and by every module enclosing it, so ``name: head`` also covers ``head.0``.
     ``op``: functional ops and tensor methods (``add``, ``matmul``, ``cat``, ``linear``).
+    ``reads_weight: true``: only nodes that read a parameter or buffer as their weight
+    (``F.linear(x, self.w)``, a router, experts of a mixture-of-experts layer behind
+    ``grouped_mm`` / ``bmm`` / ``einsum``), not products of two activations.
     """
 
     module: list[str] | None = None
     name: list[str] | None = None
     op: list[str] | None = None
+    reads_weight: bool = False
 
     @field_validator("module", "name", "op", mode="before")
     @classmethod
@@ -301,6 +316,15 @@ REWRITE_KINDS = ("cross_layer_equalization", "smoothquant")
 DATA_KINDS = ("bias_correction", "adaround", "gptq")
 
 
+def _inputs_kind(v: object) -> str:
+    return "auto" if isinstance(v, str) else "scheme"
+
+
+# ``quant.inputs``: a scheme, or ``auto``; errors name the branch (``inputs.scheme.<key>``).
+InputsSpec = Annotated[Annotated[Scheme, Tag("scheme")] | Annotated[Literal["auto"], Tag("auto")],
+                       Discriminator(_inputs_kind)]
+
+
 class QuantSpec(Frozen):
     """The ``quant`` section.
 
@@ -320,7 +344,11 @@ class QuantSpec(Frozen):
         "x86", description="whose integer kernels: x86 (7-bit activations, correct on every "
         "x86 CPU) | qnnpack | onednn_vnni (needs VNNI) | generic (no kernel constraints)")
     rules: list[Rule] = Field(default_factory=list)
-    inputs: Scheme | None = Field(None, description="quantize the model's tensor inputs too")
+    inputs: InputsSpec | None = Field(
+        None, description="quantize the model's float inputs: a scheme quantizes every float "
+        "input with it; auto quantizes only those a quantized Linear / Conv reads (through "
+        "shape ops), with that layer's activation scheme, as torch.ao's input observer does "
+        "(the int8-static / int8-qat presets; dynamic mode already quantizes them per batch)")
     algorithms: list[Algorithm] = Field(
         default_factory=list,
         description="PTQ algorithms, in this order: cross_layer_equalization and "
@@ -338,7 +366,8 @@ class QuantSpec(Frozen):
     def _mode_fits(self) -> QuantSpec:
         schemes = [(f"rules[{i}].{role}", getattr(r, role)) for i, r in enumerate(self.rules)
                    for role in ("weight", "activation")]
-        schemes.append(("inputs", self.inputs))
+        if isinstance(self.inputs, Scheme):
+            schemes.append(("inputs", self.inputs))
         for where, s in schemes:
             if s is not None and s.learnable and self.mode != "qat":
                 raise ValueError(

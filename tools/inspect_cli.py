@@ -25,7 +25,7 @@ Measuring (``sqnr``) leaves the model as the factory built it.
 Example:
     >>> from qcompile.tools.inspect_cli import main
     >>> main(["validate", "int8-qat"])
-    ok: int8-qat: mode qat, 2 rule(s), no pipeline
+    ok: int8-qat: mode qat, 4 rule(s), no pipeline
     0
 """
 

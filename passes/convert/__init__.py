@@ -24,10 +24,13 @@ mode), as a ``Pipeline`` of conversion passes, each its own module with its own
    ``nnq.Linear`` / ``nniq.LinearReLU`` / ``nnq.Conv2d`` / ...; ``add`` (+ ReLU) between
    two such tensors becomes ``quantized::add``; in dynamic graphs ``linear`` becomes
    ``quantized::linear_dynamic`` (``DynamicLinear``).
-6. ``store_weights``: **int-storage weights** for everything else (int4 packed two per
+6. ``use_recurrent_kernels``: dynamic LSTM / GRU / RNN and their cells become torch's
+   dynamic int8 recurrent modules (``torch.ao.nn.quantized.dynamic``) built from the
+   graph's integer weights, or the same recurrence on ``quantized::linear_dynamic``.
+7. ``store_weights``: **int-storage weights** for everything else (int4 packed two per
    byte, per-group scales, weights used by embedding/matmul, ops without a quantized
    input): an ``IntWeight`` module returns the dequantized weight to the float op.
-7. ``tidy``: ``quantized::add`` reads its output qparams from those buffers too; the float
+8. ``tidy``: ``quantized::add`` reads its output qparams from those buffers too; the float
    parameters leave the state dict; new modules take their layers' names. A converted
    graph's state dict therefore holds every qparam it computes with:
    ``int8_a.load_state_dict(int8_b.state_dict())`` gives ``int8_b``'s outputs exactly.
@@ -42,11 +45,12 @@ Example:
     >>> gm = qc.qcompile(m, spec, example_inputs=(torch.randn(2, 8),))
     >>> gm = qc.calibrate(gm, [(torch.randn(16, 8),) for _ in range(4)], progress=False)
     >>> int8 = qc.convert(gm)
-    >>> sorted({r.path for r in qc.report(int8).conversions})
-    ['int_storage', 'kernel', 'quantize']
-    >>> [p.name for p in qc.report(int8).passes][4:]  # after the compile passes
+    >>> sorted({r.path for r in qc.report(int8).conversions})  # the input quantized too
+    ['kernel', 'quantize']
+    >>> [p.name for p in qc.report(int8).passes][4:]  # doctest: +NORMALIZE_WHITESPACE
     ['convert.collect_weights', 'convert.fold_batchnorm', 'convert.lower_activations',
-     'convert.sink_dequantize', 'convert.use_kernels', 'convert.store_weights', 'convert.tidy']
+     'convert.sink_dequantize', 'convert.use_kernels', 'convert.use_recurrent_kernels',
+     'convert.store_weights', 'convert.tidy']
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ from qcompile.passes.convert.sink_dequantize import sink_dequantize
 from qcompile.passes.convert.store_weights import store_weights
 from qcompile.passes.convert.tidy import tidy
 from qcompile.passes.convert.use_kernels import use_kernels
+from qcompile.passes.convert.use_recurrent_kernels import use_recurrent_kernels
 from qcompile.runtime.engines import require_engine, use_engine
 from qcompile.specs import CompileSpec
 
@@ -75,7 +80,8 @@ __all__ = ["CONVERSION_PASSES", "GRAPH_FACT", "conversion_pipeline", "convert_gr
 
 #: The conversion steps, in the order they run.
 CONVERSION_PASSES: tuple[Pass, ...] = (collect_weights, fold_batchnorm, lower_activations,
-                                       sink_dequantize, use_kernels, store_weights, tidy)
+                                       sink_dequantize, use_kernels, use_recurrent_kernels,
+                                       store_weights, tidy)
 #: What the pipeline starts from: a checked fake-quant graph, frozen, in eval mode.
 GRAPH_FACT = "frozen_graph"
 

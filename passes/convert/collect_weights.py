@@ -18,23 +18,22 @@ Example:
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.fx import GraphModule, Node
 
 from qcompile.graph.context import Context
 from qcompile.graph.pipeline import graph_pass
 from qcompile.passes.convert.common import Conversion, attr_value, integers, module_at
+from qcompile.runtime.calibration import apply_view, weight_view
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.specs.quant import FP8_MAX
 
 
 def weight_source(node: Node) -> Node:
-    """The ``get_attr`` node a weight quantizer reads: its input, or the parameter under a
-    ``torch.t`` (``insert_quant`` quantizes a per-group [in, out] weight transposed)."""
-    if (node.op == "call_function" and node.target is torch.t and node.args
-            and isinstance(node.args[0], Node) and node.args[0].op == "get_attr"):
-        return node.args[0]
-    return node
+    """The ``get_attr`` node a weight quantizer reads: its input, or the attribute under
+    the views ``insert_quant`` put between them (``torch.t`` of a per-group [in, out]
+    weight, the rows of a 3-D expert weight)."""
+    view = weight_view(node)
+    return view[0] if view is not None else node
 
 
 @graph_pass(requires=("frozen_graph",), provides=("integer_weights",))
@@ -46,9 +45,14 @@ def collect_weights(gm: GraphModule, ctx: Context) -> GraphModule:
         fq = module_at(gm, node)
         if not isinstance(fq, FakeQuantize) or not node.args:
             continue
-        w = attr_value(gm, weight_source(node.args[0]))
-        if isinstance(w, nn.Parameter) and fq.dtype not in FP8_MAX and fq.enabled:
-            # a weight stored [in, out] and quantized per group as its [out, in] transpose
-            conv.weights[node] = integers(fq, w if node.args[0].op == "get_attr" else w.t())
+        view = weight_view(node.args[0]) if isinstance(node.args[0], Node) else None
+        if view is None:
+            continue
+        w = attr_value(gm, view[0])
+        if (isinstance(w, torch.Tensor) and w.is_floating_point() and fq.dtype not in FP8_MAX
+                and fq.enabled):
+            # what the quantizer sees: the weight, or its rows (an [in, out] weight
+            # quantized per group as its transpose, a 3-D expert weight)
+            conv.weights[node] = integers(fq, apply_view(w, view[1]))
     ctx.note(f"{len(conv.weights)} weight(s) as integers")
     return gm

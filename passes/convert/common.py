@@ -43,6 +43,13 @@ CONV = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3, torch.conv1d: 1, torch.conv2d: 2,
         aten.conv3d.default: 3}
 QCONV = {1: (nnq.Conv1d, nniq.ConvReLU1d), 2: (nnq.Conv2d, nniq.ConvReLU2d),
          3: (nnq.Conv3d, nniq.ConvReLU3d)}
+# transposed convolutions: weight [in, out / groups, k...], output channels along axis 1;
+# call arguments (x, weight, bias, stride, padding, output_padding, groups, dilation)
+CONV_TRANSPOSE = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3,
+                  torch.conv_transpose1d: 1, torch.conv_transpose2d: 2,
+                  torch.conv_transpose3d: 3, aten.conv_transpose1d.default: 1,
+                  aten.conv_transpose2d.input: 2, aten.conv_transpose3d.input: 3}
+QCONV_TRANSPOSE = {1: nnq.ConvTranspose1d, 2: nnq.ConvTranspose2d, 3: nnq.ConvTranspose3d}
 ADD = frozenset({operator.add, torch.add, aten.add.Tensor})
 
 
@@ -98,10 +105,12 @@ def integers(fq: FakeQuantize, w: torch.Tensor) -> IntTensor:
                      fq.quant_min, fq.quant_max)
 
 
-def qint8(t: IntTensor) -> torch.Tensor | None:
+def qint8(t: IntTensor, axis: int = 0) -> torch.Tensor | None:
     """The weight as a ``qint8`` tensor for torch's kernels, or None when it does not fit
-    (more than 8 bits, asymmetric, per-group, channel axis other than 0)."""
-    if t.group_size is not None or (t.axis not in (None, 0)) or t.quant_max - t.quant_min > 255:
+    (more than 8 bits, asymmetric, per-group, channel axis other than ``axis``: 0, the
+    output channels of a linear / conv weight)."""
+    if (t.group_size is not None or (t.axis not in (None, axis))
+            or t.quant_max - t.quant_min > 255):
         return None
     shift = 128 if t.quant_min >= 0 else 0  # uint8 grid -> int8 grid, same values
     q, zp = t.q.to(torch.int16) - shift, t.zero_point - shift
@@ -110,7 +119,32 @@ def qint8(t: IntTensor) -> torch.Tensor | None:
     if t.axis is None:
         return torch._make_per_tensor_quantized_tensor(q.to(torch.int8), float(t.scale[0]), 0)
     return torch._make_per_channel_quantized_tensor(
-        q.to(torch.int8), t.scale.double(), zp.long(), 0)
+        q.to(torch.int8), t.scale.double(), zp.long(), axis)
+
+
+def transposed_kernel_refusal(t: IntTensor, dims: int, groups: int, engine: str) -> str | None:
+    """Why torch's quantized transposed convolution on ``engine`` cannot take this weight
+    (``[in, out / groups, k...]``, output channels on axis 1), or None when it can.
+
+    fbgemm (the ``x86`` engine) takes per-tensor weights only; qnnpack takes per-channel
+    ones (axis 1) without groups, and is not used for 3-D (its results differ from the
+    float op's). On ``x86`` the kernel is packed with fbgemm: torch's ``x86`` engine hands
+    some transposed convolutions to oneDNN, whose results differ from the float op's."""
+    if qint8(t, axis=1) is None:
+        kind = ("per_group" if t.group_size is not None else "per_tensor" if t.axis is None
+                else f"per_channel axis {t.axis}")
+        return (f"int{t.bits} {kind} weight: transposed-conv kernels take symmetric int8 "
+                "weights, per tensor or per channel along axis 1 (the output channels)")
+    if engine in ("x86", "fbgemm", "onednn"):
+        if t.axis is not None:
+            return ("per-channel weight: torch's x86 transposed-conv kernels (fbgemm) take a "
+                    "per-tensor weight only")
+        return None
+    if dims == 3:
+        return "qnnpack's 3-D transposed convolution is not used (it computes something else)"
+    if t.axis is not None and groups != 1:
+        return "qnnpack takes a per-channel transposed-conv weight only without groups"
+    return None
 
 
 #: activation dtypes with an 8-bit integer tensor type (quint8 after the grid shift)

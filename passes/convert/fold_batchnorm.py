@@ -4,7 +4,13 @@ The integer weights stay as they are: the per-channel scales absorb
 ``gamma / sqrt(var + eps)`` (a negative factor mirrors the integers around the zero
 point) and the conv gets the folded bias, which ``store_weights`` or ``use_kernels`` put
 in place of its own. Only a conv whose single user is the BatchNorm and whose weight is
-per-tensor or per-channel on axis 0 (not per-group) is folded.
+per-tensor or per-channel on its output-channel axis (not per-group) is folded.
+
+A transposed convolution's weight is ``[in, out / groups, k...]``: its output channels
+run along axis 1, where the scales absorb the factors (per-channel on axis 1 afterwards,
+which torch's x86 transposed-conv kernel does not take: such a layer keeps the float op on
+its integer weight). With ``groups > 1`` an output channel is not one slice of one axis,
+so the BatchNorm stays (in eval mode, as the fake-quant graph computed it).
 
 Example:
     >>> import torch, qcompile as qc
@@ -27,7 +33,14 @@ from torch.fx import GraphModule
 
 from qcompile.graph.context import Context
 from qcompile.graph.pipeline import graph_pass
-from qcompile.passes.convert.common import CONV, arg, attr_value, module_at, state
+from qcompile.passes.convert.common import (
+    CONV,
+    CONV_TRANSPOSE,
+    arg,
+    attr_value,
+    module_at,
+    state,
+)
 from qcompile.runtime.modes import ModeAwareBatchNorm
 
 _BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, ModeAwareBatchNorm)
@@ -43,13 +56,19 @@ def fold_batchnorm(gm: GraphModule, ctx: Context) -> GraphModule:
         if not isinstance(bn, _BN) or not node.args:
             continue
         conv = node.args[0]
-        if not isinstance(conv, torch.fx.Node) or conv.target not in CONV or len(conv.users) != 1:
+        if (not isinstance(conv, torch.fx.Node) or len(conv.users) != 1
+                or (conv.target not in CONV and conv.target not in CONV_TRANSPOSE)):
             continue
         w_node = conv.args[1]
         if w_node not in conv_state.weights:
             continue
         t = conv_state.weights[w_node]
-        if t.group_size is not None or t.axis not in (None, 0) or len(w_node.users) != 1:
+        axis = 1 if conv.target in CONV_TRANSPOSE else 0  # the output channels
+        if t.group_size is not None or t.axis not in (None, axis) or len(w_node.users) != 1:
+            continue
+        if axis == 1 and arg(conv, 6, "groups", 1) != 1:
+            ctx.note(f"{conv.name}: kept {node.name} (a transposed conv with groups: its "
+                     "output channels are no single weight axis)")
             continue
         if isinstance(bn, ModeAwareBatchNorm):
             gamma, beta, mean, var = (attr_value(gm, a) for a in node.args[1:5])
@@ -67,7 +86,8 @@ def fold_batchnorm(gm: GraphModule, ctx: Context) -> GraphModule:
             channels = factor.numel()
             scale = t.scale.expand(channels) if t.axis is None else t.scale
             sign = torch.where(factor < 0, -1, 1).to(torch.int32)
-            view = [-1] + [1] * (t.q.dim() - 1)
+            view = [1] * t.q.dim()
+            view[axis] = -1
             zp = t.zero_point.expand(channels) if t.axis is None else t.zero_point
             # The integers stay; a negative factor mirrors them around the zero point
             # (clamped: -128 has no mirror in int8, one step of error at most).
@@ -75,7 +95,7 @@ def fold_batchnorm(gm: GraphModule, ctx: Context) -> GraphModule:
                             t.quant_min, t.quant_max)
             conv_state.weights[w_node] = replace(t, q=q.to(t.q.dtype),
                                                  scale=(scale * factor.abs()).contiguous(),
-                                                 zero_point=zp.contiguous(), axis=0)
+                                                 zero_point=zp.contiguous(), axis=axis)
         conv_state.bias[conv] = new_bias.detach()
         node.replace_all_uses_with(conv)
         g.erase_node(node)

@@ -19,8 +19,8 @@ Example:
     >>> gm = qc.calibrate(gm, [(torch.randn(16, 8),) for _ in range(2)], progress=False)
     >>> step = next(p for p in qc.report(qc.convert(gm)).passes
     ...             if p.name == "convert.lower_activations")
-    >>> step.notes
-    ['2 activation quantizer(s) -> quantize_per_tensor / dequantize']
+    >>> step.notes  # the model input's and the two layers' outputs
+    ['3 activation quantizer(s) -> quantize_per_tensor / dequantize']
 """
 
 from __future__ import annotations

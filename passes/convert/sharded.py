@@ -13,7 +13,8 @@ rows. ``qc.convert`` then shards the converted graph the same way
 
 What a rank cannot convert alone is refused (``refusal``): weights sharded on another
 dim or over a 2-D mesh, learnable scales, weight quantizers still observing (their next
-observation would need every row), per-group weights quantized transposed.
+observation would need every row), weights quantized through a view (transposed
+per-group weights, 3-D expert weights).
 
 Duck-typed on purpose: this layer does not import ``torch.distributed``.
 
@@ -95,7 +96,7 @@ def refusal(gm: nn.Module) -> str | None:
             mesh = p.device_mesh
         elif p.device_mesh != mesh:
             return "the parameters are sharded over more than one device mesh"
-    for owner, path, fq, transposed in weight_quantizer_sites(gm):
+    for owner, path, fq, view in weight_quantizer_sites(gm):
         p = owner.get_parameter(path) if _has_param(owner, path) else None
         if p is None:
             continue
@@ -104,8 +105,10 @@ def refusal(gm: nn.Module) -> str | None:
         if fq.observe:
             return (f"the quantizer of {path!r} still observes its weight (a QAT graph "
                     "not frozen): its last observation needs every row")
-        if transposed and fq.group_size is not None and p.device_mesh.size() > 1:
-            return f"{path!r} is quantized per group along its sharded dim (transposed)"
+        if view and p.device_mesh.size() > 1:
+            return (f"{path!r} is quantized through a view of it (a transposed [in, out] "
+                    "weight, or the rows of a 3-D expert weight): its rows are not the "
+                    "quantizer's rows")
     return None
 
 

@@ -3,8 +3,10 @@
 ``dequantize`` commutes exactly with ops that only move, drop or compare values
 (flatten, reshape, permute, relu, max-pool, ...), so such an op whose only tensor input
 is a ``dequantize`` reads the quantized tensor and is dequantized after (as torch.ao's
-convert does): the next kernel then finds a quantized input. Dropout and ``Identity``
-are identities at inference and are removed.
+convert does): the next kernel then finds a quantized input. Size arguments
+(``x.view(x.size(0), -1)``) do not stop it: sizes are read from the quantized tensor,
+which has the same shape, so no ``dequantize`` runs only to be measured. Dropout and
+``Identity`` are identities at inference and are removed.
 
 Example:
     >>> import torch, qcompile as qc
@@ -26,6 +28,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from qcompile.graph.context import Context
+from qcompile.graph.matching import is_size_like
 from qcompile.graph.meta import DQ_KEY, TENSOR_META
 from qcompile.graph.pipeline import graph_pass
 from qcompile.passes.convert.common import aten, module_at, state
@@ -43,6 +46,16 @@ _SHAPE_FUNCTIONS = {torch.flatten, torch.reshape, torch.permute, torch.transpose
 _SHAPE_MODULES = (nn.Flatten, nn.MaxPool1d, nn.MaxPool2d, nn.ReLU, nn.Unflatten)
 _DROP_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
                  nn.Identity)
+# What a quantized tensor answers like its dequantization: its size, never its values.
+_SIZE_METHODS = {"size", "dim", "numel", "ndimension"}
+_SIZE_ATTRS = (("shape",), ("ndim",))
+
+
+def _reads_size(node: Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _SIZE_METHODS
+    return (node.op == "call_function" and node.target is getattr
+            and node.args[1:] in _SIZE_ATTRS)
 
 
 def _transparent(gm: GraphModule, node: Node) -> bool:
@@ -64,13 +77,20 @@ def sink_dequantize(gm: GraphModule, ctx: Context) -> GraphModule:
             g.erase_node(node)
             dropped += 1
             continue
-        if not _transparent(gm, node) or not node.args:
+        if not node.args:
             continue
         dq = node.args[0]
         if not (isinstance(dq, Node) and dq.meta.get(DQ_KEY)):
             continue
-        others = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, Node)]
-        if others:
+        if _reads_size(node):  # the quantized tensor has the same size
+            node.replace_input_with(dq, dq.args[0])
+            if not dq.users:
+                g.erase_node(dq)
+            continue
+        if not _transparent(gm, node):
+            continue
+        # sizes (`x.view(x.size(0), -1)`) may be arguments; other tensors may not
+        if any(a is not dq and not is_size_like(a) for a in node.all_input_nodes):
             continue
         node.replace_input_with(dq, dq.args[0])
         with g.inserting_after(node):

@@ -28,13 +28,16 @@ from qcompile.graph.pipeline import graph_pass
 from qcompile.passes.convert.collect_weights import weight_source
 from qcompile.passes.convert.common import (
     CONV,
+    CONV_TRANSPOSE,
     LINEAR,
     IntTensor,
+    arg,
     attr_value,
     grid_dtype,
     module_at,
     qint8,
     state,
+    transposed_kernel_refusal,
     where,
 )
 from qcompile.runtime.quantized import IntWeight
@@ -83,6 +86,11 @@ def store_weights(gm: GraphModule, ctx: Context) -> GraphModule:
             note = "per-group scales stored as float16"
         elif qint8(t) is None and any(u.target in LINEAR or u.target in CONV for u in users):
             note = f"{fq.dtype} {fq.granularity}: no integer kernel for this weight"
+        elif transposed := next((u for u in users if u.target in CONV_TRANSPOSE), None):
+            groups = arg(transposed, 6, "groups", 1)
+            note = transposed_kernel_refusal(
+                t, CONV_TRANSPOSE[transposed.target], groups if isinstance(groups, int) else 0,
+                torch.backends.quantized.engine) or ""
         q, bits = _storage(t, conv.rows_only)
         zero_point, axis, group_size = t.zero_point, t.axis, t.group_size
         del t  # the IntWeight holds the integers from here on

@@ -17,10 +17,21 @@ Example:
     >>> gm = qc.qcompile(m, "int8-static", example_inputs=(torch.randn(2, 8),))
     >>> gm = qc.calibrate(gm, [(torch.randn(16, 8),) for _ in range(2)], progress=False)
     >>> int8 = qc.convert(gm)
-    >>> sorted(int8.state_dict())  # 2: the QuantizedLinear, 0.weight: an IntWeight
+    >>> sorted(int8.state_dict())  # 0 and 2: QuantizedLinear, then the input's qparams
+    ['0._packed_params._packed_params', '0._packed_params.dtype', '0.scale', '0.zero_point',
+     '2._packed_params._packed_params', '2._packed_params.dtype', '2.scale', '2.zero_point',
+     'input_input_fake_quant.scale', 'input_input_fake_quant.zero_point']
+
+    With the input left in float (``quant.inputs: null``) the first layer keeps a float op
+    on an ``IntWeight``, named after its weight:
+
+    >>> spec = qc.load_spec("int8-static")
+    >>> spec = spec.model_copy(update={"quant": spec.quant.model_copy(update={"inputs": None})})
+    >>> gm = qc.qcompile(m, spec, example_inputs=(torch.randn(2, 8),))
+    >>> gm = qc.calibrate(gm, [(torch.randn(16, 8),) for _ in range(2)], progress=False)
+    >>> sorted(k for k in qc.convert(gm).state_dict() if k.startswith("0."))
     ['0.bias', '0.output_fake_quant.scale', '0.output_fake_quant.zero_point',
-     '0.weight.packed', '0.weight.scale', '0.weight.zero_point',
-     '2._packed_params._packed_params', '2._packed_params.dtype', '2.scale', '2.zero_point']
+     '0.weight.packed', '0.weight.scale', '0.weight.zero_point']
 """
 
 from __future__ import annotations
@@ -108,7 +119,11 @@ def tidy(gm: GraphModule, ctx: Context) -> GraphModule:
     # `_qc_<k>_<layer>` -> `<layer>` (fc -> QuantizedLinear) and `<layer>.weight` ->
     # IntWeight, where the name is free now, so state dicts read like the model's
     renamed = 0
+    moved: dict[str, str] = {}  # a module called by several nodes (a cell in a loop) moves once
     for node in g.nodes:
+        if node.op == "call_module" and str(node.target) in moved:
+            node.target = moved[str(node.target)]
+            continue
         wanted = node.meta.get(FINAL_NAME_KEY)
         if node.op != "call_module" or not wanted:
             continue
@@ -122,6 +137,7 @@ def tidy(gm: GraphModule, ctx: Context) -> GraphModule:
         module = gm.get_submodule(str(node.target))
         gm.delete_submodule(str(node.target))
         gm.add_submodule(wanted, module)
+        moved[str(node.target)] = wanted
         node.target = wanted
         renamed += 1
     for node in g.nodes:  # `_qc_1_fc` -> `fc` in the code, too

@@ -8,11 +8,23 @@ Kernels are ``torch.ops.quantized`` through torch's own modules, on the current
   or per-channel on axis 0) and whose output (or the following ReLU) goes into a
   ``quantize_per_tensor`` become ``nnq.Linear`` / ``nniq.LinearReLU`` / ``nnq.Conv2d`` /
   ... reading and writing ``quint8`` tensors; a folded BatchNorm's bias replaces the op's.
+- ``conv_transpose1-3d`` (+ ReLU, run on the quantized output) between such tensors
+  becomes ``nnq.ConvTranspose1d`` / ``2d`` / ``3d`` where the engine's kernel takes the
+  weight: per-tensor on x86 (packed with fbgemm), per-tensor or per-channel without
+  groups on qnnpack, 1-D and 2-D (``common.transposed_kernel_refusal``); other
+  transposed convolutions keep the float op on an ``IntWeight``, with the reason.
 - ``add`` (+ ReLU) between two such tensors becomes ``quantized::add`` (``add_relu``).
 - Dynamic graphs: ``linear`` whose input has an 8-bit per-tensor asymmetric dynamic
   quantizer becomes ``quantized::linear_dynamic`` (``DynamicLinear``); so does
   ``addmm(bias, x, W)`` with a 2-D ``x`` and a weight stored [in, out] (Hugging Face
   GPT-2's ``Conv1D``), with the transposed integer weight.
+
+torch's quantized convolutions return channels-last tensors, where the float op returned
+contiguous ones: a ``view`` after one (``x.view(x.size(0), -1)`` before a classifier)
+then fails. Every ``view`` / ``view_as`` reading such a value (directly or through other
+ops) becomes ``reshape`` / ``reshape_as``, which returns the same view wherever ``view``
+would succeed and copies only where the layout needs it (an int8 copy, when
+``sink_dequantize`` moved the view onto the quantized tensor).
 
 A kernel module is added as ``_qc_<k>_<layer>``; ``tidy`` gives it its layer's name.
 
@@ -24,7 +36,7 @@ Example:
     >>> gm = qc.calibrate(gm, [(torch.randn(16, 8),) for _ in range(2)], progress=False)
     >>> int8 = qc.convert(gm)
     >>> [c.op for c in qc.report(int8).conversions if c.path == "kernel"]
-    ['quantized::linear_relu', 'quantized::linear']
+    ['quantized::linear_relu', 'quantized::linear_relu', 'quantized::linear']
 """
 
 from __future__ import annotations
@@ -42,8 +54,10 @@ from qcompile.graph.pipeline import graph_pass
 from qcompile.passes.convert.common import (
     ADD,
     CONV,
+    CONV_TRANSPOSE,
     LINEAR,
     QCONV,
+    QCONV_TRANSPOSE,
     Conversion,
     IntTensor,
     arg,
@@ -53,12 +67,20 @@ from qcompile.passes.convert.common import (
     only_user,
     qint8,
     state,
+    transposed_kernel_refusal,
     where,
 )
+from qcompile.runtime.engines import use_engine
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.runtime.quantized import DynamicLinear
 
 ADDMM = frozenset({torch.addmm, torch.ops.aten.addmm.default})
+# Kernels whose output is channels-last (fbgemm / onednn / qnnpack conv, transposed too).
+_CHANNELS_LAST = (nnq.Conv1d, nnq.Conv2d, nnq.Conv3d, nnq.ConvTranspose1d, nnq.ConvTranspose2d,
+                  nnq.ConvTranspose3d)
+_RESHAPE_METHODS = {"view": "reshape", "view_as": "reshape_as"}
+_RESHAPE_FUNCTIONS = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
+                      torch.Tensor.view: torch.Tensor.reshape}
 
 
 def _quantized_output(gm: GraphModule, node: Node) -> tuple[Node, bool, Node | None]:
@@ -124,6 +146,45 @@ def _static_kernel(gm: GraphModule, conv: Conversion, node: Node) -> bool:
         "_relu" if has_relu else "")
     conv.record(new, "kernel", op,
                 f"{torch.backends.quantized.engine} engine, weight {tuple(shape)} int8")
+    return True
+
+
+def _transposed_kernel(gm: GraphModule, conv: Conversion, node: Node) -> bool:
+    """``conv_transpose1-3d`` between quantized tensors -> ``nnq.ConvTranspose1-3d`` where
+    the engine's kernel takes the weight (``transposed_kernel_refusal``); a ReLU after it
+    runs on the quantized output (exact: quantizing is monotone)."""
+    x, w_node = node.args[0], node.args[1] if len(node.args) > 1 else None
+    if not (isinstance(x, Node) and x.meta.get(DQ_KEY)) or w_node not in conv.weights:
+        return False
+    out_q, has_relu, relu = _quantized_output(gm, node)
+    if out_q is node:
+        return False
+    t, dims, groups = conv.weights[w_node], CONV_TRANSPOSE[node.target], arg(node, 6, "groups", 1)
+    engine = torch.backends.quantized.engine
+    if not isinstance(groups, int) or transposed_kernel_refusal(t, dims, groups, engine):
+        return False
+    qweight = qint8(t, axis=1)
+    bias = conv.bias.get(node, attr_value(gm, arg(node, 2, "bias", None)))
+    bias = None if bias is None else bias.detach().float().clone()
+    shape = tuple(qweight.shape)
+    module = QCONV_TRANSPOSE[dims](
+        shape[0], shape[1] * groups, shape[2:], stride=arg(node, 3, "stride", 1),
+        padding=arg(node, 4, "padding", 0), output_padding=arg(node, 5, "output_padding", 0),
+        groups=groups, bias=bias is not None, dilation=arg(node, 7, "dilation", 1))
+    packer = "fbgemm" if engine == "x86" and "fbgemm" in (
+        torch.backends.quantized.supported_engines) else engine
+    with use_engine(packer):  # packed weights keep their engine
+        module.set_weight_bias(qweight, bias)
+    module.scale, module.zero_point = out_q.meta[QPARAMS_KEY][:2]
+    name = conv.add_module(gm, where(node), module)
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_module(name, (x.args[0],))
+        out = gm.graph.call_function(torch.relu, (new,)) if has_relu else new
+    new.meta[MODULE_KEY] = new.meta[FINAL_NAME_KEY] = where(node)
+    _replace_chain(gm, node, out_q, relu, out)
+    conv.release(w_node)
+    conv.record(new, "kernel", "quantized::conv_transpose" + ("_relu" if has_relu else ""),
+                f"{packer} engine, weight {shape} int8")
     return True
 
 
@@ -195,6 +256,32 @@ def _add_kernel(gm: GraphModule, conv: Conversion, node: Node) -> bool:
     return True
 
 
+def _views_as_reshapes(gm: GraphModule) -> int:
+    """``view`` -> ``reshape`` on every value computed from a channels-last kernel's output
+    (conservatively: through any op); how many. ``reshape`` is ``view`` wherever the
+    strides allow it, so nothing changes where a view would have worked."""
+    tainted: set[Node] = set()
+    rewritten = 0
+    for node in gm.graph.nodes:
+        if isinstance(module_at(gm, node), _CHANNELS_LAST):
+            tainted.add(node)
+            continue
+        data = node.args[0] if node.args else None
+        if not any(a in tainted for a in node.all_input_nodes):
+            continue
+        tainted.add(node)
+        if data not in tainted or any(isinstance(a, torch.dtype) for a in node.args[1:]):
+            continue  # a view of another tensor, or a reinterpretation (`x.view(torch.int8)`)
+        if node.op == "call_method" and node.target in _RESHAPE_METHODS:
+            node.target = _RESHAPE_METHODS[str(node.target)]
+        elif node.op == "call_function" and node.target in _RESHAPE_FUNCTIONS:
+            node.target = _RESHAPE_FUNCTIONS[node.target]
+        else:
+            continue
+        rewritten += 1
+    return rewritten
+
+
 @graph_pass(requires=("batchnorm_folded", "dequantize_sunk"), provides=("kernels",))
 def use_kernels(gm: GraphModule, ctx: Context) -> GraphModule:
     conv = state(ctx)
@@ -211,9 +298,14 @@ def use_kernels(gm: GraphModule, ctx: Context) -> GraphModule:
             continue
         if node.target in LINEAR or node.target in CONV:
             used += _static_kernel(gm, conv, node) or _dynamic_kernel(gm, conv, node)
+        elif node.target in CONV_TRANSPOSE:
+            used += _transposed_kernel(gm, conv, node)
         elif node.target in ADDMM:
             used += _dynamic_kernel(gm, conv, node)
         elif node.target in ADD:
             used += _add_kernel(gm, conv, node)
     ctx.note(f"{used} integer kernel(s), {torch.backends.quantized.engine} engine")
+    reshaped = _views_as_reshapes(gm)
+    if reshaped:
+        ctx.note(f"{reshaped} view(s) of a channels-last kernel output -> reshape")
     return gm

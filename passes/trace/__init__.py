@@ -3,7 +3,8 @@
 Two front ends, chosen by ``trace.method``: ``symbolic`` (torch.fx symbolic tracing, with
 leaf modules and concrete arguments from ``spec.trace``; ``capture_symbolic``), ``export``
 (torch.export; ``capture_export``; needs example inputs), and ``auto`` (symbolic first,
-export when symbolic tracing fails; the Report notes why). Both work on a copy
+export when symbolic tracing fails; the Report notes why, in words: what the forward does
+that symbolic tracing cannot follow, and where, ``explain``). Both work on a copy
 (``model_copy``): the user's model is never touched. On symbolic graphs with example inputs
 (the argument, or ``spec.trace.inputs``), ``node.meta[TENSOR_META]`` (torch.fx
 ``TensorMetadata``) comes from running the graph on meta tensors, or on the example inputs
@@ -18,7 +19,7 @@ naming the module (``forward_effects``).
 
 Inside the package imports run one way: this pass -> ``capture_symbolic``, ``shape_prop``,
 ``capture_export``; each of those three -> ``model_copy``; the pass and ``capture_symbolic``
--> ``forward_effects``.
+-> ``forward_effects``; ``capture_symbolic`` -> ``explain``.
 
 Example:
     >>> import torch, qcompile as qc
@@ -232,6 +233,6 @@ def trace(gm: GraphModule | None, ctx: Context) -> GraphModule:
     ctx.has_shapes = True
     ctx.shapes = "torch.export"
     if failure is not None:
-        ctx.note(f"captured with torch.export: {failure.message.splitlines()[0]}")
+        ctx.note(f"captured with torch.export: {failure.reason}")
     mark_compiled(gm, ctx)
     return gm

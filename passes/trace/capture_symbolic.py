@@ -35,7 +35,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import re
 from collections.abc import Sequence
 
 from torch import nn
@@ -45,6 +47,7 @@ import qcompile.passes.trace.forward_effects as fx_effects
 from qcompile.errors import QCompileError
 from qcompile.graph.context import Context
 from qcompile.graph.state_layout import keep_state_layout
+from qcompile.passes.trace.explain import explain
 from qcompile.passes.trace.model_copy import copy_model
 
 
@@ -107,7 +110,14 @@ class _Tracer(Tracer):
 
 
 class TraceFailure(QCompileError):
-    """Symbolic tracing could not capture the model (``auto`` then tries torch.export)."""
+    """Symbolic tracing could not capture the model (``auto`` then tries torch.export).
+    ``reason``: why, in one sentence for the Report (``"<Class>.forward <what it does>
+    (<where>; torch.fx said: ...)"``); the message when there is none."""
+
+    def __init__(self, message: str, *, fix: str | None = None, reason: str | None = None
+                 ) -> None:
+        super().__init__(message, fix=fix)
+        self.reason = reason or message.splitlines()[0]
 
 
 def capture(ctx: Context) -> GraphModule:
@@ -115,12 +125,16 @@ def capture(ctx: Context) -> GraphModule:
     model = ctx.model
     root = model if ctx.inplace else copy_model(model)
     marks = fx_effects.StateMarks.of(root)
+    graph: Graph | None = None
     try:
         tracer, graph = _trace(root, ctx)
     finally:
-        changes = marks.changes()
+        own = _tracer_constants(graph)
+        changes = [c for c in marks.changes()
+                   if not (c.module == "" and c.what == "attribute" and c.name in own)]
         if changes and ctx.inplace:
-            marks.restore()  # the model itself was traced: put back what forward assigned
+            # the model itself was traced: put back what forward assigned
+            marks.restore(keep=own)
     _refuse_lost_effects(tracer, changes)
     _refuse_mode_branches(root, graph, tracer, ctx)
     for p in sorted(set(ctx.spec.trace.leaf_modules) - tracer.used_patterns):
@@ -132,6 +146,19 @@ def capture(ctx: Context) -> GraphModule:
     return gm
 
 
+_CONSTANT = re.compile(r"_[a-z_]*constant\d+|_torchbind_obj\d+")
+
+
+def _tracer_constants(graph: Graph | None) -> frozenset[str]:
+    """The attributes torch.fx's tracer itself set on the root: tensors the forward
+    created (``torch.tensor([...])``) are stored as ``_tensor_constant<i>`` and read by a
+    ``get_attr`` node. Not the forward's own assignments."""
+    if graph is None:
+        return frozenset()
+    return frozenset(str(n.target) for n in graph.nodes
+                     if n.op == "get_attr" and _CONSTANT.fullmatch(str(n.target)))
+
+
 def _trace(root: nn.Module, ctx: Context) -> tuple[_Tracer, Graph]:
     model = ctx.model
     tracer = _Tracer(list(ctx.spec.trace.leaf_modules))
@@ -139,17 +166,25 @@ def _trace(root: nn.Module, ctx: Context) -> tuple[_Tracer, Graph]:
     try:
         graph = tracer.trace(root, concrete_args=concrete)
     except Exception as e:
+        owner = root
         if tracer.path:
             name, cls = tracer.path[-1]
             where = f"module {name!r} ({cls})"
+            with contextlib.suppress(AttributeError):
+                owner = root.get_submodule(name)
             fix = (f"add it to trace.leaf_modules (e.g. leaf_modules: [{cls}]) so it stays one "
                    "node, or pass concrete_args for arguments used in Python control flow")
         else:
             where = f"the forward of {type(model).__name__}"
             fix = ("pass concrete_args for arguments used in Python control flow, or move the "
                    "control flow into a submodule listed in trace.leaf_modules")
-        raise TraceFailure(f"symbolic tracing failed in {where}: {type(e).__name__}: {e}",
-                           fix=fix) from e
+        why = explain(e, getattr(type(owner), "forward", None))
+        subject = f"{type(owner).__name__}.forward"
+        inside = f" (module {tracer.path[-1][0]!r})" if tracer.path else ""
+        raise TraceFailure(
+            f"symbolic tracing failed in {where}: {subject} {why.what} ({why.detail()})",
+            fix=fix, reason=f"symbolic tracing failed, it cannot follow {subject}{inside}: it "
+                            f"{why.what} ({why.detail()})") from e
     return tracer, graph
 
 

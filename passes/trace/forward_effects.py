@@ -99,12 +99,14 @@ class StateMarks:
                     out.append(Change(name, cls, kind, k))
         return out
 
-    def restore(self) -> None:
+    def restore(self, keep: frozenset[str] = frozenset()) -> None:
         """Put back the attributes a forward assigned (tensors written in place stay
-        written): for a model traced in place."""
-        for _, m, attrs, _ in self.marks:
+        written): for a model traced in place. ``keep``: new attributes of the root to
+        leave (the tracer's own constants, which the graph reads)."""
+        for i, (_, m, attrs, _) in enumerate(self.marks):
             d = m.__dict__
-            for k in [k for k in d if k not in _STRUCTURE and k not in attrs]:
+            for k in [k for k in d if k not in _STRUCTURE and k not in attrs
+                      and not (i == 0 and k in keep)]:
                 del d[k]
             d.update(attrs)
 

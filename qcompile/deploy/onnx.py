@@ -68,6 +68,7 @@ import contextlib
 import copy
 import importlib
 import inspect
+import itertools
 import logging
 import os
 import shutil
@@ -485,9 +486,11 @@ def _translations(onnxscript: Any, ir: Any) -> dict[Callable, Callable]:
 # -- export --------------------------------------------------------------------------------
 def _batch_inputs(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool
                   ) -> tuple[tuple, dict, Any]:
-    """Inputs to trace with, and their dynamic shapes (dim 0 of every tensor, one shared
-    ``batch`` dim). torch.export specialises sizes 0 and 1, so a batch of 1 is traced as
-    a batch of 2 (the values do not matter to the exported graph)."""
+    """Inputs to trace with, and their dynamic shapes: dim 0 of every tensor, one shared
+    ``batch`` dim for the tensors whose dim 0 is the first tensor's, a dim of its own for
+    any other (``EmbeddingBag``'s indices and offsets differ in length). torch.export
+    specialises sizes 0 and 1, so a batch of 1 is traced as a batch of 2 (the values do
+    not matter to the exported graph)."""
     if not dynamic:
         return args, kwargs, None
     batch = torch.export.Dim("batch")
@@ -497,11 +500,17 @@ def _batch_inputs(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool
             return v.expand(2, *v.shape[1:]).clone()
         return v
 
-    def dims(v: Any) -> Any:
-        return {0: batch} if isinstance(v, torch.Tensor) and v.dim() > 0 else None
-
     args = tuple(widen(v) for v in args)
     kwargs = {k: widen(v) for k, v in kwargs.items()}
+    first = next((v.shape[0] for v in (*args, *kwargs.values())
+                  if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+    own = itertools.count(1)
+
+    def dims(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor) or v.dim() == 0:
+            return None
+        return {0: batch if v.shape[0] == first else torch.export.Dim(f"dim0_{next(own)}")}
+
     shapes: Any = tuple(dims(v) for v in args)
     if kwargs:  # torch.export then wants every input's dims by forward() parameter name
         names = list(inspect.signature(model.forward).parameters)

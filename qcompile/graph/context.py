@@ -33,6 +33,8 @@ class Context:
     notes: list[str] = field(default_factory=list)
     quantizers: list[QuantizerRecord] = field(default_factory=list)
     rule_matches: dict[int, list[str]] = field(default_factory=dict)
+    # (parameter elements behind a weight quantizer, all parameter elements): insert_quant
+    parameters_quantized: tuple[int, int] | None = None
     trace_method: str | None = None
     has_shapes: bool = False
     shapes: str | None = None  # how node shapes were recorded (Report.shapes)

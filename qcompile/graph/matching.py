@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from qcompile.graph.meta import MODULE_KEY, NN_MODULE_STACK, ROOT_CLASS_KEY
+from qcompile.graph.meta import MODULE_KEY, NN_MODULE_STACK, ROOT_CLASS_KEY, TENSOR_META
 from qcompile.specs import Match, Rule, Scheme
 
 # Operator spellings that mean the same op for matching (`x + y`, `x += y`, `torch.add`).
@@ -34,29 +34,47 @@ _ALIASES = {
     "iadd": "add", "radd": "add", "imul": "mul", "rmul": "mul", "isub": "sub", "rsub": "sub",
     "truediv": "div", "itruediv": "div", "rtruediv": "div", "imatmul": "matmul",
     "rmatmul": "matmul", "concat": "cat", "concatenate": "cat",
+    # torch's grouped GEMM under its names, and Hugging Face's CPU fallback for it
+    "_grouped_mm": "grouped_mm", "grouped_mm_fallback": "grouped_mm",
 }
 
 # Module types whose weight qcompile fake-quantizes (their forward is re-expressed with the
 # functional op, so the graph shows weight -> quantizer -> op explicitly).
 WEIGHTED_MODULES: dict[type[nn.Module], str] = {
     nn.Linear: "linear", nn.Conv1d: "conv1d", nn.Conv2d: "conv2d", nn.Conv3d: "conv3d",
-    nn.Embedding: "embedding",
+    nn.ConvTranspose1d: "conv_transpose1d", nn.ConvTranspose2d: "conv_transpose2d",
+    nn.ConvTranspose3d: "conv_transpose3d", nn.Embedding: "embedding",
+    nn.EmbeddingBag: "embedding_bag",
 }
 aten = torch.ops.aten
 # Ops that consume a weight, torch-level (symbolic graphs) and aten-level (export graphs):
-# target -> (index of the weight argument, the weight's output-channel axis as stored).
-# Linear/conv/embedding weights are [out, ...]; `x @ W`, mm and addmm take W as [in, out].
+# target -> (index of the weight argument, the output-channel dim of the weight as the op
+# reads it). Linear/conv/embedding weights are [out, ...], a transposed conv's
+# [in, out / groups, ...]; `x @ W`, mm, addmm, bmm and grouped_mm take W as [..., in, out].
 _WEIGHTED: dict[object, tuple[int, int]] = {
     F.linear: (1, 0), F.conv1d: (1, 0), F.conv2d: (1, 0), F.conv3d: (1, 0),
     torch.conv1d: (1, 0), torch.conv2d: (1, 0), torch.conv3d: (1, 0), F.embedding: (1, 0),
+    F.conv_transpose1d: (1, 1), F.conv_transpose2d: (1, 1), F.conv_transpose3d: (1, 1),
+    F.embedding_bag: (1, 0),
     aten.linear.default: (1, 0), aten.conv1d.default: (1, 0), aten.conv2d.default: (1, 0),
     aten.conv3d.default: (1, 0), aten.embedding.default: (0, 0),
+    aten.conv1d.padding: (1, 0), aten.conv2d.padding: (1, 0), aten.conv3d.padding: (1, 0),
+    aten.conv_transpose1d.default: (1, 1), aten.conv_transpose2d.input: (1, 1),
+    aten.conv_transpose3d.input: (1, 1), aten.embedding_bag.default: (0, 0),
+    aten.embedding_bag.padding_idx: (0, 0), aten._embedding_bag.default: (0, 0),
     torch.matmul: (1, -1), operator.matmul: (1, -1), torch.mm: (1, 1), torch.addmm: (2, 1),
     aten.matmul.default: (1, -1), aten.mm.default: (1, 1), aten.addmm.default: (2, 1),
+    torch.bmm: (1, -1), aten.bmm.default: (1, -1),
+    torch._grouped_mm: (1, -1), aten._grouped_mm.default: (1, -1),
 }
-# A transposed 2-D parameter (`W.t()`) feeding mm/matmul: quantize W itself, channel axis 0.
-_TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default, torch.t,
-               torch.transpose}
+if hasattr(F, "grouped_mm"):  # torch >= 2.9
+    _WEIGHTED[F.grouped_mm] = (1, -1)
+# Matrix products whose weight may be either operand (`W @ x` reads W's rows as outputs),
+# and the rank of the weight each reads (None: any).
+_PRODUCTS = {"matmul": None, "mm": 2, "bmm": 3, "grouped_mm": None}
+# Ops whose weight may be one expert of a 3-D expert parameter ([experts, out, in]):
+# products, and linear on ``W[e]``.
+_EXPERT_OPS = {"linear", "matmul", "mm", "addmm", "bmm", "grouped_mm", "einsum"}
 INTERNAL_MODULES = ("_guards_fn",)  # export's input guard: never a quantization target
 
 
@@ -65,8 +83,9 @@ class WeightUse:
     """Where a weighted op takes its parameter from."""
 
     param: Node  # the get_attr node of the parameter
-    consumer: Node  # the node reading ``param``: the op, or a transpose feeding it
+    consumer: Node  # the node reading ``param``: the op, or a view feeding it
     axis: int  # the parameter's output-channel axis
+    experts: bool = False  # a 3-D [experts, ...] parameter: axis 1 or 2, experts on dim 0
 
 
 @dataclass(frozen=True)
@@ -165,38 +184,189 @@ def module_op(m: nn.Module) -> str | None:
     return None
 
 
-def _is_transpose(node: Node) -> bool:
-    if node.op == "call_method":
-        return node.target in ("t", "T")
-    if node.op != "call_function" or node.target not in _TRANSPOSES:
-        return False
-    if node.target is aten.permute.default:
-        return list(node.args[1]) == [1, 0]
-    if node.target in (aten.transpose.int, torch.transpose):
-        return sorted(int(d) % 2 for d in node.args[1:3]) == [0, 1]
-    return True
+_VIEW_TARGETS = {aten.t.default, aten.transpose.int, aten.permute.default, torch.t,
+                      torch.transpose, torch.permute, aten.select.int, aten.index.Tensor,
+                      operator.getitem, torch.select}
 
 
-def weight_use(node: Node) -> WeightUse | None:
-    """For a call consuming a parameter as its weight (linear, conv, embedding, or the
-    right-hand side of matmul/mm/addmm): the parameter node and its channel axis."""
-    if node.op != "call_function":
+def _int(v: object) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _view_step(node: Node, ndim: int) -> list[int] | None:
+    """For a layout view of one ``ndim``-dim tensor (transpose, permute, picking experts
+    along dim 0): which input dim each output dim is. Anything else: None."""
+    if node.op not in ("call_function", "call_method") or not node.args:
         return None
+    src = node.args[0]
+    if not isinstance(src, Node):
+        return None
+    target, args = node.target, node.args
+    name = target if node.op == "call_method" else None
+    if node.op == "call_function":
+        try:
+            if target not in _VIEW_TARGETS:
+                return None
+        except TypeError:
+            return None
+    dims = list(range(ndim))
+    if name in ("t", "T") or target in (torch.t, aten.t.default):
+        return dims[::-1] if ndim == 2 else None
+    if name == "contiguous":
+        return dims
+    if name == "transpose" or target in (torch.transpose, aten.transpose.int):
+        a, b = (_int(v) for v in args[1:3]) if len(args) >= 3 else (None, None)
+        if a is None or b is None:
+            return None
+        dims[a % ndim], dims[b % ndim] = dims[b % ndim], dims[a % ndim]
+        return dims
+    if name == "permute" or target in (torch.permute, aten.permute.default):
+        perm = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+        if len(perm) != ndim or any(_int(p) is None for p in perm):
+            return None
+        return [dims[p % ndim] for p in perm]
+    # experts picked along dim 0: W[e] (one, the dim goes) or W[ids] (several, it stays)
+    if name == "select" or target in (torch.select, aten.select.int):
+        if len(args) < 3 or _int(args[1]) != 0:
+            return None
+        return dims[1:]
+    if target is operator.getitem or target is aten.index.Tensor:
+        index = args[1] if len(args) > 1 else None
+        if target is aten.index.Tensor:
+            if not isinstance(index, (list, tuple)) or len(index) != 1:
+                return None
+            index = index[0]
+        if _int(index) is not None:
+            return dims[1:]
+        if isinstance(index, Node):  # a tensor of expert ids
+            return dims
+    return None
+
+
+def _operand(node: Node, index: int) -> object:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get("weight" if index else "input",
+                           node.kwargs.get("mat2" if index else "self"))
+
+
+def _einsum_use(node: Node) -> tuple[object, int] | None:
+    """``einsum(eq, a, w)`` (or ``einsum(eq, [a, w])``): (the weight operand, its output
+    dim): the operand with exactly one letter found only in it and the result (its output
+    channel)."""
+    eq = node.args[0] if node.args else None
+    ops = node.args[1:]
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = tuple(ops[0])
+    if not isinstance(eq, str) or "->" not in eq or "." in eq or len(ops) != 2:
+        return None
+    lhs, out = eq.replace(" ", "").split("->")
+    terms = lhs.split(",")
+    if len(terms) != 2:
+        return None
+    for k in (1, 0):
+        other = terms[1 - k]
+        own = [c for c in terms[k] if c in out and c not in other]
+        if len(own) == 1 and isinstance(ops[k], Node):
+            return ops[k], terms[k].index(own[0])
+    return None
+
+
+def _operand_rank(node: Node, op: str | None) -> int | None:
+    """The rank an op's weight operand has, where the op fixes it."""
+    return {"linear": 2, "mm": 2, "addmm": 2, "bmm": 3, "embedding": 2,
+            "embedding_bag": 2}.get(op or "")
+
+
+def _candidates(node: Node) -> list[tuple[object, int]]:
+    """(operand, output dim) of each operand that may be the op's weight."""
+    op = op_name(node)
+    if op == "einsum":
+        found = _einsum_use(node)
+        return [] if found is None else [found]
     try:
         spec = _WEIGHTED.get(node.target)
     except TypeError:  # unhashable target
-        return None
+        spec = None
+    if spec is None and op == "grouped_mm" and node.op == "call_function":
+        spec = (1, -1)  # a library's own grouped GEMM op (Hugging Face's CPU fallback)
     if spec is None:
+        return []
+    found = [(_operand(node, spec[0]), spec[1])]
+    if op in _PRODUCTS:  # `W @ x`: the weight on the left reads its rows as outputs
+        found.append((_operand(node, 0), -2 if op != "mm" else 0))
+    return found
+
+
+def weight_use(node: Node) -> WeightUse | None:
+    """For a call consuming a graph attribute as its weight (linear, conv, transposed conv,
+    embedding(-bag), a side of matmul / mm / addmm / bmm / grouped_mm / einsum): the
+    attribute's node, the node reading it, and its output-channel axis as stored.
+
+    The weight may reach the op through layout views (``W.t()``, ``transpose``,
+    ``permute``) and, for a 3-D expert parameter ``[experts, out, in]`` (or
+    ``[experts, in, out]``), through picking experts along dim 0 (``W[e]``, ``W[ids]``,
+    ``select``); the axis is then 1 or 2 (``WeightUse.experts``)."""
+    if node.op != "call_function":
         return None
-    index, axis = spec
-    w = node.args[index] if len(node.args) > index else node.kwargs.get("weight")
-    if not isinstance(w, Node):
-        return None
-    if w.op == "get_attr":
-        return WeightUse(w, node, axis)
-    if _is_transpose(w) and isinstance(w.args[0], Node) and w.args[0].op == "get_attr":
-        return WeightUse(w.args[0], w, 0)
+    op = op_name(node)
+    for w, out_dim in _candidates(node):
+        if not isinstance(w, Node):
+            continue
+        use = _trace_back(node, w, op, out_dim)
+        if use is not None:
+            return use
     return None
+
+
+def _trace_back(node: Node, w: Node, op: str | None, out_dim: int) -> WeightUse | None:
+    """Follow ``w`` back through layout views to a ``get_attr``; the parameter's output
+    axis from the op's ``out_dim`` (see ``weight_use``)."""
+    chain: list[Node] = []
+    while w.op != "get_attr":
+        chain.append(w)
+        if len(chain) > 6 or not w.args or not isinstance(w.args[0], Node):
+            return None
+        w = w.args[0]
+    chain.reverse()
+    rank = _param_rank(w)
+    if rank is None:  # no shapes: the op's own rank, plus one per expert dropped
+        base = _operand_rank(node, op) or (3 if op in ("bmm", "einsum") else 2)
+        rank = base + sum(1 for c in chain if _drops_dim(c))
+    experts = rank == 3 and op in _EXPERT_OPS
+    if chain and rank != 2 and not experts:
+        return None  # a conv weight (or any other) is read as it is stored
+    dims = list(range(rank))  # which parameter dim each dim of the current value is
+    for c in chain:
+        order = _view_step(c, len(dims))
+        if order is None:
+            return None
+        if len(order) < len(dims) and (not experts or dims[0] != 0):
+            return None  # only experts (dim 0 of a 3-D parameter) are picked
+        dims = [dims[i] for i in order]
+    axis = dims[out_dim % len(dims)]
+    if experts and (axis == 0 or (len(dims) == 3 and dims[0] != 0)):
+        return None  # the experts stay on dim 0, the output channel is not it
+    return WeightUse(w, chain[0] if chain else node, axis, experts)
+
+
+def _drops_dim(node: Node) -> bool:
+    if node.op == "call_method":
+        return node.target == "select"
+    if node.target in (torch.select, aten.select.int):
+        return True
+    if node.target is operator.getitem:
+        return _int(node.args[1] if len(node.args) > 1 else None) is not None
+    return False
+
+
+def _param_rank(node: Node) -> int | None:
+    tm = node.meta.get(TENSOR_META)
+    shape = getattr(tm, "shape", None)
+    if shape is None:
+        val = node.meta.get("val")
+        shape = getattr(val, "shape", None)
+    return len(shape) if shape is not None else None
 
 
 def is_weighted_call(node: Node) -> bool:
@@ -237,6 +407,8 @@ def match_node(match: Match, node: Node, node_owners: tuple[Owner, ...]) -> str 
     ``op`` must hold for the node itself; ``module`` and ``name`` must hold together for
     one owning module.
     """
+    if match.reads_weight and not is_weighted_call(node):
+        return None
     if match.op is not None:
         op = op_name(node)
         if op is None or op not in match.op:

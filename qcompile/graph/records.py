@@ -40,7 +40,8 @@ class QuantizerRecord(BaseModel):
     name: str = Field(description="qualified name of the FakeQuantize module")
     role: str = Field(description="weight | activation | input")
     node: str = Field(description="graph node (or parameter) it quantizes")
-    rule: int | None = Field(description="index into quant.rules; None for quant.inputs")
+    rule: int | None = Field(description="index into quant.rules (for quant.inputs: auto, the "
+                             "rule of the layer reading the input); None for a quant.inputs scheme")
     dtype: str
     granularity: str
     symmetric: bool
@@ -98,6 +99,9 @@ class Report(BaseModel):
     rule_matches: dict[int, list[str]] = Field(
         default_factory=dict, description="rule index -> nodes it selected"
     )
+    parameters_quantized: float | None = Field(
+        None, description="fraction of the model's parameter elements read through a weight "
+        "quantizer (None in mode none)")
     stages: list[StageRecord] = Field(default_factory=list)
     balance: str | None = Field(None, description="cost model used for the stages")
     balance_ratio: float | None = Field(None, description="max stage cost / mean stage cost")
@@ -129,6 +133,9 @@ class Report(BaseModel):
             by_kind[key] = by_kind.get(key, 0) + 1
         lines.append(f"quantizers: {len(self.quantizers)}")
         lines += [f"    {n:>4} x {k}" for k, n in sorted(by_kind.items())]
+        if self.parameters_quantized is not None:
+            lines.append(f"parameters behind a weight quantizer: "
+                         f"{100 * self.parameters_quantized:.1f}%")
         if self.stages:
             lines.append(f"stages: {len(self.stages)} (balance {self.balance}, max/mean cost "
                          f"{self.balance_ratio:.2f})")

@@ -89,11 +89,39 @@ def freeze(gm: nn.Module) -> nn.Module:
     return gm
 
 
+# The views a weight quantizer may read its weight through (``insert_quant`` puts them
+# there): ``torch.t`` of an [in, out] weight quantized per group; transpose + reshape
+# making a 3-D expert weight [experts * out, in] rows.
+_WEIGHT_VIEWS = (torch.t, torch.transpose, torch.reshape)
+
+ViewSteps = tuple[tuple[Any, tuple[Any, ...]], ...]
+
+
+def weight_view(src: torch.fx.Node) -> tuple[torch.fx.Node, ViewSteps] | None:
+    """(the ``get_attr`` node, the view steps from it to ``src``, in order) for a value a
+    weight quantizer reads: the attribute itself or views of it; None for anything else."""
+    steps = []
+    while src.op == "call_function" and src.target in _WEIGHT_VIEWS:
+        if not src.args or not isinstance(src.args[0], torch.fx.Node):
+            return None
+        steps.append((src.target, tuple(src.args[1:])))
+        src = src.args[0]
+    return (src, tuple(reversed(steps))) if src.op == "get_attr" else None
+
+
+def apply_view(t: torch.Tensor, steps: ViewSteps) -> torch.Tensor:
+    """``t`` seen through ``steps`` (see ``weight_view``)."""
+    for fn, args in steps:
+        t = fn(t, *args)
+    return t
+
+
 def weight_quantizer_sites(gm: nn.Module
-                           ) -> list[tuple[GraphModule, str, FakeQuantize, bool]]:
-    """(graph, attribute path in it, quantizer, read transposed) for every quantizer in
-    ``gm``'s graph(s) called on a ``get_attr``, or on ``torch.t`` of one (a weight stored
-    [in, out], e.g. GPT-2's ``Conv1D``, quantized per group along its inputs)."""
+                           ) -> list[tuple[GraphModule, str, FakeQuantize, ViewSteps]]:
+    """(graph, attribute path in it, quantizer, the views it reads the attribute through)
+    for every quantizer in ``gm``'s graph(s) called on a ``get_attr`` or a view of one (a
+    weight stored [in, out], e.g. GPT-2's ``Conv1D``, quantized per group along its inputs;
+    a 3-D expert weight quantized as rows; see ``weight_view``)."""
     found = []
     for owner in gm.modules():
         if not isinstance(owner, GraphModule):
@@ -105,26 +133,22 @@ def weight_quantizer_sites(gm: nn.Module
             src = node.args[0]
             if not isinstance(fq, FakeQuantize) or not isinstance(src, torch.fx.Node):
                 continue
-            transposed = (src.op == "call_function" and src.target is torch.t
-                          and isinstance(src.args[0], torch.fx.Node))
-            if transposed:
-                src = src.args[0]
-            if src.op == "get_attr":
-                found.append((owner, str(src.target), fq, transposed))
+            view = weight_view(src)
+            if view is not None:
+                found.append((owner, str(view[0].target), fq, view[1]))
     return found
 
 
 def weight_quantizers(gm: nn.Module) -> list[tuple[FakeQuantize, torch.Tensor]]:
     """(quantizer, weight) for every weight quantizer in ``gm``'s graph(s): a
     ``FakeQuantize`` called on a ``get_attr`` of a parameter (the parameter itself), or on
-    ``torch.t`` of one (the transposed view, which is what the quantizer sees; see
-    ``weight_quantizer_sites``)."""
+    views of one (what the quantizer sees; see ``weight_quantizer_sites``)."""
     found = []
-    for owner, path, fq, transposed in weight_quantizer_sites(gm):
+    for owner, path, fq, steps in weight_quantizer_sites(gm):
         parent, _, leaf = path.rpartition(".")
         value = getattr(owner.get_submodule(parent) if parent else owner, leaf)
         if isinstance(value, nn.Parameter):
-            found.append((fq, value.t() if transposed else value))
+            found.append((fq, apply_view(value, steps)))
     return found
 
 

@@ -392,7 +392,8 @@ def case_fsdp2_learnable_grads() -> dict[str, Any]:
     spec = qat_spec("fsdp2", learnable=True)
     gm, ref = initialised_learnable(spec)
     weight_q = [plain(n) for n in qc.quantizers(gm) if n.endswith("weight_fake_quant")]
-    act_q = [plain(n) for n in qc.quantizers(gm) if n.endswith("output_fake_quant")]
+    # activation quantizers: the layers' outputs and the model input
+    act_q = [plain(n) for n in qc.quantizers(gm) if not n.endswith("weight_fake_quant")]
     model = qc.distributed.wrap(gm, spec)
     x, y = global_batch(0, scale_rank1=2.0)
     mse(model(local(x)), local(y)).backward()

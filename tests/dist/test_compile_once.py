@@ -26,7 +26,9 @@ LAUNCH_DEADLINE = 150.0  # seconds for every case together (about 25 s normally)
 WORLD = 2
 BLOCKS = 3  # the worker's BlockModel: inp, layers.0..2 (LayerNorm + Linear), head
 WEIGHTS = 16  # its parameters
-QUANTIZERS = 13  # weight + output quantizer per Linear (5), one per residual add (3)
+# weight + output quantizer per Linear (5), one per residual add (3), and the model input
+# the first Linear reads (the presets' inputs: auto)
+QUANTIZERS = 14
 # per quantizer in the state dict: scale, zero_point, observer min/max, mode_flags
 STATE = WEIGHTS + 5 * QUANTIZERS
 QPARAMS = 4 * QUANTIZERS  # scale, zero_point, observer min/max
@@ -123,7 +125,8 @@ def test_fsdp2_qat_from_checkpoint_trains_with_synced_observers(dist_run: Any) -
 
 # -- 4. fsdp2 + static on a CNN whose BatchNorms fold ------------------------------------------
 CNN_WEIGHTS = 10  # stem, 3 convs (each with its folded bias), head
-CNN_QUANTIZERS = 13  # weight + output quantizer per conv/linear (5), one per residual add (3)
+# weight + output quantizer per conv/linear (5), one per residual add (3), the model input
+CNN_QUANTIZERS = 14
 
 
 @uses("fsdp2_cnn_fold")

@@ -85,10 +85,11 @@ def test_ddp_observer_sync_reduces_like_one_observer(dist_run: Any) -> None:
     r0, r1 = dist_run.case("ddp_qat_observers")
     for rank, r in enumerate((r0, r1)):
         for step, check in r["mean_check"].items():
-            assert len(check["quantizers"]) == 6
+            assert len(check["quantizers"]) == 7  # 3 layers x 2, the model input's
             assert check["wrong"] == [], f"rank {rank}, step {step}: {check['wrong']}"
             assert sorted(check["local_differs"]) == [
-                "0.output_fake_quant", "2.output_fake_quant", "4.output_fake_quant"], \
+                "0.output_fake_quant", "2.output_fake_quant", "4.output_fake_quant",
+                "input_input_fake_quant"], \
                 f"rank {rank}, step {step}: the ranks' activation statistics did not differ"
 
 
@@ -126,7 +127,7 @@ def test_static_calibration_syncs_to_all_data(dist_run: Any) -> None:
     batches — bit for bit — although each rank's own data alone gives different qparams."""
     r0, r1 = dist_run.case("static_calibration")
     for rank, r in enumerate((r0, r1)):
-        assert len(r["want"]) == 6
+        assert len(r["want"]) == 7  # 3 layers x 2, the model input's
         assert r["mismatch"] == [], (
             f"rank {rank}: " + "; ".join(f"{n}: {r['got'][n]} != {r['want'][n]}"
                                          for n in r["mismatch"]))
@@ -139,11 +140,13 @@ def test_static_calibration_syncs_to_all_data(dist_run: Any) -> None:
 # -- 4. the sync is fused -----------------------------------------------------------------------
 @uses("fused_sync")
 def test_observer_sync_is_fused(dist_run: Any) -> None:
-    """At most 3 collectives per training step (one per reduction kind), the same for 6 and
-    12 quantizers, sending exactly the activation observers' float32 statistics (DDP
-    replicas agree on their weights: weight statistics are never reduced)."""
+    """At most 3 collectives per training step (one per reduction kind), the same for 7 and
+    13 quantizers (the layers' and the model input's), sending exactly the activation
+    observers' float32 statistics (DDP replicas agree on their weights: weight statistics
+    are never reduced)."""
     for rank, r in enumerate(dist_run.case("fused_sync")):
-        assert r["3"]["quantizers"] >= 6 and r["6"]["quantizers"] == 2 * r["3"]["quantizers"]
+        layers3, layers6 = r["3"]["quantizers"] - 1, r["6"]["quantizers"] - 1
+        assert layers3 >= 6 and layers6 == 2 * layers3
         counts = set()
         for layers, run in r.items():
             elements = run["observer_elements"]
@@ -244,7 +247,7 @@ def test_compile_once_ranks_agree_bit_for_bit(dist_run: Any, case: str) -> None:
         assert r["differing"] == [], f"rank {rank}: differing from rank 0: {r['differing']}"
         assert r["meta_left"] == [], f"rank {rank}: still on meta: {r['meta_left']}"
         assert r["vs_local_compile"] == [], f"rank {rank}: {r['vs_local_compile']}"
-    assert r0["flags"] == r1["flags"] and len(r0["flags"]) == 6
+    assert r0["flags"] == r1["flags"] and len(r0["flags"]) == 7  # + the model input's
     want = [True, False] if case == "compile_once_static" else [True, True]
     assert all(f == want for f in r0["flags"].values()), r0["flags"]
 
@@ -333,7 +336,8 @@ def test_synced_ddp_loops_do_not_warn_and_agree(dist_run: Any, how: str) -> None
     for rank, r in enumerate(dist_run.case("hand_written_ddp")):
         run = r[how]
         assert run["warnings"] == [], f"rank {rank}: {run['warnings']}"
-        assert run["quantizers"] == 6 and run["differing"] == [], run["differing"]
+        # 3 layers x 2 and the model input's
+        assert run["quantizers"] == 7 and run["differing"] == [], run["differing"]
 
 
 test_synced_ddp_loops_do_not_warn_and_agree.dist_cases = ("hand_written_ddp",)

@@ -7,9 +7,9 @@ import qcompile as qc
 
 def spec(preset: str, *, inputs: bool = True, **extra) -> qc.CompileSpec:
     """``preset`` with the model inputs quantized too (uint8, asymmetric), so the first
-    layer reads integers, and any top-level sections in ``extra`` replaced."""
+    layer reads integers, or (``inputs=False``) left in float whatever the preset says;
+    and any top-level sections in ``extra`` replaced."""
     d = qc.load_spec(preset).model_dump()
-    if inputs:
-        d["quant"]["inputs"] = {"dtype": "uint8", "symmetric": False}
+    d["quant"]["inputs"] = {"dtype": "uint8", "symmetric": False} if inputs else None
     d.update(extra)
     return qc.CompileSpec.model_validate(d)

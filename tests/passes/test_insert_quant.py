@@ -240,8 +240,8 @@ def test_weight_scheme_on_a_relu_is_noted_not_applied(golden):
         {"match": {"module": "ReLU"}, "weight": W8},
         {"match": {"module": "Linear"}, "weight": W8}), X)
     golden("insert_quant_weight_on_relu", dump(before, gm, ctx))
-    assert ctx.notes == ["rule 0: weight scheme not applied to 1 node(s) without a "
-                         "Linear/Conv/Embedding weight (_1)"]
+    assert ctx.notes == ["rule 0: weight scheme not applied to 1 node(s) that read no "
+                         "weight (_1)"]
     assert sorted(qc.quantizers(gm)) == ["0.weight_fake_quant", "2.weight_fake_quant"]
     assert node(gm, "_1").op == "call_module" and node(gm, "_1").target == "1"
 
@@ -580,3 +580,122 @@ def test_from_scheme_builds_what_the_constructor_builds(kw):
     assert [type(p) for p in a.parameters()] == [type(p) for p in b.parameters()]
     assert type(a.observer) is type(b.observer)
     assert repr(a) == repr(b)
+
+
+# -- every weight a model has: experts, functional weights, transposed convs, bags -----
+
+
+class TinyExperts(nn.Module):
+    """Experts as one [experts, out, in] parameter read through ``W[e]`` + linear and bmm
+    (stored [experts, in, out]), and a router reading a plain Parameter functionally."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.router = nn.Parameter(torch.randn(2, 4))
+        self.up = nn.Parameter(torch.randn(2, 8, 4))  # [experts, out, in]
+        self.down = nn.Parameter(torch.randn(2, 8, 4))  # [experts, in, out]
+
+    def forward(self, x):
+        gates = F.linear(x, self.router).softmax(-1)
+        h = torch.stack([F.linear(x, self.up[0]), F.linear(x, self.up[1])])
+        y = torch.bmm(torch.relu(h), self.down)
+        return (y * gates.t().unsqueeze(-1)).sum(0)
+
+
+def test_golden_expert_weights_quantized_per_expert_and_channel(golden):
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    before, gm, ctx = run_insert(TinyExperts(), qspec(
+        {"match": {"op": ["linear", "bmm"], "reads_weight": True}, "weight": W8C}), x)
+    golden("insert_quant_experts", dump(before, gm, ctx))
+    qs = qc.quantizers(gm)
+    assert qs["up_fake_quant"].scale.shape == (2 * 8,)  # experts x out
+    assert qs["down_fake_quant"].scale.shape == (2 * 4,)  # out is the last dim here
+    # one quantizer per parameter, however many ops read it
+    assert sum(1 for n in gm.graph.nodes if n.target == "up_fake_quant") == 1
+    with torch.no_grad():
+        ref = TinyExperts()(x)
+    with torch.no_grad():
+        assert float((gm(x) - ref).abs().max()) < 0.1 * float(ref.abs().max())
+
+
+def test_golden_reads_weight_rule_does_not_fire_on_activation_products(golden):
+    class Scores(nn.Module):  # q @ k.T: two activations, no weight
+        def forward(self, x):
+            return torch.bmm(x, x.transpose(1, 2)).softmax(-1)
+
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))
+    rules = [{"match": {"op": "bmm", "reads_weight": True}, "weight": W8C, "optional": True},
+             {"match": {"op": "softmax"}, "activation": A8}]
+    before, gm, ctx = run_insert(Scores(), qspec(*rules), x)
+    golden("insert_quant_no_fire_reads_weight", dump(before, gm, ctx))
+    assert sorted(qc.quantizers(gm)) == ["softmax_fake_quant"]
+
+
+class FunctionalWeights(nn.Module):
+    """Weights a graph reads with get_attr: a Parameter, a buffer and a plain tensor, into
+    F.linear / F.conv2d, and ``x @ W`` with W stored [in, out]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(6, 4))
+        self.register_buffer("frozen", torch.randn(6, 6))
+        self.plain = torch.randn(6, 3)  # neither parameter nor buffer
+        self.kernel = nn.Parameter(torch.randn(2, 1, 3, 3))
+
+    def forward(self, x, img):
+        y = F.linear(F.linear(x, self.w), self.frozen) @ self.plain
+        return y, F.conv2d(img, self.kernel)
+
+
+def test_golden_functional_weights_on_parameters_buffers_and_tensors(golden):
+    x, img = torch.randn(2, 4), torch.randn(1, 1, 5, 5)
+    before, gm, ctx = run_insert(FunctionalWeights(), qspec(
+        {"match": {"op": ["linear", "matmul", "conv2d"], "reads_weight": True},
+         "weight": W8C}), x, img)
+    golden("insert_quant_functional_weights", dump(before, gm, ctx))
+    qs = qc.quantizers(gm)
+    assert sorted(qs) == ["frozen_fake_quant", "kernel_fake_quant", "plain_fake_quant",
+                          "w_fake_quant"]
+    assert qs["plain_fake_quant"].scale.shape == (3,)  # x @ W: out channels on dim 1
+    # only a trainable Parameter keeps being observed in QAT
+    assert qs["w_fake_quant"].observe and not qs["frozen_fake_quant"].observe
+    assert not qs["plain_fake_quant"].observe
+
+
+def test_golden_conv_transpose_and_embedding_bag(golden):
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.bag = nn.EmbeddingBag(10, 4, mode="mean")
+            self.up = nn.ConvTranspose1d(4, 3, 3, stride=2, output_padding=1)
+
+        def forward(self, ids, offsets):
+            return self.up(self.bag(ids, offsets).unsqueeze(-1))
+
+    ids, offsets = torch.tensor([1, 2, 4, 5, 4, 3]), torch.tensor([0, 2, 4])
+    model = Decoder()
+    before, gm, ctx = run_insert(model, qspec(
+        {"match": {"module": ["EmbeddingBag", "ConvTranspose1d"]}, "weight": W8C}),
+        ids, offsets)
+    golden("insert_quant_conv_transpose_embedding_bag", dump(before, gm, ctx))
+    qs = qc.quantizers(gm)
+    assert qs["up.weight_fake_quant"].scale.shape == (3,)  # [in, out, k]: out is dim 1
+    assert qs["bag.weight_fake_quant"].scale.shape == (10,)  # one scale per row
+    assert float((gm(ids, offsets) - model(ids, offsets)).abs().max()) < 0.05
+
+
+def test_conv_transpose_with_output_size_is_refused_with_the_fix():
+    class Up(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.ConvTranspose2d(2, 2, 3, stride=2)
+
+        def forward(self, x):
+            return self.up(x, output_size=[10, 10])
+
+    with pytest.raises(qc.QCompileError, match=r"(?s)output_size.*output_padding"):
+        qc.qcompile(Up(), qspec({"match": {"module": "ConvTranspose2d"}, "weight": W8C}),
+                    example_inputs=(torch.randn(1, 2, 4, 4),))

@@ -118,7 +118,7 @@ def test_bad_version_rejected(version: object) -> None:
         ({"quant": {"rules": [{"match": {"name": "x"}, "weight": {"bits": 4}}]}},
          ("quant", "rules", 0, "weight", "bits")),
         ({"quant": {"inputs": {"dtype": "int8", "zero_point": 0}}}, ("quant", "inputs",
-                                                                     "zero_point")),
+                                                                     "scheme", "zero_point")),
         ({"quant": {"rules": [{"match": {"name": "x"},
                                "activation": {"observer": {"kind": "moving_average",
                                                            "momentun": 0.1}}}]}},

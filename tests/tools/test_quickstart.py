@@ -16,8 +16,9 @@ def test_qat_matches_fp32_on_digits() -> None:
     assert abs(result["qat_accuracy"] - result["fp32_accuracy"]) <= 0.02
     assert result["qat_losses"][-1] < 0.1
     text = "\n".join(lines)
-    assert "quantizers: 8" in text and "test accuracy" in text
-    assert len(result["report"].quantizers) == 8
+    # 8 for the layers, 1 for the image the first conv reads (inputs: auto)
+    assert "quantizers: 9" in text and "test accuracy" in text
+    assert len(result["report"].quantizers) == 9
 
 
 def test_demo_refuses_a_bad_spec(capsys: pytest.CaptureFixture[str]) -> None:

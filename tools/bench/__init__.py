@@ -28,6 +28,9 @@ Subcommands:
   ``prepare_qat_fx``, same models.
 - ``convert``: int8 inference latency after ``qc.convert`` vs fp32, next to torch.ao
   ``convert_fx`` (MLP at batch 64 and 1, ResNet-style CNN at batch 32).
+- ``convert-presets``: converted int8-static / int8-qat presets (a float input quantized
+  where a quantized layer reads it) vs fp32 vs torch.ao ``convert_fx``, batch 1 and 64,
+  measured side by side in one run.
 - ``onnx``: onnxruntime latency of the QDQ model from ``qc.export_onnx`` (fused into
   integer kernels) vs the fp32 ONNX model vs ``qc.convert``, and its file size vs fp32.
 - ``fakequant``: fake-quant throughput (GB/s, forward and forward+backward) per-tensor /
@@ -36,6 +39,14 @@ Subcommands:
   SmoothQuant, bias correction, AdaRound, GPTQ) vs round-to-nearest at int8 per-tensor,
   w4 per-group, w3 per-channel and w8a8, on the digits CNN/MLP and a small Llama-style
   character LM trained on the stdlib's source (``lm``; weights cached), next to torchao.
+- ``torch-models``: coverage of torch's own quantization test models
+  (``torch.testing._internal.common_quantization``, about 100): per model and preset
+  (int8-qat, int8-static, int8-dynamic), whether qcompile and torch.ao FX compile and
+  convert it, the fraction of weights quantized and the rel-L2 of the fake-quant and
+  converted outputs vs fp32, failures with their first error line (needs ``expecttest``).
+- ``moe``: mixture-of-experts language models (Mixtral-, Qwen2-MoE-, DeepSeek-V3-style tiny
+  configs): expert parameters behind a quantizer, QAT loss next to fp32, and in mode none
+  bit-identical logits and identical routing.
 
 ``--quick`` runs smaller workloads; ``--format json`` (or ``--json``) prints the result
 dict as JSON instead of text, through the output sink shared with ``qcompile-inspect``

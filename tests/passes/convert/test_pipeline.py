@@ -34,7 +34,7 @@ from qcompile.runtime.calibration import freeze
 pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation.*:UserWarning")
 
 STEPS = ["collect_weights", "fold_batchnorm", "lower_activations", "sink_dequantize",
-         "use_kernels", "store_weights", "tidy"]
+         "use_kernels", "use_recurrent_kernels", "store_weights", "tidy"]
 COMPILE = ["trace", "fold_bn", "annotate", "insert_quant"]
 
 
@@ -59,8 +59,14 @@ def static(model: nn.Module, shape: tuple[int, ...], **extra) -> torch.fx.GraphM
     return qc.calibrate(gm, batches, progress=False)
 
 
-def qat(model: nn.Module, shape: tuple[int, ...]) -> torch.fx.GraphModule:
-    gm = qc.qcompile(model, "int8-qat", example_inputs=(torch.randn(shape),))
+def qat(model: nn.Module, shape: tuple[int, ...], *,
+        float_inputs: bool = False) -> torch.fx.GraphModule:
+    """int8-qat, run once in train mode; ``float_inputs``: the model input is not quantized
+    (``quant.inputs: null``), so the first layer keeps a float op on integer weights."""
+    spec = qc.load_spec("int8-qat")
+    if float_inputs:
+        spec = spec.model_copy(update={"quant": spec.quant.model_copy(update={"inputs": None})})
+    gm = qc.qcompile(model, spec, example_inputs=(torch.randn(shape),))
     with torch.no_grad():
         gm(torch.randn(shape))
     return gm
@@ -166,7 +172,7 @@ def test_pipeline_graphs_name_each_stage() -> None:
 
 # -- dumps ----------------------------------------------------------------------------------
 def test_graph_dumps_once_per_conversion_step(tmp_path) -> None:
-    gm = qat(conv_bn(), (2, 3, 8, 8))
+    gm = qat(conv_bn(), (2, 3, 8, 8), float_inputs=True)  # the conv's weight: int storage
     convert(gm, instruments=[GraphDumps(tmp_path)])
     files = sorted(p.name for p in tmp_path.iterdir())
     first = len(COMPILE) + 1  # numbered after the compile passes (their dumps come first)

@@ -46,7 +46,9 @@ def test_export_lists_every_quantizer_with_its_numerics(tmp_path: Path) -> None:
     data = json.loads(path.read_text())
     assert data["version"] == "1.0.0" and data["producer"].startswith("qcompile")
     assert sorted(data["param_encodings"]) == ["conv.weight", "fc.weight"]
-    assert sorted(data["activation_encodings"]) == ["add", "conv.output", "fc.output"]
+    # x_input: the presets quantize a float model input a quantized layer reads
+    assert sorted(data["activation_encodings"]) == ["add", "conv.output", "fc.output",
+                                                    "x_input"]
     conv = data["param_encodings"]["conv.weight"]
     assert len(conv) == 4  # per channel: one entry per output channel
     fq = qc.quantizers(gm)["conv.weight_fake_quant"]
@@ -107,7 +109,8 @@ def test_sqnr_reports_every_quantized_activation_worst_first() -> None:
     qc.freeze(gm)
     gm.eval()
     rows = qc.sqnr(gm, model(), BATCHES)
-    assert {r["node"] for r in rows} == {"relu", "add", "fc"}  # fc re-expressed as `linear`
+    # fc re-expressed as `linear`; x: the model input, quantized where conv reads it
+    assert {r["node"] for r in rows} == {"relu", "add", "fc", "x"}
     assert all(20 < r["sqnr_db"] < math.inf for r in rows)
     assert rows == sorted(rows, key=lambda r: r["sqnr_db"])
 

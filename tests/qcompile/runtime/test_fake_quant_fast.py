@@ -283,3 +283,18 @@ def test_observe_and_fake_quant_in_one_call(monkeypatch: pytest.MonkeyPatch, isa
         x.requires_grad_(True)
         fused(x).sum().backward()
         assert x.grad.view(-1)[0] == 0 and (x.grad.view(-1)[1:] == 1).all()
+
+
+def test_a_zero_dim_value_is_quantized_per_tensor_on_both_paths():
+    """``y.sum()`` after a quantized layer: a 0-d tensor through a per-tensor quantizer, on
+    the fixed-qparams fast path and the observing path alike."""
+    fq = FakeQuantize("uint8", symmetric=False)
+    x = torch.tensor(2.71828)
+    observed = fq(x)  # observes, then quantizes
+    assert observed.shape == () and float(observed) == pytest.approx(2.71828, abs=0.02)
+    fq.observe = False
+    fixed = fq(torch.tensor(1.3))
+    scale = float(fq.scale)
+    q = max(0, min(255, round(1.3 / scale) + int(fq.zero_point)))
+    assert fixed.shape == () and float(fixed) == pytest.approx(
+        (q - int(fq.zero_point)) * scale, rel=1e-6)

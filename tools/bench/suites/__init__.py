@@ -20,6 +20,7 @@ from typing import Any
 from qcompile.tools.bench.suites.algorithms import algorithms_text, bench_algorithms
 from qcompile.tools.bench.suites.compile import bench_compile, bench_memory, memory_text
 from qcompile.tools.bench.suites.convert import bench_convert
+from qcompile.tools.bench.suites.convert_presets import bench_convert_presets
 from qcompile.tools.bench.suites.distributed import (
     compile_once_text,
     hybrid_text,
@@ -31,8 +32,10 @@ from qcompile.tools.bench.suites.distributed import (
     run_pipeline,
 )
 from qcompile.tools.bench.suites.fakequant import bench_fakequant
+from qcompile.tools.bench.suites.moe import bench_moe
 from qcompile.tools.bench.suites.onnx import bench_onnx
 from qcompile.tools.bench.suites.step import bench_step
+from qcompile.tools.bench.suites.torch_models import bench_torch_models, torch_models_text
 from qcompile.tools.output import records
 
 
@@ -53,6 +56,9 @@ SUITES: dict[str, Suite] = {
     "step": Suite(bench_step, threads=2),
     "fakequant": Suite(bench_fakequant, threads=2),
     "convert": Suite(bench_convert, threads=2),
+    "convert-presets": Suite(bench_convert_presets, threads=2),
     "onnx": Suite(bench_onnx, threads=2),
     "algorithms": Suite(bench_algorithms, algorithms_text, threads=2),
+    "torch-models": Suite(bench_torch_models, torch_models_text, threads=2),
+    "moe": Suite(bench_moe, threads=2),
 }
