@@ -130,7 +130,7 @@ def sqnr(gm: nn.Module, reference_model: nn.Module, batches: Iterable[Any], *,
         >>> gm = qc.qcompile(model, "int8-static", example_kwargs=xs[0])
         >>> gm = qc.calibrate(gm, xs, progress=False)
         >>> [row["node"] for row in qc.sqnr(gm, model, xs)]
-        ['_1', 'input_1']
+        ['input_1', '_1']
     """
     gm = _graph(gm)
     if any(name.startswith("stage_") for name, _ in gm.named_children()):

@@ -336,6 +336,8 @@ def _drop_transfer(gm: GraphModule) -> None:
 def _rewrite(gm: GraphModule, observing: list[str]) -> None:
     """Replace every quantizer node of ``gm``'s own graph by its stand-in."""
     _drop_transfer(gm)
+    # a quantizer whose output nothing reads (a layer's unused result) went with its node
+    gm.delete_all_unused_submodules()
     for node in list(gm.graph.nodes):
         if node.op != "call_module":
             continue

@@ -380,3 +380,18 @@ def test_demo_prints_a_hint_without_the_extra(monkeypatch: pytest.MonkeyPatch) -
     gm = qc.qcompile(mlp(), "int8-qat", example_inputs=(torch.randn(2, 64),))
     assert onnx_accuracy(gm, torch.randn(4, 64), torch.zeros(4), lines.append) is None
     assert len(lines) == 1 and "pip install qcompile[onnx]" in lines[0]
+
+
+def test_a_quantized_layer_whose_output_nothing_reads_exports(tmp_path: Path) -> None:
+    class Unused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            self.a(x).argmax(-1)  # computed, never read
+            return self.b(x)
+
+    torch.manual_seed(0)
+    gm = ready(Unused(), spec("int8-static"), (4, 8))
+    export_and_compare(gm, tmp_path, torch.randn(4, 8), batches_of((4, 8), (3, 5)))
