@@ -2,14 +2,18 @@
 
 - Activations: a quantizer after each annotated node with an activation scheme, or after
   the last member of its fusion group (conv-bn-relu is quantized once, at its output).
-- Weights: Linear / Conv1-3d / Embedding calls are re-expressed with the functional op
-  (``F.linear(x, fc.weight_fake_quant(fc.weight), fc.bias)``) so the graph shows
-  weight -> quantizer -> op, exactly as on ``torch.export`` graphs; functional
-  linear/conv/embedding calls on parameters get the same treatment. One quantizer per
-  parameter, named ``<module>.<param>_fake_quant``; parameter names are unchanged. A weight
+- Weights: Linear / Conv1-3d / ConvTranspose1-3d / Embedding / EmbeddingBag calls are
+  re-expressed with the functional op (``F.linear(x, fc.weight_fake_quant(fc.weight),
+  fc.bias)``) so the graph shows weight -> quantizer -> op, exactly as on ``torch.export``
+  graphs; any op reading a parameter, buffer or tensor attribute as its weight
+  (``qcompile.graph.matching.weight_use``) gets the same treatment. One quantizer per
+  tensor, named ``<module>.<param>_fake_quant``; parameter names are unchanged. A weight
   stored [in, out] (Hugging Face GPT-2's ``Conv1D``: ``addmm(b, x, W)``, or ``x @ W``) is
   quantized per channel along its output dimension (axis 1); per group, its quantizer
-  sees ``W.t()`` so that groups run along the input dimension, as for a Linear.
+  sees ``W.t()`` so that groups run along the input dimension, as for a Linear. A 3-D
+  expert weight (``[experts, out, in]`` or ``[experts, in, out]``) is seen as its
+  ``[experts * out, in]`` rows: scales per expert and output channel.
+- Recurrent layers (LSTM, GRU, RNN and their cells): ``insert_quant.recurrent``.
 - Inputs: ``quant.inputs``: a scheme quantizes each float model input; ``auto`` (the
   int8-static / int8-qat presets) quantizes a float input where a quantized Linear / Conv
   reads it, with that layer's activation scheme (torch.ao's input observer).
@@ -365,6 +369,62 @@ def _weights(gm: GraphModule, ctx: Context, handled: set[Node]) -> None:
                  f"no weight ({', '.join(names[:4])})")
 
 
+def _auto_inputs(gm: GraphModule, ctx: Context) -> None:
+    """``quant.inputs: auto``: a quantizer where a quantized weighted op reads a float model
+    input (directly or through shape ops), with that op's activation scheme."""
+    dev = model_device(gm)
+    reshapes = {"view", "reshape", "flatten", "permute", "transpose", "contiguous",
+                "squeeze", "unsqueeze", "t", "unsafe_view"}
+    views = reshapes | {"getitem", "select", "index", "T"}
+    weights = {r.name for r in ctx.quantizers if r.role == "weight"}
+
+    def quantized_weight(n: Any) -> bool:  # a weight quantizer's output, or a view of it
+        while (isinstance(n, Node) and n.op in ("call_function", "call_method")
+               and n.args and op_name(n) in views):
+            n = n.args[0]
+        return isinstance(n, Node) and n.op == "call_module" and str(n.target) in weights
+
+    def model_input(v: Any) -> Node | None:  # the float placeholder v reshapes, if any
+        while isinstance(v, Node) and v.op != "placeholder":
+            flatten = v.op == "call_module" and isinstance(
+                gm.get_submodule(str(v.target)), nn.Flatten)
+            if not (flatten or op_name(v) in reshapes) or not v.args or any(
+                    a is not v.args[0] and tensor_shape(a, ctx)[0] for a in v.all_input_nodes):
+                return None
+            v = v.args[0]
+        return v if isinstance(v, Node) and tensor_shape(v, ctx)[0] else None
+
+    readers: dict[tuple[Node, Any], list[Node]] = {}
+    for op in list(gm.graph.nodes):
+        qs = op.meta.get(QSCHEME_KEY)
+        if (op.op != "call_function" or qs is None or qs.skip or qs.weight is None
+                or qs.activation is None
+                or not any(quantized_weight(a) for a in op.all_input_nodes)):
+            continue
+        x = _data_input(op)
+        if isinstance(x, Node) and model_input(x) is not None:
+            readers.setdefault((x, qs.activation), []).append(op)
+    for (x, act), ops in readers.items():
+        rule = ops[0].meta[QSCHEME_KEY].rule
+        source = model_input(x)
+        fq = build(act, ctx, role="activation", shape=tensor_shape(x, ctx)[1],
+                    dynamic=False, where=f"input {source.target!r} (read by {ops[0].name})",
+                    field=f"quant.inputs (auto: quant.rules[{rule}].activation)")
+        set_activation_mode(fq, ctx.spec.quant.mode)
+        move_to(fq, dev)
+        name = add_quantizer(gm, f"{source.target}_input_fake_quant", fq)
+        with gm.graph.inserting_after(x):
+            q = quantizer_call(gm, name, x)
+        q.meta[TENSOR_META] = x.meta.get(TENSOR_META)
+        for op in ops:
+            op.replace_input_with(x, q)
+        ctx.quantizers.append(quantizer_record(name, fq, "input", source.name, rule))
+    if readers:
+        read = ", ".join(op.name for ops in readers.values() for op in ops)
+        ctx.note(f"quant.inputs auto: {len(readers)} input quantizer(s), where quantized "
+                 f"layers read model inputs ({read})")
+
+
 def _inputs(gm: GraphModule, ctx: Context) -> None:
     """``quant.inputs``: a scheme quantizes every float model input with it; ``auto``
     quantizes what a quantized weighted op (weight and activation schemes) reads when that
@@ -375,61 +435,11 @@ def _inputs(gm: GraphModule, ctx: Context) -> None:
     scheme = ctx.spec.quant.inputs
     if scheme is None:
         return
-    dev = model_device(gm)
     if scheme == "auto":
-        if ctx.spec.quant.mode == "dynamic":
-            return
-        reshapes = {"view", "reshape", "flatten", "permute", "transpose", "contiguous",
-                    "squeeze", "unsqueeze", "t", "unsafe_view"}
-        views = reshapes | {"getitem", "select", "index", "T"}
-        weights = {r.name for r in ctx.quantizers if r.role == "weight"}
-
-        def quantized_weight(n: Any) -> bool:  # a weight quantizer's output, or a view of it
-            while (isinstance(n, Node) and n.op in ("call_function", "call_method")
-                   and n.args and op_name(n) in views):
-                n = n.args[0]
-            return isinstance(n, Node) and n.op == "call_module" and str(n.target) in weights
-
-        def model_input(v: Any) -> Node | None:  # the float placeholder v reshapes, if any
-            while isinstance(v, Node) and v.op != "placeholder":
-                flatten = v.op == "call_module" and isinstance(
-                    gm.get_submodule(str(v.target)), nn.Flatten)
-                if not (flatten or op_name(v) in reshapes) or not v.args or any(
-                        a is not v.args[0] and tensor_shape(a, ctx)[0] for a in v.all_input_nodes):
-                    return None
-                v = v.args[0]
-            return v if isinstance(v, Node) and tensor_shape(v, ctx)[0] else None
-
-        readers: dict[tuple[Node, Any], list[Node]] = {}
-        for op in list(gm.graph.nodes):
-            qs = op.meta.get(QSCHEME_KEY)
-            if (op.op != "call_function" or qs is None or qs.skip or qs.weight is None
-                    or qs.activation is None
-                    or not any(quantized_weight(a) for a in op.all_input_nodes)):
-                continue
-            x = _data_input(op)
-            if isinstance(x, Node) and model_input(x) is not None:
-                readers.setdefault((x, qs.activation), []).append(op)
-        for (x, act), ops in readers.items():
-            rule = ops[0].meta[QSCHEME_KEY].rule
-            source = model_input(x)
-            fq = build(act, ctx, role="activation", shape=tensor_shape(x, ctx)[1],
-                        dynamic=False, where=f"input {source.target!r} (read by {ops[0].name})",
-                        field=f"quant.inputs (auto: quant.rules[{rule}].activation)")
-            set_activation_mode(fq, ctx.spec.quant.mode)
-            move_to(fq, dev)
-            name = add_quantizer(gm, f"{source.target}_input_fake_quant", fq)
-            with gm.graph.inserting_after(x):
-                q = quantizer_call(gm, name, x)
-            q.meta[TENSOR_META] = x.meta.get(TENSOR_META)
-            for op in ops:
-                op.replace_input_with(x, q)
-            ctx.quantizers.append(quantizer_record(name, fq, "input", source.name, rule))
-        if readers:
-            read = ", ".join(op.name for ops in readers.values() for op in ops)
-            ctx.note(f"quant.inputs auto: {len(readers)} input quantizer(s), where quantized "
-                     f"layers read model inputs ({read})")
+        if ctx.spec.quant.mode != "dynamic":  # dynamic mode quantizes them per batch already
+            _auto_inputs(gm, ctx)
         return
+    dev = model_device(gm)
     for node in [n for n in gm.graph.nodes if n.op == "placeholder"]:
         is_float, shape = tensor_shape(node, ctx)
         if not is_float:
