@@ -184,9 +184,10 @@ def module_op(m: nn.Module) -> str | None:
     return None
 
 
+# Layout views a weight may reach its op through (see ``_view_step``).
 _VIEW_TARGETS = {aten.t.default, aten.transpose.int, aten.permute.default, torch.t,
-                      torch.transpose, torch.permute, aten.select.int, aten.index.Tensor,
-                      operator.getitem, torch.select}
+                 torch.transpose, torch.permute, aten.select.int, aten.index.Tensor,
+                 operator.getitem, torch.select}
 
 
 def _int(v: object) -> int | None:
@@ -196,10 +197,8 @@ def _int(v: object) -> int | None:
 def _view_step(node: Node, ndim: int) -> list[int] | None:
     """For a layout view of one ``ndim``-dim tensor (transpose, permute, picking experts
     along dim 0): which input dim each output dim is. Anything else: None."""
-    if node.op not in ("call_function", "call_method") or not node.args:
-        return None
-    src = node.args[0]
-    if not isinstance(src, Node):
+    if (node.op not in ("call_function", "call_method") or not node.args
+            or not isinstance(node.args[0], Node)):
         return None
     target, args = node.target, node.args
     name = target if node.op == "call_method" else None
@@ -351,6 +350,7 @@ def _trace_back(node: Node, w: Node, op: str | None, out_dim: int) -> WeightUse 
 
 
 def _drops_dim(node: Node) -> bool:
+    """Whether a view picks one expert (its result has one dim fewer)."""
     if node.op == "call_method":
         return node.target == "select"
     if node.target in (torch.select, aten.select.int):
@@ -361,6 +361,7 @@ def _drops_dim(node: Node) -> bool:
 
 
 def _param_rank(node: Node) -> int | None:
+    """The rank of a ``get_attr``'s value from the recorded shapes (None without them)."""
     tm = node.meta.get(TENSOR_META)
     shape = getattr(tm, "shape", None)
     if shape is None:
