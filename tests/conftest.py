@@ -53,3 +53,14 @@ def golden(request: pytest.FixtureRequest):
         assert text == expected, f"graph differs from {path} (QCOMPILE_UPDATE_GOLDEN=1 rewrites)"
 
     return check
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test: on tensors of a few hundred elements a second
+    OpenMP thread only adds its synchronisation (tens of times the run time on a busy
+    2-core machine). Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

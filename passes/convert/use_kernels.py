@@ -41,7 +41,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.ao.nn.intrinsic.quantized as nniq
@@ -103,20 +103,43 @@ def _replace_chain(gm: GraphModule, op: Node, out_q: Node, relu: Node | None,
             gm.graph.erase_node(n)
 
 
-def _static_kernel(gm: GraphModule, conv: Conversion, node: Node) -> bool:
+@dataclass(frozen=True)
+class _Between:
+    """A weighted op between quantized tensors: its dequantized input ``x``, weight
+    quantizer node, output quantizer (and the ReLU before it, if any) and float bias."""
+
+    x: Node
+    w_node: Node
+    out_q: Node
+    has_relu: bool
+    relu: Node | None
+    bias: torch.Tensor | None
+
+
+def _between_quantized(gm: GraphModule, conv: Conversion, node: Node) -> _Between | None:
+    """What a static kernel for ``node`` needs, or None where its input is not a
+    dequantized tensor, its weight has no integers or its output is not quantized."""
     x, w_node = node.args[0], node.args[1] if len(node.args) > 1 else None
     if not (isinstance(x, Node) and x.meta.get(DQ_KEY)) or w_node not in conv.weights:
-        return False
+        return None
     out_q, has_relu, relu = _quantized_output(gm, node)
     if out_q is node:
-        return False
-    qweight = qint8(conv.weights[w_node])
-    if qweight is None:
-        return False
+        return None
     bias = conv.bias.get(node, attr_value(gm, arg(node, 2, "bias", None)))
     # a copy: the packed kernel keeps the tensor it is given, and the graph's float
     # parameters are the source graph's own (qc.convert shares them while converting)
     bias = None if bias is None else bias.detach().float().clone()
+    return _Between(x, w_node, out_q, has_relu, relu, bias)
+
+
+def _static_kernel(gm: GraphModule, conv: Conversion, node: Node) -> bool:
+    b = _between_quantized(gm, conv, node)
+    if b is None:
+        return False
+    x, w_node, out_q, has_relu, relu, bias = b.x, b.w_node, b.out_q, b.has_relu, b.relu, b.bias
+    qweight = qint8(conv.weights[w_node])
+    if qweight is None:
+        return False
     scale, zp = out_q.meta[QPARAMS_KEY][:2]
     shape = tuple(qweight.shape)
     if node.target in LINEAR:
@@ -153,19 +176,15 @@ def _transposed_kernel(gm: GraphModule, conv: Conversion, node: Node) -> bool:
     """``conv_transpose1-3d`` between quantized tensors -> ``nnq.ConvTranspose1-3d`` where
     the engine's kernel takes the weight (``transposed_kernel_refusal``); a ReLU after it
     runs on the quantized output (exact: quantizing is monotone)."""
-    x, w_node = node.args[0], node.args[1] if len(node.args) > 1 else None
-    if not (isinstance(x, Node) and x.meta.get(DQ_KEY)) or w_node not in conv.weights:
+    b = _between_quantized(gm, conv, node)
+    if b is None:
         return False
-    out_q, has_relu, relu = _quantized_output(gm, node)
-    if out_q is node:
-        return False
+    x, w_node, out_q, has_relu, relu, bias = b.x, b.w_node, b.out_q, b.has_relu, b.relu, b.bias
     t, dims, groups = conv.weights[w_node], CONV_TRANSPOSE[node.target], arg(node, 6, "groups", 1)
     engine = torch.backends.quantized.engine
     if not isinstance(groups, int) or transposed_kernel_refusal(t, dims, groups, engine):
         return False
     qweight = qint8(t, axis=1)
-    bias = conv.bias.get(node, attr_value(gm, arg(node, 2, "bias", None)))
-    bias = None if bias is None else bias.detach().float().clone()
     shape = tuple(qweight.shape)
     module = QCONV_TRANSPOSE[dims](
         shape[0], shape[1] * groups, shape[2:], stride=arg(node, 3, "stride", 1),

@@ -527,7 +527,7 @@ class FakeQuantize(nn.Module):
         if (type(x) is torch.Tensor and self.enabled and not self.observe
                 and self.granularity == "per_tensor" and not self.learnable
                 and not self.dynamic and self.dtype not in FP8_DTYPES and x.is_cpu
-                and x.is_floating_point() and x.dim() != 0
+                and x.is_floating_point() and x.numel() != 0 and x.dim() != 0
                 and not torch.compiler.is_dynamo_compiling() and kernels.available()):
             return torch.ops.qcompile.fake_quant(x, self.scale, self.zero_point,
                                                  self.quant_min, self.quant_max)

@@ -8,15 +8,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from pass_runs import annotated
 from torch import nn
 
 import qcompile as qc
 from qcompile.graph.context import Context
 from qcompile.graph.dump import format_graph
-from qcompile.passes.annotate import annotate
-from qcompile.passes.fold_bn import fold_bn
 from qcompile.passes.insert_quant import insert_quant
-from qcompile.passes.trace import trace
 from qcompile.runtime.fake_quant import FakeQuantize
 
 # -- helpers --------------------------------------------------------------------------
@@ -32,15 +30,7 @@ def qspec(*rules: dict, mode: str = "qat", **quant) -> dict:
 
 def run_insert(model: nn.Module, spec_dict: dict, *inputs: torch.Tensor):
     """(dump before insert_quant, graph after it, ctx with insert_quant's notes)."""
-    ctx = Context(spec=qc.CompileSpec.model_validate(spec_dict), model=model,
-                  example_inputs=inputs or None)
-    gm = None
-    for p in (trace, fold_bn, annotate):
-        gm = p(gm, ctx)
-        gm.graph.lint()
-        gm.recompile()
-    before = format_graph(gm)
-    ctx.notes = []
+    gm, ctx, before = annotated(model, spec_dict, *inputs)
     gm = insert_quant(gm, ctx)
     gm.graph.lint()
     gm.recompile()

@@ -9,16 +9,13 @@ import copy
 
 import pytest
 import torch
+from pass_runs import annotated
 from pydantic import ValidationError
 from torch import nn
 
 import qcompile as qc
-from qcompile.graph.context import Context
 from qcompile.graph.dump import format_graph
-from qcompile.passes.annotate import annotate
-from qcompile.passes.fold_bn import fold_bn
 from qcompile.passes.insert_quant import insert_quant
-from qcompile.passes.trace import trace
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation.*:UserWarning")
 
@@ -33,14 +30,7 @@ def qspec(*rules: dict, mode: str = "static") -> dict:
 def run_insert(model: nn.Module, spec_dict: dict, *inputs: torch.Tensor) -> str:
     """The golden text: the graph before and after ``insert_quant``, its quantizers and
     notes."""
-    ctx = Context(spec=qc.CompileSpec.model_validate(spec_dict), model=model,
-                  example_inputs=inputs)
-    gm = None
-    for p in (trace, fold_bn, annotate):
-        gm = p(gm, ctx)
-        gm.recompile()
-    before = format_graph(gm)
-    ctx.notes = []
+    gm, ctx, before = annotated(model, spec_dict, *inputs)
     gm = insert_quant(gm, ctx)
     gm.graph.lint()
     gm.recompile()

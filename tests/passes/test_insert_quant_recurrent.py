@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pass_runs import annotated
 from torch import nn
 
 import qcompile as qc
 from qcompile.graph.context import Context
 from qcompile.graph.dump import format_graph
-from qcompile.passes.annotate import annotate
-from qcompile.passes.fold_bn import fold_bn
 from qcompile.passes.insert_quant.recurrent import quantize_recurrent_layers
-from qcompile.passes.trace import trace
 from qcompile.runtime import recurrent
 from qcompile.runtime.fake_quant import FakeQuantize
 
@@ -30,14 +28,7 @@ def qspec(mode: str, *rules: dict, method: str = "symbolic") -> dict:
 
 def run(model: nn.Module, spec: dict, *inputs: torch.Tensor):
     """(dump before, graph after quantize_recurrent_layers, ctx, nodes it returned)."""
-    ctx = Context(spec=qc.CompileSpec.model_validate(spec), model=model,
-                  example_inputs=inputs or None)
-    gm = None
-    for p in (trace, fold_bn, annotate):
-        gm = p(gm, ctx)
-        gm.recompile()
-    before = format_graph(gm)
-    ctx.notes = []
+    gm, ctx, before = annotated(model, spec, *inputs)
     handled = quantize_recurrent_layers(gm, ctx)
     gm.graph.lint()
     gm.recompile()

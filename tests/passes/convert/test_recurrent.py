@@ -39,16 +39,8 @@ from qcompile.passes.trace import trace
 from qcompile.runtime.engines import require_engine, use_engine
 from qcompile.runtime.recurrent import DynamicRecurrent
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Layers this small run a step in well under a millisecond on one thread; a second
-    intra-op thread only adds synchronisation (tens of ms per step on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.usefixtures("one_thread")]
 
 
 RECURRENT = ["LSTM", "GRU", "RNN", "LSTMCell", "GRUCell", "RNNCell"]

@@ -15,15 +15,7 @@ import qcompile as qc
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.runtime.quant_math import fake_quantize, learned_scale
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tensors of a few hundred elements: a second OpenMP thread only adds its
-    synchronisation (on a busy 2-core machine, 30x the run time)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _fq(granularity: str, channels: int = 1) -> FakeQuantize:

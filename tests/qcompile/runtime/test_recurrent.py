@@ -18,15 +18,7 @@ from qcompile.runtime import recurrent as R
 from qcompile.runtime.engines import use_engine
 from qcompile.runtime.fake_quant import FakeQuantize
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Layers this small run a step in well under a millisecond on one thread; a second
-    intra-op thread only adds synchronisation (tens of ms per step on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 SEQUENCES = {nn.LSTM: R.lstm, nn.GRU: R.gru, nn.RNN: R.rnn}
