@@ -36,7 +36,19 @@ from pydantic import (
 INT_DTYPES = tuple(f"int{b}" for b in range(2, 17))
 UINT_DTYPES = tuple(f"uint{b}" for b in range(2, 17))
 FLOAT_DTYPES = ("fp8_e4m3", "fp8_e5m2")
-DTYPES = INT_DTYPES + UINT_DTYPES + FLOAT_DTYPES
+# Block-scaled formats: each element block shares a scale computed from the block itself.
+# Value: (default block size, whether the format allows another). OCP MX v1.0 fixes 32-element
+# blocks with E8M0 scales; NVFP4 16-element blocks with E4M3 scales under one FP32 tensor scale;
+# QLoRA's NF4 uses 64 by default and any (even) block size.
+BLOCK_SIZES: dict[str, tuple[int, bool]] = {
+    "mxfp8_e4m3": (32, False), "mxfp8_e5m2": (32, False), "mxfp6_e3m2": (32, False),
+    "mxfp6_e2m3": (32, False), "mxfp4": (32, False), "nvfp4": (16, False), "nf4": (64, True),
+}
+BLOCK_DTYPES = tuple(BLOCK_SIZES)
+# The largest finite element magnitude of each block format (NF4: levels in [-1, 1]).
+BLOCK_ELEMENT_MAX = {"mxfp8_e4m3": 448.0, "mxfp8_e5m2": 57344.0, "mxfp6_e3m2": 28.0,
+                     "mxfp6_e2m3": 7.5, "mxfp4": 6.0, "nvfp4": 6.0, "nf4": 1.0}
+DTYPES = INT_DTYPES + UINT_DTYPES + FLOAT_DTYPES + BLOCK_DTYPES
 
 # The largest finite magnitude of each fp8 format (OCP FP8: e4m3 "fn" variant, e5m2).
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
@@ -121,7 +133,17 @@ ObserverSpec = Annotated[
 
 
 class Scheme(Frozen):
-    """How one tensor (a weight, or a node's output) is quantized."""
+    """How one tensor (a weight, or a node's output) is quantized.
+
+    A block-scaled ``dtype`` (``mxfp8_e4m3`` ... ``mxfp4``, ``nvfp4``, ``nf4``) implies
+    ``granularity: per_group`` with its block size as ``group_size`` (NF4 may set another,
+    even, size); its scales come from each block of each tensor (weights and activations
+    alike), so it takes no observer, no learnable scale and no asymmetric range. Blocks run
+    along a weight's rows (its reduction dim) and an activation's last dim.
+
+    >>> Scheme(dtype="nvfp4").group_size, Scheme(dtype="nf4", group_size=16).granularity
+    (16, 'per_group')
+    """
 
     dtype: QDtype = "int8"
     symmetric: bool = True
@@ -142,8 +164,40 @@ class Scheme(Frozen):
         # `observer: minmax` is shorthand for `observer: {kind: minmax}`.
         return {"kind": v} if isinstance(v, str) else v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _block_defaults(cls, data: object) -> object:
+        # a block format's granularity and block size are implied by the dtype
+        if not isinstance(data, dict) or data.get("dtype") not in BLOCK_SIZES:
+            return data
+        dtype = data["dtype"]
+        block, free = BLOCK_SIZES[dtype]
+        g = data.get("granularity", "per_group")
+        if g != "per_group":
+            raise ValueError(f"{dtype} is block-scaled (blocks of {block}): granularity is "
+                             f"per_group, not {g}; leave granularity out")
+        gs = data.get("group_size", block)
+        if not free and gs != block:
+            raise ValueError(f"{dtype} blocks are {block} elements by the format's "
+                             f"definition, not {gs}: leave group_size out")
+        if free and isinstance(gs, int) and not isinstance(gs, bool) and (gs < 2 or gs % 2):
+            raise ValueError(f"{dtype} blocks pack two 4-bit values per byte: group_size "
+                             f"must be even and at least 2, not {gs} (default {block})")
+        return {**data, "granularity": "per_group", "group_size": gs}
+
     @model_validator(mode="after")
     def _granularity_fields(self) -> Scheme:
+        if self.dtype in BLOCK_SIZES:
+            if not self.symmetric:
+                raise ValueError(f"{self.dtype} is a symmetric format: leave symmetric out")
+            if self.learnable:
+                raise ValueError(f"{self.dtype} scales come from each block: learnable "
+                                 "scales are for integer dtypes")
+            if self.observer.kind != "minmax":
+                raise ValueError(f"{self.dtype} scales come from each block of each tensor: "
+                                 f"observer {self.observer.kind} does not apply; leave "
+                                 "observer out")
+            return self
         g = self.granularity
         if g == "per_group" and self.group_size is None:
             raise ValueError("granularity per_group needs group_size (e.g. group_size: 32)")
@@ -167,6 +221,9 @@ class Scheme(Frozen):
         if self.dtype in FP8_MAX:
             m = int(FP8_MAX[self.dtype])
             return -m, m
+        if self.dtype in BLOCK_ELEMENT_MAX:  # the element format's range, rounded up
+            m = -int(-BLOCK_ELEMENT_MAX[self.dtype] // 1)
+            return -m, m
         bits = int(self.dtype.removeprefix("u").removeprefix("int"))
         if reduce_range and self.dtype in REDUCIBLE_DTYPES:
             bits -= 1
@@ -177,6 +234,11 @@ class Scheme(Frozen):
     @property
     def is_float(self) -> bool:
         return self.dtype in FLOAT_DTYPES
+
+    @property
+    def is_block(self) -> bool:
+        """A block-scaled format (scales from each block; no observer, no state)."""
+        return self.dtype in BLOCK_SIZES
 
 
 def _as_list(v: object) -> object:
@@ -223,16 +285,24 @@ class Rule(Frozen):
     optional: bool = Field(
         False, description="allow this rule to match nothing (otherwise that is an error)"
     )
+    activation_at: Literal["output", "input"] = Field(
+        "output", description="where the activation scheme applies: the matched node's "
+        "output, or (weighted ops: linear, conv, matmul with a weight) the input it reads, "
+        "as torchao's 8da4w and the block formats quantize the matmul's operand; dynamic "
+        "mode always quantizes inputs")
 
     @model_validator(mode="after")
     def _consistent(self) -> Rule:
         if self.skip and (self.weight or self.activation):
             raise ValueError("a skip rule takes no weight/activation scheme")
+        if self.activation_at == "input" and self.activation is None:
+            raise ValueError("activation_at: input needs an activation scheme")
         if not self.skip and not (self.weight or self.activation):
             raise ValueError("a rule needs a weight and/or activation scheme, or skip: true")
         if self.weight is not None and self.weight.granularity == "per_token":
             raise ValueError("weight: per_token is for activations; use per_channel or per_group")
-        if self.activation is not None and self.activation.granularity == "per_group":
+        if (self.activation is not None and self.activation.granularity == "per_group"
+                and not self.activation.is_block):
             raise ValueError(
                 "activation: per_group is for weights; use per_token for activations"
             )

@@ -197,7 +197,9 @@ def _weighted_ops(gm: GraphModule) -> dict[tuple[int, str], list[Node]]:
 def _dynamic_input(gm: GraphModule, ctx: Context, op: Node, qs: Any) -> None:
     """Dynamic mode quantizes what a weighted op reads, per batch, as dynamic integer
     kernels do (torch.ao's quantize_dynamic): a quantizer on the op's input, for this op
-    only."""
+    only. So does a rule with ``activation_at: input`` in any mode (torchao's 8da4w and
+    the block formats quantize the operand a matmul reads); its quantizer observes as the
+    mode says unless its scheme is per-token or block-scaled (qparams from each input)."""
     x = _data_input(op)
     if not isinstance(x, Node):
         return
@@ -206,8 +208,11 @@ def _dynamic_input(gm: GraphModule, ctx: Context, op: Node, qs: Any) -> None:
         ctx.note(f"rule {qs.rule}: the input of {op.name} is not a floating-point tensor; "
                  "it is not quantized")
         return
-    fq = build(qs.activation, ctx, role="activation", shape=shape, dynamic=True,
+    mode = ctx.spec.quant.mode
+    fq = build(qs.activation, ctx, role="activation", shape=shape, dynamic=mode == "dynamic",
                 where=f"node {op.name!r}", field=f"quant.rules[{qs.rule}].activation")
+    if mode != "dynamic":
+        set_activation_mode(fq, mode)
     move_to(fq, model_device(gm))
     module = layer_of(op)
     base = f"{module}.input_fake_quant" if module else f"{op.name}_input_fake_quant"
@@ -226,7 +231,9 @@ def _activations(gm: GraphModule, ctx: Context, handled: set[Node]) -> None:
     dev = model_device(gm)
     by_name = {n.name: n for n in gm.graph.nodes}
     done: set[tuple[str, ...]] = set()
-    weighted_ops = _weighted_ops(gm) if mode == "dynamic" else {}
+    rules = ctx.spec.quant.rules
+    at_input = [mode == "dynamic" or r.activation_at == "input" for r in rules]
+    weighted_ops = _weighted_ops(gm) if any(at_input) else {}
     for node in list(gm.graph.nodes):
         qs = node.meta.get(QSCHEME_KEY)
         if qs is None or qs.skip or qs.activation is None or node in handled:
@@ -239,10 +246,10 @@ def _activations(gm: GraphModule, ctx: Context, handled: set[Node]) -> None:
             head, last = by_name[group[0]], by_name[group[-1]]
         else:
             head = last = node
-        if mode == "dynamic" and _weighted(gm, head):
+        if at_input[qs.rule] and _weighted(gm, head):
             _dynamic_input(gm, ctx, head, qs)
             continue
-        ops = weighted_ops.get((qs.rule, qs.matched), [])
+        ops = weighted_ops.get((qs.rule, qs.matched), []) if at_input[qs.rule] else []
         if len(ops) == 1:  # the module's one weighted op reads what dynamic mode quantizes
             _dynamic_input(gm, ctx, ops[0], qs)
             continue

@@ -26,6 +26,7 @@ from torch import nn
 
 from qcompile.errors import QCompileError
 from qcompile.runtime import kernels, recompute, weight_cache
+from qcompile.runtime.block_formats import fake_quantize_block
 from qcompile.runtime.observers import (
     MinMaxObserver,
     MovingAverageObserver,
@@ -78,7 +79,11 @@ def _assign(target: torch.Tensor, value: torch.Tensor) -> None:
 
 def scale_count(scheme: Scheme, shape: tuple[int, ...] | None, *, role: str) -> int:
     """How many scales a tensor of ``shape`` needs under ``scheme`` (raises ``ValueError``
-    with the reason when the shape does not allow the scheme)."""
+    with the reason when the shape does not allow the scheme). A block format keeps none
+    (its scales come from each tensor): 1, once the blocks fit ``shape``."""
+    if scheme.is_block:
+        check_blocks(scheme, shape, role=role)
+        return 1
     g = scheme.granularity
     if g in ("per_tensor", "per_token"):
         return 1
@@ -102,6 +107,34 @@ def scale_count(scheme: Scheme, shape: tuple[int, ...] | None, *, role: str) -> 
         raise ValueError(f"group_size {gs} does not divide {row} (the {list(shape)} tensor's "
                          f"row length); use one of {divisors} or granularity per_channel")
     return int(shape[0]) * (row // gs)
+
+
+def check_blocks(scheme: Scheme, shape: tuple[int, ...] | None, *, role: str) -> None:
+    """``ValueError`` with the fix when ``shape`` does not split into ``scheme``'s blocks:
+    along a weight's rows (every dim but the first: the reduction dim of linear / conv),
+    along an activation's last dim."""
+    if shape is None:
+        return  # checked on the first tensor (no example inputs)
+    block = int(scheme.group_size or 0)
+    if role == "weight":
+        if len(shape) < 2:
+            raise ValueError(f"{scheme.dtype} needs a weight of 2 or more dims, got shape "
+                             f"{list(shape)}")
+        n, what = 1, "row length"
+        for d in shape[1:]:
+            n *= int(d)
+    else:
+        if len(shape) < 1:
+            raise ValueError(f"{scheme.dtype} needs a tensor with a last dim, got a scalar")
+        n, what = int(shape[-1]), "last dim"
+    if n % block:
+        hint = ("use a block format whose block divides it, or keep this layer in another "
+                "dtype (a skip rule, or a rule with an integer scheme)")
+        if scheme.dtype == "nf4":
+            sizes = [d for d in range(min(block, n), 1, -1) if n % d == 0 and d % 2 == 0][:3]
+            hint = f"set group_size to one of {sizes}" if sizes else hint
+        raise ValueError(f"{scheme.dtype} blocks of {block} do not divide {n}, the "
+                         f"{list(shape)} tensor's {what}: {hint}")
 
 
 def default_axis(scheme: Scheme, role: str) -> int:
@@ -159,6 +192,7 @@ class FakeQuantize(nn.Module):
     reduce_range: bool = False  # also what graphs pickled before the attribute existed read
     # Class defaults, also for graphs pickled before the attributes existed:
     weight: bool = False  # quantizes a weight (replicas agree on it: never reduced)
+    block_format: str | None = None  # a block-scaled dtype: scales from each block
     update: str = "forward"  # when a training forward's observation takes effect
     initialised: bool = False  # step updates: the observer has statistics to quantize with
     _pending: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -221,6 +255,7 @@ class FakeQuantize(nn.Module):
             dynamic=dynamic,
             weight=bool(weight),
             update=update,
+            block_format=scheme.dtype if scheme.is_block else None,
             enabled=True,
             observe=True,
             observed=False,  # observed since the last synchronisation
@@ -230,6 +265,8 @@ class FakeQuantize(nn.Module):
             _pending=None,
         )
         n = channels if granularity in ("per_channel", "per_group") else 1
+        if scheme.is_block:
+            n = 1  # no qparams to keep: each forward computes its blocks' scales
         scale = torch.ones(n, dtype=torch.float32)
         if scheme.learnable:
             # positive by construction: scale = learned_scale(scale_offset, scale_ref)
@@ -240,8 +277,9 @@ class FakeQuantize(nn.Module):
         else:
             add_buffers(self, mode_flags=torch.ones(2, dtype=torch.uint8), scale=scale)
         add_buffers(self, zero_point=torch.zeros(n, dtype=torch.int32))
-        # Per-token and dynamic quantizers derive qparams from each input: no statistics.
-        if dynamic or granularity == "per_token":
+        # Per-token, dynamic and block quantizers derive qparams from each input: no
+        # statistics.
+        if dynamic or granularity == "per_token" or scheme.is_block:
             self.__dict__["observer"] = None
         else:
             self.add_module("observer", make_observer(scheme.observer, n,
@@ -501,6 +539,10 @@ class FakeQuantize(nn.Module):
 
     def _fake_quant(self, x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
                     shaped: bool) -> torch.Tensor:
+        if self.block_format is not None:
+            self._check_block_shape(x)
+            return fake_quantize_block(x if x.is_contiguous() else x.contiguous(),
+                                       self.block_format, self.group_size)
         src = x
         if self.granularity == "per_group":
             x = x.reshape(x.shape[0], -1, self.group_size)
@@ -518,6 +560,18 @@ class FakeQuantize(nn.Module):
         # FSDP2 warn about views at the module boundary
         return out.reshape(src.shape) if self.granularity == "per_group" else out
 
+    def _check_block_shape(self, x: torch.Tensor) -> None:
+        """A tensor whose blocks do not fit (a graph compiled without example inputs, run
+        on a new shape): the error a spec would have given."""
+        if x.dim() and (x.shape[-1] if not self.weight else x[0].numel()) % self.group_size == 0:
+            return
+        try:
+            check_blocks(Scheme(dtype=self.block_format, group_size=self.group_size),
+                         tuple(x.shape), role="weight" if self.weight else "activation")
+        except ValueError as e:
+            raise QCompileError(f"block fake-quant: {e}",
+                                fix="compile with example_inputs of the shapes you run") from None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The commonest call once observers are off (calibrated, frozen): a plain CPU
         # tensor through a fixed per-tensor integer quantizer, straight to the kernel.
@@ -534,6 +588,9 @@ class FakeQuantize(nn.Module):
         # Only floating-point tensors are quantized: indices, masks and sizes pass through.
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
             return x
+        if self.block_format is not None:
+            return self._fake_quant(x, self.scale, self.zero_point, shaped=True) \
+                if self.enabled else x
         if self.dynamic or self.granularity == "per_token":
             if not self.enabled:
                 return x
@@ -793,4 +850,7 @@ class FakeQuantize(nn.Module):
             parts.append("learnable")
         if self.dynamic:
             parts.append("dynamic")
+        if self.block_format is not None:
+            parts[1:4] = [f"blocks of {self.group_size}"]
+            parts = [p for p in parts if not p.startswith(("group_size", "scales"))]
         return ", ".join(parts)

@@ -689,3 +689,57 @@ def test_conv_transpose_with_output_size_is_refused_with_the_fix():
     with pytest.raises(qc.QCompileError, match=r"(?s)output_size.*output_padding"):
         qc.qcompile(Up(), qspec({"match": {"module": "ConvTranspose2d"}, "weight": W8C}),
                     example_inputs=(torch.randn(1, 2, 4, 4),))
+
+
+# -- block formats and activation_at --------------------------------------------------------
+def block_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+
+
+XB = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
+
+
+def test_golden_block_format_at_the_inputs_linears_read(golden):
+    rule = {"match": {"module": "Linear"}, "weight": {"dtype": "nvfp4"},
+            "activation": {"dtype": "mxfp4"}, "activation_at": "input"}
+    before, gm, ctx = run_insert(block_mlp(), qspec(rule), XB)
+    golden("insert_quant_block_inputs", dump(before, gm, ctx))
+    qs = qc.quantizers(gm)
+    assert sorted(qs) == ["0.input_fake_quant", "0.weight_fake_quant",
+                          "2.input_fake_quant", "2.weight_fake_quant"]
+    assert {q.block_format for q in qs.values()} == {"nvfp4", "mxfp4"}
+    assert all(q.observer is None for q in qs.values())  # scales from each block
+    out = gm(XB)  # the last Linear's output is not quantized
+    assert out.shape == (2, 16) and torch.isfinite(out).all()
+
+
+def test_golden_block_rule_does_not_fire_without_a_linear(golden):
+    class NoLinear(nn.Module):
+        def forward(self, x):
+            return torch.relu(x) * 2
+
+    rules = [{"match": {"module": "Linear"}, "weight": {"dtype": "nvfp4"},
+              "activation": {"dtype": "nvfp4"}, "activation_at": "input", "optional": True},
+             {"match": {"op": "relu"}, "activation": A8}]
+    before, gm, ctx = run_insert(NoLinear(), qspec(*rules), XB)
+    golden("insert_quant_no_fire_block", dump(before, gm, ctx))
+    assert sorted(qc.quantizers(gm)) == ["relu_fake_quant"]
+
+
+@pytest.mark.parametrize(("scheme", "role", "words"), [
+    ({"dtype": "mxfp4"}, "weight", ["mxfp4 blocks of 32 do not divide 48", "row length"]),
+    ({"dtype": "nf4"}, "weight", ["nf4 blocks of 64 do not divide 48", "group_size",
+                                  "[48, 24, 16]"]),
+    ({"dtype": "nvfp4"}, "activation", ["nvfp4 blocks of 16 do not divide 8", "last dim"]),
+])
+def test_block_size_not_dividing_names_the_layer_and_the_fix(scheme, role, words):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 8))
+    rule = {"match": {"module": "Linear"}, ("weight" if role == "weight" else "activation"):
+            scheme}
+    with pytest.raises(qc.QCompileError) as ei:
+        run_insert(model, qspec(rule), torch.randn(2, 48))
+    for w in words:
+        assert w in str(ei.value), str(ei.value)
+    assert "rules[0]" in str(ei.value)

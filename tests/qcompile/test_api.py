@@ -377,7 +377,8 @@ def check_contract_attributes(gm: nn.Module) -> None:
         else:
             assert q.group_size is None, name
     weights = {n: q for n, q in qs.items() if n.endswith("weight_fake_quant")}
-    assert weights and all(q.scale.numel() > 1 for q in weights.values())  # per channel/group
+    # per channel / group; a block format computes its scales from each block at forward
+    assert weights and all(q.scale.numel() > 1 or q.block_format for q in weights.values())
 
 
 # -- freeze -------------------------------------------------------------------------------

@@ -18,10 +18,11 @@ import qcompile.specs
 from qcompile.errors import QCompileError
 from qcompile.specs import DTYPES, CompileSpec, dump_spec, load_spec, presets
 from qcompile.specs.load import PRESET_DIR
-from qcompile.specs.quant import FLOAT_DTYPES
+from qcompile.specs.quant import BLOCK_DTYPES, FLOAT_DTYPES
 
 PRESET_NAMES = sorted(presets())
-EXPECTED_PRESETS = ["int8-dynamic", "int8-qat", "int8-static", "w4a8-qat", "w8-weight-only"]
+EXPECTED_PRESETS = ["8da4w-qat", "int8-dynamic", "int8-qat", "int8-static", "mxfp4-qat",
+                    "mxfp8-qat", "nvfp4-qat", "w4a8-qat", "w8-weight-only"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -64,6 +65,10 @@ def schemes(draw: st.DrawFn, role: str, mode: str,
     dtype = draw(st.sampled_from(DTYPES))
     if draw(st.booleans()) or dtype != "int8":
         d["dtype"] = dtype
+    if dtype in BLOCK_DTYPES:  # granularity and block size implied by the dtype
+        if dtype == "nf4" and draw(st.booleans()):
+            d["group_size"] = 2 * draw(st.integers(1, 512))
+        return d
     if dtype in FLOAT_DTYPES:
         if draw(st.booleans()):
             d["symmetric"] = True  # fp8 is symmetric only
@@ -247,6 +252,16 @@ def test_preset_dtypes_match_name(name: str) -> None:
     elif name == "w8-weight-only":
         assert {w.dtype for w in weights} == {"int8"}
         assert acts == []
+    elif name == "8da4w-qat":  # torchao's LLM QAT scheme: what each Linear reads
+        assert {(w.dtype, w.granularity, w.group_size) for w in weights} == {
+            ("int4", "per_group", 32)}
+        assert {(a.dtype, a.granularity, a.symmetric) for a in acts} == {
+            ("int8", "per_token", False)}
+        assert {r.activation_at for r in spec.quant.rules} == {"input"}
+    elif name in ("nvfp4-qat", "mxfp4-qat", "mxfp8-qat"):  # weights and activations
+        dtype = {"nvfp4-qat": "nvfp4", "mxfp4-qat": "mxfp4", "mxfp8-qat": "mxfp8_e4m3"}[name]
+        assert {w.dtype for w in weights} == {a.dtype for a in acts} == {dtype}
+        assert {r.activation_at for r in spec.quant.rules} == {"input"}
     else:  # pragma: no cover - a new preset needs a line here
         pytest.fail(f"no expectations for preset {name}")
 

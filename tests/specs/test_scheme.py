@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from qcompile.specs import DTYPES, FP8_MAX, CompileSpec, Match, QuantSpec, Rule, Scheme
 from qcompile.specs.quant import (
+    BLOCK_DTYPES,
     FLOAT_DTYPES,
     HistogramObserver,
     MinMaxObserver,
@@ -47,6 +48,7 @@ def test_scheme_defaults() -> None:
 def test_dtypes_cover_the_documented_range() -> None:
     expected = {f"int{b}" for b in range(2, 17)} | {f"uint{b}" for b in range(2, 17)}
     expected |= {"fp8_e4m3", "fp8_e5m2"}
+    expected |= {"mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4", "nvfp4", "nf4"}
     assert set(DTYPES) == expected
     assert len(DTYPES) == len(set(DTYPES))
 
@@ -93,6 +95,9 @@ def test_qrange_shape(dtype: str) -> None:
     if dtype in FLOAT_DTYPES:
         assert (lo, hi) == (-int(FP8_MAX[dtype]), int(FP8_MAX[dtype]))
         assert Scheme(dtype=dtype).is_float
+    elif dtype in BLOCK_DTYPES:  # the element format's largest magnitude, rounded up
+        assert lo == -hi and hi >= 1
+        assert Scheme(dtype=dtype).is_block and not Scheme(dtype=dtype).is_float
     else:
         bits = int(dtype.removeprefix("u").removeprefix("int"))
         assert hi - lo + 1 == 2**bits
@@ -577,10 +582,22 @@ def test_quant_is_frozen() -> None:
 # Property: any valid scheme survives a dump/validate round trip
 
 
+def block_scheme_dict(draw: st.DrawFn, dtype: str) -> dict:
+    """A valid block-format scheme: granularity and block size implied, NF4's overridable."""
+    d: dict = {"dtype": dtype}
+    if draw(st.booleans()):
+        d["granularity"] = "per_group"
+    if dtype == "nf4" and draw(st.booleans()):
+        d["group_size"] = 2 * draw(st.integers(1, 512))
+    return d
+
+
 @st.composite
 def scheme_dicts(draw: st.DrawFn) -> dict:
     dtype = draw(st.sampled_from(DTYPES))
     d: dict = {"dtype": dtype}
+    if dtype in BLOCK_DTYPES:
+        return block_scheme_dict(draw, dtype)
     if dtype in FLOAT_DTYPES:
         if draw(st.booleans()):
             d["symmetric"] = True
