@@ -589,8 +589,11 @@ class FakeQuantize(nn.Module):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
             return x
         if self.block_format is not None:
-            return self._fake_quant(x, self.scale, self.zero_point, shaped=True) \
-                if self.enabled else x
+            if not self.enabled:
+                return x
+            # a weight's copy is recomputed in backward, not kept (train.recompute_weights)
+            return self._recomputable(
+                self._fake_quant(x, self.scale, self.zero_point, shaped=True), x)
         if self.dynamic or self.granularity == "per_token":
             if not self.enabled:
                 return x

@@ -234,3 +234,22 @@ def test_the_fp8_weight_node_saves_the_weight_and_matches():
     ga, = torch.autograd.grad(a, w, grad)
     gb, = torch.autograd.grad(b, w, grad)
     assert torch.equal(ga, gb) and bool((gb == 0).any())
+
+
+@pytest.mark.parametrize("preset", ["nvfp4-qat", "mxfp4-qat"])
+def test_block_format_weights_are_recomputed_not_kept(preset):
+    def block_spec(recompute: bool) -> dict:
+        s = qc.load_spec(preset).model_dump()
+        s["train"] = {"recompute_weights": recompute}
+        return s
+
+    x = X.clone().requires_grad_(True)
+    float_bytes, _ = kept_bytes(Net(), x)
+    a, b = compiled(block_spec(True)), compiled(block_spec(False))
+    qat_bytes, _ = kept_bytes(a, x)
+    kept, _ = kept_bytes(b, x)
+    assert kept - qat_bytes >= weight_bytes(Net())
+    # each Linear keeps its quantized input next to the float one ReLU keeps: at most one
+    # more activation per layer, no weight copies
+    assert qat_bytes <= 2 * float_bytes
+    assert all(torch.equal(u, v) for u, v in zip(grads(a, x), grads(b, x)))
