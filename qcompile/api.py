@@ -225,9 +225,9 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
     weight is stored as integers, ``int_storage``: torch's packed kernels cannot be
     sharded). ``fully_shard(qc.convert(gm))`` of an unsharded graph shards the integer
     weights too. What a rank cannot convert from its own rows (FSDP1, learnable scales,
-    weight quantizers still observing, per-group weights quantized transposed, layouts
-    other than rows on a 1-D mesh) is refused with the recipe: gather the full state with
-    ``get_model_state_dict(..., options=StateDictOptions(full_state_dict=True,
+    block-format weights, weight quantizers still observing, per-group weights quantized
+    transposed, layouts other than rows on a 1-D mesh) is refused with the recipe: gather
+    the full state with ``get_model_state_dict(..., options=StateDictOptions(full_state_dict=True,
     cpu_offload=True))`` on every rank, then convert an unsharded compile on rank 0.
 
     Example:

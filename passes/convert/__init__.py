@@ -30,6 +30,8 @@ mode), as a ``Pipeline`` of conversion passes, each its own module with its own
 7. ``store_weights``: **int-storage weights** for everything else (int4 packed two per
    byte, per-group scales, weights used by embedding/matmul, ops without a quantized
    input): an ``IntWeight`` module returns the dequantized weight to the float op.
+   Block-format weights (MX, NVFP4, NF4) become a ``BlockWeight``
+   (``qcompile.runtime.block_storage``) in their own bits.
 8. ``tidy``: ``quantized::add`` reads its output qparams from those buffers too; the float
    parameters leave the state dict; new modules take their layers' names. A converted
    graph's state dict therefore holds every qparam it computes with:

@@ -2,8 +2,9 @@
 
 The first conversion step: it makes the ``Conversion`` the later steps share
 (``ctx.conversion``) and fills its ``weights`` (weight quantizer node -> ``IntTensor``,
-the fake-quant's exact grid). fp8 and switched-off quantizers have no integers. The graph
-itself is not changed.
+the fake-quant's exact grid) and its ``blocks`` (a block-format weight quantizer's node
+-> the weight's codes and scales, ``quantize_blocks``: exactly the fake-quant's values).
+fp8 and switched-off quantizers have neither. The graph itself is not changed.
 
 Example:
     >>> import torch, qcompile as qc
@@ -23,6 +24,7 @@ from torch.fx import GraphModule, Node
 from qcompile.graph.context import Context
 from qcompile.graph.pipeline import graph_pass
 from qcompile.passes.convert.common import Conversion, attr_value, integers, module_at
+from qcompile.runtime.block_formats import quantize_blocks
 from qcompile.runtime.calibration import apply_view, weight_view
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.specs.quant import FP8_MAX
@@ -49,10 +51,17 @@ def collect_weights(gm: GraphModule, ctx: Context) -> GraphModule:
         if view is None:
             continue
         w = attr_value(gm, view[0])
-        if (isinstance(w, torch.Tensor) and w.is_floating_point() and fq.dtype not in FP8_MAX
-                and fq.enabled):
-            # what the quantizer sees: the weight, or its rows (an [in, out] weight
-            # quantized per group as its transpose, a 3-D expert weight)
+        if not (isinstance(w, torch.Tensor) and w.is_floating_point() and fq.enabled):
+            continue
+        # what the quantizer sees: the weight, or its rows (an [in, out] weight
+        # quantized per group as its transpose, a 3-D expert weight)
+        if fq.block_format is not None:
+            seen = apply_view(w, view[1]).detach()
+            conv.blocks[node] = quantize_blocks(seen.contiguous(), fq.block_format,
+                                                fq.group_size)
+        elif fq.dtype not in FP8_MAX:
             conv.weights[node] = integers(fq, apply_view(w, view[1]))
     ctx.note(f"{len(conv.weights)} weight(s) as integers")
+    if conv.blocks:
+        ctx.note(f"{len(conv.blocks)} weight(s) as block-format codes")
     return gm

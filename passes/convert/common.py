@@ -1,5 +1,6 @@
-"""What the conversion steps share: weights as integers (``IntTensor``), the state of one
-conversion (``Conversion``, held by ``ctx.conversion``), and small node helpers.
+"""What the conversion steps share: weights as integers (``IntTensor``) or as block-format
+codes (``BlockCodes``), the state of one conversion (``Conversion``, held by
+``ctx.conversion``), and small node helpers.
 
 A ``Conversion`` is made by the first step (``collect_weights``) and read by the others,
 so it lives as long as the ``Context`` of one graph's conversion: there is no module-level
@@ -34,6 +35,7 @@ from qcompile.errors import QCompileError
 from qcompile.graph.context import Context
 from qcompile.graph.matching import layer_of, op_name
 from qcompile.graph.records import ConversionRecord
+from qcompile.runtime.block_formats import BlockCodes
 from qcompile.runtime.fake_quant import FakeQuantize
 
 aten = torch.ops.aten
@@ -216,6 +218,9 @@ class Conversion:
 
     # weight quantizer node -> its integers (collected once, BatchNorm folds rewrite them)
     weights: dict[Node, IntTensor] = field(default_factory=dict)
+    # block-format weight quantizer node -> its codes and scales (no kernel takes them:
+    # store_weights keeps them as a BlockWeight)
+    blocks: dict[Node, BlockCodes] = field(default_factory=dict)
     # op -> the bias replacing its own (a folded BatchNorm's)
     bias: dict[Node, torch.Tensor | None] = field(default_factory=dict)
     # (node, layer, path, op, note); names are read at the end, after renaming

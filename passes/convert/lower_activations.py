@@ -3,9 +3,11 @@
 An 8-bit per-tensor static activation quantizer on a float32 value becomes a real
 ``quint8`` tensor and its dequantization, so what is not a kernel reads the same numbers
 as the fake-quant graph (``use_kernels`` later takes the quantized tensors directly).
-Other activation quantizers (per-token, fp8, not 8-bit) stay ``FakeQuantize`` with their
-observers frozen: simulated, with a record saying so. A switched-off quantizer is
-removed (its value passes as is); dynamic quantizers are left to ``use_kernels``.
+Other activation quantizers (per-token, fp8, not 8-bit, block-scaled formats) stay
+``FakeQuantize`` with their observers frozen: simulated, with a record saying so (a
+block-scaled activation computes its blocks' scales from each input, as it did before).
+A switched-off quantizer is removed (its value passes as is); dynamic quantizers are left
+to ``use_kernels``.
 
 The scale and zero point are not constants in the code: each lowered quantizer becomes an
 ``ActivationQParams`` module in its place (state dict ``<quantizer>.scale`` /
@@ -75,7 +77,7 @@ def lower_activations(gm: GraphModule, ctx: Context) -> GraphModule:
     lowered: list[tuple[Node, tuple[float, int, int]]] = []
     for node in list(g.nodes):
         fq = module_at(gm, node)
-        if not isinstance(fq, FakeQuantize) or node in conv.weights:
+        if not isinstance(fq, FakeQuantize) or node in conv.weights or node in conv.blocks:
             continue
         if not fq.enabled and not fq.dynamic:  # switched off: the value passes as is
             node.replace_all_uses_with(node.args[0])
@@ -87,9 +89,12 @@ def lower_activations(gm: GraphModule, ctx: Context) -> GraphModule:
             if not fq.dynamic:
                 fq.observe = False
                 simulated += 1
-                conv.record(node, "fake_quant", "FakeQuantize",
-                            f"{fq.dtype} {fq.granularity}: no integer tensor type for it; "
-                            "stays simulated", layer=str(node.target))
+                what = (f"{fq.dtype} blocks of {fq.group_size}: its block scales come "
+                        "from each input and no integer kernel takes it"
+                        if fq.block_format is not None else
+                        f"{fq.dtype} {fq.granularity}: no integer tensor type for it")
+                conv.record(node, "fake_quant", "FakeQuantize", f"{what}; stays simulated",
+                            layer=str(node.target))
             continue
         lowered.append((node, qp))
     placed = _place(gm, conv, lowered)

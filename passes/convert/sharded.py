@@ -14,7 +14,8 @@ rows. ``qc.convert`` then shards the converted graph the same way
 What a rank cannot convert alone is refused (``refusal``): weights sharded on another
 dim or over a 2-D mesh, learnable scales, weight quantizers still observing (their next
 observation would need every row), weights quantized through a view (transposed
-per-group weights, 3-D expert weights).
+per-group weights, 3-D expert weights), block-format weights (NVFP4's tensor scale is the
+whole weight's maximum, and a ``BlockWeight`` keeps its codes whole on every rank).
 
 Duck-typed on purpose: this layer does not import ``torch.distributed``.
 
@@ -100,6 +101,10 @@ def refusal(gm: nn.Module) -> str | None:
         p = owner.get_parameter(path) if _has_param(owner, path) else None
         if p is None:
             continue
+        if fq.block_format is not None:
+            return (f"the quantizer of {path!r} is block-scaled ({fq.block_format}): "
+                    "block-format weights are converted from the whole weight, not rank by "
+                    "rank")
         if fq.learnable:
             return f"the quantizer of {path!r} has a learnable scale"
         if fq.observe:

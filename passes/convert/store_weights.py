@@ -1,10 +1,17 @@
-"""``store_weights``: every weight no kernel took is stored as integers (``IntWeight``).
+"""``store_weights``: every weight no kernel took is stored as integers (``IntWeight``),
+every block-format weight in its format's bits (``BlockWeight``).
 
 int4 is packed two per byte, int8 and int16 as they are; per-group scales of 4-bit
 weights are stored as float16 when they fit. The ``IntWeight`` module returns the
 dequantized weight to the float op (embedding, matmul, an op without a quantized input,
 a weight no kernel takes) and the float parameter leaves the state dict (``tidy``). An op
 whose BatchNorm was folded reads the folded bias from a new buffer.
+
+A block-format weight (MXFP8 / MXFP6 / MXFP4, NVFP4, NF4) becomes a ``BlockWeight``: its
+element codes (``float8_e4m3fn`` / ``float8_e5m2``, fp6 four in three bytes,
+``float4_e2m1fn_x2``, NF4 indices two per byte) and block scales (``float8_e8m0fnu``,
+``float8_e4m3fn`` with NVFP4's float32 tensor scale, float32 absmax), dequantized in the
+layer's dtype for the float op: the same values as the fake-quant graph's, exactly.
 
 Example:
     >>> import torch, qcompile as qc
@@ -20,7 +27,7 @@ Example:
 from __future__ import annotations
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from qcompile.graph.context import Context
 from qcompile.graph.meta import FINAL_NAME_KEY
@@ -30,6 +37,7 @@ from qcompile.passes.convert.common import (
     CONV,
     CONV_TRANSPOSE,
     LINEAR,
+    Conversion,
     IntTensor,
     arg,
     attr_value,
@@ -40,6 +48,8 @@ from qcompile.passes.convert.common import (
     transposed_kernel_refusal,
     where,
 )
+from qcompile.runtime.block_formats import bits_per_element
+from qcompile.runtime.block_storage import BlockWeight
 from qcompile.runtime.quantized import IntWeight
 
 
@@ -97,12 +107,7 @@ def store_weights(gm: GraphModule, ctx: Context) -> GraphModule:
         module = IntWeight(q, scale, zero_point, axis=axis, group_size=group_size, bits=bits,
                            dtype=param.dtype, by_rows=conv.rows_only)
         del q
-        name = conv.add_module(gm, param_name, module)
-        with g.inserting_before(w_node):
-            new = g.call_module(name, ())
-        new.meta[FINAL_NAME_KEY] = param_name
-        w_node.replace_all_uses_with(new)
-        g.erase_node(w_node)
+        new = _in_place_of(gm, conv, w_node, module, param_name)
         stored += 1
         conv.record(new, "int_storage", f"int{module.bits} weight",
                     note or "dequantized for the float op", layer=param_name)
@@ -119,4 +124,35 @@ def store_weights(gm: GraphModule, ctx: Context) -> GraphModule:
                 args[2] = b_node
                 user.args = tuple(args)
     ctx.note(f"{stored} weight(s) stored as integers")
+    blocks = 0
+    for w_node in list(conv.blocks):
+        codes = conv.blocks.pop(w_node)  # the BlockWeight holds them from here on
+        if w_node._erased or not w_node.users:
+            continue
+        param_node = weight_source(w_node.args[0])
+        param_name = str(param_node.target)
+        block = BlockWeight(codes, dtype=attr_value(gm, param_node).dtype)
+        del codes
+        new = _in_place_of(gm, conv, w_node, block, param_name)
+        blocks += 1
+        conv.record(new, "block_storage", f"{block.fmt} weight",
+                    f"blocks of {block.block}, "
+                    f"{bits_per_element(block.fmt, block.block):g} bits per weight; "
+                    "dequantized for the float op", layer=param_name)
+    if blocks:
+        ctx.note(f"{blocks} weight(s) stored in their block formats")
     return gm
+
+
+def _in_place_of(gm: GraphModule, conv: Conversion, w_node: Node, module: torch.nn.Module,
+                 param_name: str) -> Node:
+    """``module`` (called without arguments) in place of the weight quantizer ``w_node``;
+    ``tidy`` names it ``param_name``."""
+    g = gm.graph
+    name = conv.add_module(gm, param_name, module)
+    with g.inserting_before(w_node):
+        new = g.call_module(name, ())
+    new.meta[FINAL_NAME_KEY] = param_name
+    w_node.replace_all_uses_with(new)
+    g.erase_node(w_node)
+    return new

@@ -26,6 +26,13 @@ number > 0; a zero point (``offset``) outside the quantizer's range, or other th
 symmetric one on a symmetric quantizer; ``min`` / ``max`` that are not the ends of the
 quantizer's grid. Fields a file leaves out (AIMET writes none of qcompile's own) are not
 required; ``offset`` stands for ``-zero_point`` when ``zero_point`` is missing.
+Block-scaled quantizers (``mxfp8_e4m3`` ... ``mxfp4``, ``nvfp4``, ``nf4``) compute their
+block scales from each tensor, so their entry names the format instead of qparams, one
+entry per quantizer: ``{"bitwidth": 4, "dtype": "float", "is_symmetric": true,
+"block_format": "mxfp4", "block_size": 32, "scale_format": "e8m0", ...}`` (``bitwidth``:
+the element's bits; ``scale_format``: ``e8m0`` for MX, ``e4m3*fp32`` for NVFP4's E4M3 block
+scales under one FP32 tensor scale, ``fp32`` for NF4's absmax). ``load_encodings`` checks
+that the format and block size are the quantizer's and refuses any other.
 ``export_encodings`` refuses a graph whose activation ranges were never observed (static:
 not calibrated; QAT: not trained), as ``qc.convert`` does: its qparams are placeholders;
 and a scale that is not a finite number > 0. The file is written atomically
@@ -64,6 +71,7 @@ from qcompile.errors import QCompileError
 from qcompile.files import write_atomically
 from qcompile.graph.algorithms import refuse_pending
 from qcompile.graph.records import report
+from qcompile.runtime.block_formats import FORMATS
 from qcompile.runtime.calibration import uncalibrated
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.runtime.quant_math import symmetric_zero_point
@@ -72,7 +80,13 @@ from qcompile.version import __version__
 VERSION = "1.0.0"
 
 
+#: how each kind of block format stores its block scales
+_SCALE_FORMATS = {"mx": "e8m0", "nvfp4": "e4m3*fp32", "nf4": "fp32"}
+
+
 def _bits(fq: FakeQuantize) -> int:
+    if fq.block_format is not None:
+        return FORMATS[fq.block_format].bits
     if fq.dtype.startswith("fp8"):
         return 8
     return int(math.log2(fq.quant_max - fq.quant_min + 1))
@@ -91,6 +105,17 @@ def _entries(fq: FakeQuantize) -> list[dict[str, Any]]:
             "group_size": fq.group_size,
         })
     return out
+
+
+def _block_entry(fq: FakeQuantize) -> dict[str, Any]:
+    """The one entry of a block-format quantizer: its format, not qparams (each tensor's
+    blocks have their own scales)."""
+    assert fq.block_format is not None
+    return {"bitwidth": _bits(fq), "dtype": _kind(fq), "is_symmetric": fq.symmetric,
+            "block_format": fq.block_format, "block_size": fq.group_size,
+            "scale_format": _SCALE_FORMATS[FORMATS[fq.block_format].kind],
+            "qcompile_dtype": fq.dtype, "granularity": fq.granularity,
+            "group_size": fq.group_size}
 
 
 def _names(gm: nn.Module) -> dict[str, tuple[str, str]]:
@@ -125,7 +150,7 @@ def export_encodings(gm: nn.Module, path: str | Path) -> None:
     names = _names(gm)
     for name in names:  # a file must not carry a scale no quantizer could use
         fq = gm.get_submodule(name)
-        if fq.dynamic or fq.granularity == "per_token":
+        if fq.dynamic or fq.granularity == "per_token" or fq.block_format is not None:
             continue
         scale = fq.scale.detach().reshape(-1)
         wrong = ~(scale.isfinite() & (scale > 0))
@@ -140,7 +165,9 @@ def export_encodings(gm: nn.Module, path: str | Path) -> None:
                             "param_encodings": {}, "activation_encodings": {}}
     for name, (section, key) in names.items():
         fq = gm.get_submodule(name)
-        if fq.dynamic or fq.granularity == "per_token":
+        if fq.block_format is not None:
+            data[section][key] = [_block_entry(fq)]
+        elif fq.dynamic or fq.granularity == "per_token":
             data[section][key] = [{"dynamic": True, "bitwidth": _bits(fq),
                                    "is_symmetric": fq.symmetric,
                                    "granularity": fq.granularity}]
@@ -166,11 +193,13 @@ def _number(value: object) -> float | None:
 
 
 def _kind(fq: FakeQuantize) -> str:
-    return "float" if fq.dtype.startswith("fp8") else "int"
+    return "float" if fq.dtype.startswith("fp8") or fq.block_format is not None else "int"
 
 
 def _describe(fq: FakeQuantize) -> str:
     """``uint8 asymmetric per_tensor, range [0, 127] (7-bit)``: what a file must match."""
+    if fq.block_format is not None:
+        return f"{fq.block_format} in blocks of {fq.group_size}"
     return (f"{fq.dtype} {'symmetric' if fq.symmetric else 'asymmetric'} {fq.granularity}, "
             f"range [{fq.quant_min}, {fq.quant_max}] ({_bits(fq)}-bit)")
 
@@ -272,13 +301,16 @@ class _Bad:
 
 def _checked(path: str | Path, section: str, key: str, name: str, fq: FakeQuantize,
              entries: object) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The (scale, zero_point) tensors of one quantizer's entries (None for a dynamic
-    quantizer: nothing to apply), or a ``QCompileError`` naming the entry, the quantizer
-    and what contradicts it."""
+    """The (scale, zero_point) tensors of one quantizer's entries (None for a dynamic or
+    block-format quantizer: nothing to apply), or a ``QCompileError`` naming the entry, the
+    quantizer and what contradicts it."""
     bad = _Bad(path, section, key, name)
     other = _fix_for(section, fq)
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise bad(f"expected a list of encoding objects, got {type(entries).__name__}")
+    if fq.block_format is not None or any("block_format" in e for e in entries):
+        _check_block(bad, fq, entries, other)
+        return None  # nothing to apply: the blocks' scales come from each tensor
     dynamic = fq.dynamic or fq.granularity == "per_token"
     for i, e in enumerate(entries):
         if bool(e.get("dynamic", False)) != dynamic:
@@ -319,6 +351,29 @@ def _checked(path: str | Path, section: str, key: str, name: str, fq: FakeQuanti
         zero_points.append(zp)
     scale = torch.tensor(scales, dtype=fq.scale.dtype).view_as(fq.scale)
     return scale, torch.tensor(zero_points, dtype=fq.zero_point.dtype).view_as(fq.zero_point)
+
+
+def _check_block(bad: _Bad, fq: FakeQuantize, entries: list[dict[str, Any]],
+                 fix: str) -> None:
+    """A block-format quantizer's entries: one, naming its format and block size."""
+    if fq.block_format is None:
+        e = next(e for e in entries if "block_format" in e)
+        raise bad(f"entry [{entries.index(e)}] is a block-format encoding "
+                  f"({e['block_format']!r}), the quantizer is {_describe(fq)}", fix=fix)
+    if len(entries) != 1:
+        raise bad(f"{len(entries)} entries, a block-format quantizer has one ("
+                  f"{_describe(fq)}: its scales come from each tensor)", fix=fix)
+    e = entries[0]
+    for field, mine in (("block_format", fq.block_format), ("block_size", fq.group_size)):
+        if field not in e:
+            raise bad(f"entry [0] has no {field!r}, the quantizer is {_describe(fq)}",
+                      fix=fix)
+        if e[field] != mine or isinstance(e[field], bool):
+            raise bad(f"entry [0] {field} {e[field]!r}, the quantizer's is {mine!r} "
+                      f"({_describe(fq)})", fix=fix)
+    mismatch = _scheme_mismatch(e, fq)
+    if mismatch is not None:
+        raise bad(f"entry [0] {mismatch} ({_describe(fq)})", fix=fix)
 
 
 def load_encodings(gm: nn.Module, path: str | Path) -> nn.Module:

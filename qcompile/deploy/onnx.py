@@ -16,6 +16,13 @@ small torch ops (``qcompile_onnx::qdq``, ``::dq``, ``::dynamic_qdq``), and a
   UINT4 for 4 bits or less, INT16/UINT16, FLOAT8E4M3FN/FLOAT8E5M2) feeding a
   ``DequantizeLinear`` (per-group: blocked, ``block_size``), so the file is small;
 - fp8 (``fp8_e4m3``, ``fp8_e5m2``): the saturating fp8 QuantizeLinear / DequantizeLinear;
+- block-format weights: MXFP8 (``mxfp8_e4m3``, ``mxfp8_e5m2``) as FLOAT8E4M3FN / FLOAT8E5M2
+  initializers and a blocked ``DequantizeLinear`` (``block_size`` 32 along each row) whose
+  float32 scales are the E8M0 powers of two (exact). The other block formats are refused,
+  naming the layer: onnxruntime's CPU provider has no ``DequantizeLinear`` or ``Cast``
+  kernel for ONNX's FLOAT4E2M1 (``mxfp4``, ``nvfp4``), and ONNX has no 6-bit float
+  (``mxfp6_*``) or NF4 element type; block-format activations (scales computed from each
+  input, an exponent read from a float's bits) are refused too;
 - dynamic per-tensor activations: ``DynamicQuantizeLinear`` for the full uint8 range, else
   the same qparam formula in ONNX ops (ReduceMin/ReduceMax, Div, Round) feeding
   QuantizeLinear; per-token quantizers: that formula with float arithmetic (their scales
@@ -85,8 +92,10 @@ from torch.fx import GraphModule, Node
 from qcompile.errors import QCompileError
 from qcompile.files import write_atomically
 from qcompile.graph.algorithms import refuse_pending
+from qcompile.graph.matching import layer_of
 from qcompile.graph.meta import REPORT_KEY
 from qcompile.graph.signature import graph_inputs
+from qcompile.runtime.block_formats import quantize_blocks
 from qcompile.runtime.calibration import GraphInput, describe, quiet_fx_trace, uncalibrated
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.runtime.transfer import pack, unpack
@@ -292,6 +301,67 @@ class _WeightDQ(nn.Module):
         return w.reshape(self.shape) if self.block else w
 
 
+#: block formats whose elements ONNX and onnxruntime's CPU provider both have
+_BLOCK_ELEMENTS = {"mxfp8_e4m3": "fp8_e4m3", "mxfp8_e5m2": "fp8_e5m2"}
+_FP4_MISSING = ("ONNX's FLOAT4E2M1 elements (opset 23) have no DequantizeLinear or Cast kernel "
+                "in onnxruntime's CPU execution provider, so the file would not run")
+#: why each other block format has no ONNX form onnxruntime runs
+_NO_BLOCK_FORM = {"mxfp4": _FP4_MISSING, "nvfp4": _FP4_MISSING,
+                  "mxfp6_e3m2": "ONNX has no 6-bit float element type",
+                  "mxfp6_e2m3": "ONNX has no 6-bit float element type",
+                  "nf4": "ONNX has no NF4 element type (16 levels read from a table)"}
+
+
+class _BlockWeightDQ(nn.Module):
+    """An MXFP8 weight with its weight: the element codes as FLOAT8 values, blocked along
+    each row (the weight's trailing dims flattened), dequantized by ``qcompile_onnx::dq``
+    with float32 scales, the E8M0 powers of two (NaN for a NaN block), exact."""
+
+    def __init__(self, fq: FakeQuantize, weight: torch.Tensor) -> None:
+        super().__init__()
+        assert fq.block_format is not None and fq.group_size is not None
+        self.shape = tuple(weight.shape)
+        rows = self.shape[0] if weight.dim() > 1 else 1
+        codes = quantize_blocks(weight.detach().contiguous(), fq.block_format, fq.group_size)
+        self.fmt = _BLOCK_ELEMENTS[fq.block_format]
+        self.axis, self.block = 1, int(fq.group_size)
+        scale = codes.scales.reshape(rows, -1).view(torch.float8_e8m0fnu).float()
+        self.register_buffer("q", codes.codes.reshape(rows, -1).view(_FP8[self.fmt]))
+        self.register_buffer("scale", scale)
+        self.register_buffer("zero_point", torch.zeros(scale.shape, dtype=torch.int8))
+
+    def forward(self) -> torch.Tensor:
+        w = _ops().dq(self.q, self.scale, self.zero_point, self.axis, self.block, self.fmt)
+        return w.reshape(self.shape)
+
+
+def _block_stand_in(gm: GraphModule, node: Node, fq: FakeQuantize) -> nn.Module:
+    """A block-format quantizer's stand-in, or the ``QCompileError`` saying why it has no
+    ONNX form onnxruntime runs (naming the layer, the format and what is missing)."""
+    fmt = fq.block_format
+    weight = _weight_input(gm, node)
+    what = f"weight {node.args[0].target!r}" if weight is not None else \
+        f"quantizer {layer_of(node) or node.target!r}"
+    where = f"export_onnx: {what} (graph node {node.name!r})"
+    if weight is None or not weight.is_floating_point():
+        what = ("its weight through a view (a transposed or 3-D weight)" if fq.weight else
+                "an activation, whose block scales come from each input: the exponent of "
+                "each block's maximum, read from the float's bits")
+        raise QCompileError(f"{where}: the {fmt} quantizer (blocks of {fq.group_size}) "
+                            f"quantizes {what}, which has no ONNX form here",
+                            fix="quantize it with an integer or fp8 scheme in the spec, or "
+                            "deploy the graph from qc.convert (it keeps block-format "
+                            "activations simulated)")
+    if fmt not in _BLOCK_ELEMENTS:
+        raise QCompileError(f"{where} is {fmt} (blocks of {fq.group_size}), which has no "
+                            f"ONNX form onnxruntime runs: {_NO_BLOCK_FORM[fmt]}",
+                            fix=f"give this layer mxfp8_e4m3 / mxfp8_e5m2 (a blocked FLOAT8 "
+                            "DequantizeLinear) or int4 per_group in the spec for the ONNX "
+                            f"file, or deploy the graph from qc.convert (it stores {fmt} in "
+                            "its own bits)")
+    return _BlockWeightDQ(fq, weight)
+
+
 # -- building the twin ---------------------------------------------------------------------
 def _weight_input(gm: GraphModule, node: Node) -> torch.Tensor | None:
     """The tensor a quantizer node reads when it is a ``get_attr`` (a weight), else None."""
@@ -308,6 +378,8 @@ def _stand_in(gm: GraphModule, node: Node, fq: FakeQuantize) -> nn.Module | None
     """What replaces ``fq`` at ``node``: None for the identity (a disabled quantizer)."""
     if not fq.enabled:
         return None
+    if fq.block_format is not None:
+        return _block_stand_in(gm, node, fq)
     if fq.dynamic or fq.granularity == "per_token":
         return _DynamicQDQ(fq)
     weight = _weight_input(gm, node)
@@ -355,7 +427,7 @@ def _rewrite(gm: GraphModule, observing: list[str]) -> None:
             continue
         owner, _, leaf = str(node.target).rpartition(".")
         setattr(gm.get_submodule(owner) if owner else gm, leaf, module)
-        if isinstance(module, _WeightDQ):
+        if isinstance(module, (_WeightDQ, _BlockWeightDQ)):
             weight = node.args[0]
             node.args = ()
             if not weight.users:
@@ -442,6 +514,8 @@ def _translations(onnxscript: Any, ir: Any) -> dict[Callable, Callable]:
 
     def dq(q, scale, zero_point, axis: int, block: int, fmt: str):
         t = types[fmt]
+        if fmt.startswith("fp8"):  # a float8 zero point can only be 0: left out
+            return op.DequantizeLinear(op.Cast(q, to=t), scale, axis=axis, block_size=block)
         return op.DequantizeLinear(op.Cast(q, to=t), scale, op.Cast(zero_point, to=t),
                                    axis=axis, block_size=block)
 

@@ -76,7 +76,7 @@ class ConversionRecord(BaseModel):
     node: str = Field(description="graph node in the converted graph")
     module: str = Field(description="the layer (module qualified name) it belongs to")
     path: str = Field(description="kernel | dynamic_kernel | quantize | int_storage | "
-                      "fake_quant | fold")
+                      "block_storage | fake_quant | fold")
     op: str = Field(description="the kernel or storage used, e.g. quantized::linear_relu")
     note: str = ""
 

@@ -176,7 +176,8 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 
 def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     """NVFP4's float32 tensor scale of ``x``: ``amax(|x|) / (448 * 6)`` (0-d)."""
-    return x.detach().abs().amax().float() / _NVFP4_DENOM
+    a = x.detach().abs().amax().float()
+    return a / torch.full_like(a, _NVFP4_DENOM)  # an IEEE division on every device
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,10 @@ class BlockGrid:
 
 def _nvfp4_block_scale(amax: torch.Tensor, pts: torch.Tensor) -> torch.Tensor:
     """NVFP4's per-block scale (float32 values on the E4M3 grid)."""
-    return _round_element(torch.clamp(amax / 6.0 / pts, _E4M3_TINY, 448.0), _E4M3)
+    # tensor / tensor divisions: CUDA divides by a Python number through its reciprocal,
+    # which rounds differently from the IEEE division CPUs (and torchao on CPU) do
+    six = torch.full_like(amax, 6.0)
+    return _round_element(torch.clamp(amax / six / pts, _E4M3_TINY, 448.0), _E4M3)
 
 
 def block_scales(x_blocks: torch.Tensor, fmt: str,
@@ -365,7 +369,10 @@ def quantize_blocks(x: torch.Tensor, fmt: str, block: int | None = None) -> Bloc
         amax = xb.abs().amax(dim=-1, keepdim=True)
         safe = torch.where(amax == 0, torch.ones_like(amax), amax)
         codes = _nf4_round(xb / safe).to(torch.uint8)
-        codes = torch.where(amax == 0, torch.full_like(codes, 7), codes)  # level 0.0
+        # level 0.0 for all-zero blocks, and for NaN blocks (their values are NaN whatever
+        # the codes: argmin over NaN differs between devices, these bytes do not)
+        codes = torch.where((amax == 0) | ~torch.isfinite(amax), torch.full_like(codes, 7),
+                            codes)
         return BlockCodes(fmt, block, codes.reshape(x.shape), amax.reshape(-1), None,
                           tuple(x.shape))
     grid = block_scales(xb, fmt)
