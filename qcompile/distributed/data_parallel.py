@@ -91,6 +91,12 @@ def watch_observer_sync(gm: nn.Module) -> nn.Module:
     meta = getattr(gm, "meta", None)
     if _apply_after_step not in gm._forward_pre_hooks.values():
         gm.register_forward_pre_hook(_apply_after_step)
+    # GraphModule.__deepcopy__ rebuilds the module and keeps no forward hooks (only its
+    # state-dict and deepcopy hooks): without this, a deep copy's step-update observers
+    # would never apply. torch.fx's own (private) deepcopy hook list re-installs them.
+    hooks = getattr(gm, "_deepcopy_hooks", None)
+    if isinstance(hooks, list) and watch_observer_sync not in hooks:
+        hooks.append(watch_observer_sync)
     if isinstance(meta, dict) and meta.get(SYNC_OBSERVERS_KEY) is False:
         return gm  # the spec turned synchronisation off: local observers are intended
     gm.__dict__.setdefault(_WATCH, "watching")

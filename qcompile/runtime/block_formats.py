@@ -306,10 +306,8 @@ def fake_quantize_block(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
         >>> bool((x.grad == 1).all()), torch.equal(y, fake_quant_eager(x, "nvfp4", 16))
         (True, True)
     """
-    if torch.compiler.is_compiling():
-        # under torch.compile: the plain formula, which Inductor fuses, with the same
-        # straight-through gradient written as x + (q - x).detach()
-        return x + (fake_quant_eager(x.detach(), fmt, block) - x).detach()
+    # under torch.compile the Function's forward is the plain formula (``_kernel_ok``),
+    # which Inductor fuses; written as x + (q - x).detach() it would turn -0.0 into +0.0
     if x.requires_grad and torch.is_grad_enabled():
         return _BlockSTE.apply(x, fmt, block)
     return _forward(x, fmt, block)

@@ -465,12 +465,14 @@ class FakeQuantize(nn.Module):
         if not (self.granularity == "per_tensor"
                 or (self.granularity == "per_channel" and self.axis == 0)):
             return None
+        if torch.compiler.is_compiling() or weight_cache.tracing():
+            return None  # first: the checks below would break a compiled graph
         state = (obs.min_val, obs.max_val, self.scale, self.zero_point)
         if not (type(x) in (torch.Tensor, nn.Parameter) and x.dtype == torch.float32
                 and x.is_cpu and x.is_contiguous() and not x.is_inference()
                 and all(type(t) is torch.Tensor and t.is_cpu for t in state)):
             return None
-        if weight_cache.tracing() or not kernels.available():
+        if not kernels.available():
             return None
         rows = 1 if self.granularity == "per_tensor" else x.shape[0]
         if obs.min_val.numel() != rows or x.dim() == 0 or x.numel() == 0:
@@ -676,6 +678,11 @@ class FakeQuantize(nn.Module):
         if not self.initialised:
             # one check until the first statistics arrive (a loaded or calibrated observer
             # has them already)
+            if torch.compiler.is_compiling():
+                # no branch on a tensor's value while compiling: both, chosen by it
+                ready = torch.isfinite(self.observer.min_val).any()
+                return torch.where(ready, self._fake_quant(x, self.scale, self.zero_point,
+                                                           shaped=False), x)
             if not bool(torch.isfinite(self.observer.min_val).any()):
                 return x
             self.__dict__["initialised"] = True

@@ -141,7 +141,7 @@ class HistogramObserver(MinMaxObserver):
     def _error(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Estimated squared error of quantizing the histogram to ranges [a, b] (batched)."""
         c, w = self._centers(), self.histogram
-        step = (b - a).clamp_min(1e-12) / (self.levels - 1)
+        step = (b - a).clamp_min(1e-12) / torch.full_like(b - a, self.levels - 1)
         inside = step[:, None] ** 2 / 12
         clip = (c[None, :] - c[None, :].clamp(a[:, None], b[:, None])) ** 2
         return ((inside + clip) * w[None, :]).sum(1)
@@ -156,7 +156,7 @@ class HistogramObserver(MinMaxObserver):
         a, b = edges[i], edges[j]
         below = s2[i] - 2 * a * s1[i] + a * a * s0[i]
         above = (s2[-1] - s2[j]) - 2 * b * (s1[-1] - s1[j]) + b * b * (s0[-1] - s0[j])
-        step = (b - a).clamp_min(1e-12) / (self.levels - 1)
+        step = (b - a).clamp_min(1e-12) / torch.full_like(b - a, self.levels - 1)
         return step**2 / 12 * s0[-1] + below + above
 
     def choose(self) -> tuple[float, float]:

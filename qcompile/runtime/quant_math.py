@@ -63,9 +63,13 @@ def qparams_from_minmax(
         zp = symmetric_zero_point(quant_min, quant_max)
         # Divide by the shorter side of the range so the largest |x| is never clipped.
         steps = min(quant_max - zp, zp - quant_min)
-        scale = torch.clamp(torch.maximum(-min_neg, max_pos) / steps, min=_EPS)
+        # tensor / tensor: CUDA divides by a Python number through its reciprocal (one
+        # rounding more), CPUs divide; a tensor divisor is an IEEE division on both
+        scale = torch.clamp(torch.maximum(-min_neg, max_pos) / torch.full_like(max_pos, steps),
+                            min=_EPS)
         return scale, torch.full_like(scale, zp, dtype=torch.int32)
-    scale = torch.clamp((max_pos - min_neg) / (quant_max - quant_min), min=_EPS)
+    scale = torch.clamp((max_pos - min_neg) / torch.full_like(max_pos, quant_max - quant_min),
+                        min=_EPS)
     zero_point = torch.clamp(quant_min - torch.round(min_neg / scale), quant_min, quant_max)
     return scale, zero_point.to(torch.int32)
 
@@ -76,7 +80,7 @@ def fp8_scale_from_minmax(
     """Scale mapping the largest |x| to the format's largest finite value; zero point 0."""
     amax = torch.maximum(-torch.clamp(min_val.float(), max=0.0),
                          torch.clamp(max_val.float(), min=0.0))
-    scale = torch.clamp(amax / fp8_max, min=_EPS)
+    scale = torch.clamp(amax / torch.full_like(amax, fp8_max), min=_EPS)  # IEEE on CUDA too
     return scale, torch.zeros_like(scale, dtype=torch.int32)
 
 

@@ -192,6 +192,11 @@ def install(gm: nn.Module) -> nn.Module:
     if not installed(gm):
         gm.register_forward_pre_hook(_push)
         gm.register_forward_hook(_pop, always_call=True)
+    # a GraphModule's deep copy keeps no forward hooks: torch.fx's (private) deepcopy
+    # hook list installs them on the copy
+    hooks = getattr(gm, "_deepcopy_hooks", None)
+    if isinstance(hooks, list) and install not in hooks:
+        hooks.append(install)
     return gm
 
 
@@ -201,6 +206,9 @@ def installed(gm: nn.Module) -> bool:
 
 def uninstall(gm: nn.Module) -> nn.Module:
     """Remove the hooks ``install`` added (fake-quantized weights are then kept)."""
+    hooks = getattr(gm, "_deepcopy_hooks", None)
+    if isinstance(hooks, list) and install in hooks:
+        hooks.remove(install)
     for table in (gm._forward_pre_hooks, gm._forward_hooks):
         for key in [k for k, fn in table.items() if fn in (_push, _pop)]:
             del table[key]

@@ -4,6 +4,7 @@ gradients are those of a graph that keeps the copies, bit for bit."""
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -253,3 +254,21 @@ def test_block_format_weights_are_recomputed_not_kept(preset):
     # more activation per layer, no weight copies
     assert qat_bytes <= 2 * float_bytes
     assert all(torch.equal(u, v) for u, v in zip(grads(a, x), grads(b, x)))
+
+
+def test_a_deep_copy_keeps_the_graph_hooks_and_trains_the_same():
+    """GraphModule's deepcopy drops forward hooks; qcompile's come back on the copy: step
+    updates still apply and weights are still recomputed."""
+    gm = compiled(spec())
+    twin = copy.deepcopy(gm)
+    assert list(twin._forward_pre_hooks.values()) == list(gm._forward_pre_hooks.values())
+    for g in (gm, twin):
+        opt = torch.optim.SGD(g.parameters(), lr=0.01)
+        for _ in range(2):
+            opt.zero_grad()
+            g(X).square().mean().backward()
+            opt.step()
+    scales = [q.scale for q in qc.quantizers(twin).values() if not q.weight]
+    assert scales and all(float(s.max()) != 1.0 for s in scales)  # observations applied
+    assert all(torch.equal(a, b) for a, b in zip(gm.state_dict().values(),
+                                                 twin.state_dict().values()))

@@ -21,6 +21,7 @@ from qcompile.tools.bench.suites.algorithms import algorithms_text, bench_algori
 from qcompile.tools.bench.suites.compile import bench_compile, bench_memory, memory_text
 from qcompile.tools.bench.suites.convert import bench_convert
 from qcompile.tools.bench.suites.convert_presets import bench_convert_presets
+from qcompile.tools.bench.suites.cuda import bench_cuda, cuda_text
 from qcompile.tools.bench.suites.distributed import (
     compile_once_text,
     hybrid_text,
@@ -61,4 +62,5 @@ SUITES: dict[str, Suite] = {
     "algorithms": Suite(bench_algorithms, algorithms_text, threads=2),
     "torch-models": Suite(bench_torch_models, torch_models_text, threads=2),
     "moe": Suite(bench_moe, threads=2),
+    "cuda": Suite(bench_cuda, cuda_text),
 }
