@@ -331,7 +331,10 @@ class BlockCodes:
 
 
 def _element_codes(q: torch.Tensor, f: BlockFormat) -> torch.Tensor:
-    """Bit patterns of the on-grid float32 values ``q`` in ``f``'s element format."""
+    """Bit patterns of the on-grid float32 values ``q`` in ``f``'s element format. NaN
+    (an NVFP4 block holding inf: its scale is NaN, so it decodes to NaN whatever the code)
+    becomes code 0: a NaN's sign bit differs between devices, these bytes do not."""
+    q = torch.where(torch.isnan(q), torch.zeros((), device=q.device), q)
     a = q.abs()
     sign = (torch.signbit(q)).to(torch.int32) << (f.ebits + f.mbits)
     e = torch.clamp(_floor_log2(a), min=f.emin)

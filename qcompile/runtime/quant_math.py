@@ -84,16 +84,31 @@ def fp8_scale_from_minmax(
     return scale, torch.zeros_like(scale, dtype=torch.int32)
 
 
+def _grid(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, quant_min: int,
+          quant_max: int, *, mask: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``dequantize(quantize(x))`` and, with ``mask``, where ``x`` lies inside the range.
+
+    Eager: one buffer updated in place (the same arithmetic, fewer passes). Under
+    ``torch.compile``: the same ops out of place, the form Inductor is written for (it
+    fuses them into one kernel either way)."""
+    if torch.compiler.is_compiling():
+        q = torch.round(x / scale) + zero_point
+        inside = ((q >= quant_min) & (q <= quant_max)) if mask else None
+        return (torch.clamp(q, quant_min, quant_max) - zero_point) * scale, inside
+    q = torch.div(x, scale).round_().add_(zero_point)
+    inside = None
+    if mask:
+        inside = q >= quant_min
+        inside &= q <= quant_max
+    return q.clamp_(quant_min, quant_max).sub_(zero_point).mul_(scale), inside
+
+
 class _FakeQuantSTE(torch.autograd.Function):
     """Fixed-scale fake-quant; gradient passes straight through inside the range."""
 
     @staticmethod
     def forward(ctx, x, scale, zero_point, quant_min, quant_max):  # type: ignore[override]
-        # One buffer, updated in place: the same arithmetic as the formula, fewer passes.
-        q = torch.div(x, scale).round_().add_(zero_point)
-        mask = q >= quant_min
-        mask &= q <= quant_max
-        out = q.clamp_(quant_min, quant_max).sub_(zero_point).mul_(scale)
+        out, mask = _grid(x, scale, zero_point, quant_min, quant_max, mask=True)
         ctx.save_for_backward(mask)
         return out
 
@@ -113,8 +128,8 @@ class _FakeQuantSTEWeight(torch.autograd.Function):
     def forward(ctx, x, scale, zero_point, quant_min, quant_max):  # type: ignore[override]
         ctx.save_for_backward(x, scale, zero_point)
         ctx.qrange = (quant_min, quant_max)
-        q = torch.div(x.float(), scale).round_().add_(zero_point)
-        return q.clamp_(quant_min, quant_max).sub_(zero_point).mul_(scale).to(x.dtype)
+        out, _ = _grid(x.float(), scale, zero_point, quant_min, quant_max, mask=False)
+        return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -134,8 +149,7 @@ class _FakeQuantLSQ(torch.autograd.Function):
     def forward(ctx, x, scale, zero_point, quant_min, quant_max, grad_factor):  # type: ignore[override]
         ctx.save_for_backward(x, scale, zero_point)
         ctx.qrange = (quant_min, quant_max, grad_factor)
-        q = torch.div(x, scale).round_().add_(zero_point)
-        return q.clamp_(quant_min, quant_max).sub_(zero_point).mul_(scale)
+        return _grid(x, scale, zero_point, quant_min, quant_max, mask=False)[0]
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]

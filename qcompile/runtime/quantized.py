@@ -182,7 +182,9 @@ class ActivationQParams(nn.Module):
     def __init__(self, scale: torch.Tensor, zero_point: int, *, levels: int = 255) -> None:
         super().__init__()
         self.register_buffer("scale", scale.detach().to(torch.float32).reshape(1).clone())
-        self.register_buffer("zero_point", torch.tensor([zero_point], dtype=torch.int32))
+        # on the scale's device: quantize_per_tensor wants both where the value is
+        self.register_buffer("zero_point", torch.tensor([zero_point], dtype=torch.int32,
+                                                        device=scale.device))
         self.levels = levels
 
     def extra_repr(self) -> str:
