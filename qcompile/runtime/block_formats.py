@@ -308,6 +308,8 @@ def fake_quantize_block(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
     """
     # under torch.compile the Function's forward is the plain formula (``_kernel_ok``),
     # which Inductor fuses; written as x + (q - x).detach() it would turn -0.0 into +0.0
+    if _kernel_ok(x):  # the operator's own C++ autograd node: identity backward
+        return torch.ops.qcompile.block_fake_quant(x, fmt, block)
     if x.requires_grad and torch.is_grad_enabled():
         return _BlockSTE.apply(x, fmt, block)
     return _forward(x, fmt, block)

@@ -1,11 +1,12 @@
 """Fused CPU fake-quant kernels: a small C++ extension registered as ``torch.ops.qcompile``.
 
-``qcompile/runtime/csrc/fake_quant.cpp`` is compiled on first use with torch's own
-``torch.utils.cpp_extension`` (JIT, ``-O3``, no fast-math: the results are bit-identical
-to the eager formulation in ``qcompile.runtime.quant_math``) into a persistent build directory
-named after the source, the flags and the torch version, so later processes only load
-it. It registers these operators (with CPU, Meta and Autograd kernels, so graphs holding
-them run under ``torch.compile`` and ``torch.export``):
+``qcompile/runtime/csrc/fake_quant.cpp`` and ``block_quant.cpp`` are compiled on first use
+with torch's own ``torch.utils.cpp_extension`` (JIT, ``-O3``, no fast-math: the results are
+bit-identical to the eager formulations in ``qcompile.runtime.quant_math`` and
+``qcompile.runtime.block_formats``) into one library in a persistent build directory named
+after the sources, the flags and the torch version, so later processes only load it. It
+registers these operators (with CPU, Meta and Autograd kernels, so graphs holding them run
+under ``torch.compile`` and ``torch.export``):
 
 - ``qcompile::fake_quant(x, scale, zero_point, quant_min, quant_max)``: fixed scale,
   straight-through gradient; the forward saves a 1-bit-per-element mask;
@@ -25,6 +26,10 @@ them run under ``torch.compile`` and ``torch.export``):
   ``fake_quant`` with the new qparams, in one call, with the straight-through node; a
   weight's rows are read once (each row's min / max, its qparams, then its forward while
   the row is in cache). What an observing quantizer's forward runs.
+- ``qcompile::block_fake_quant(x, fmt, block)``: the block-scaled formats' fake-quant (MX,
+  NVFP4, NF4; ``fmt`` a name of ``block_formats.FORMATS``) over consecutive ``block``-element
+  blocks of the contiguous ``x`` (float32, bfloat16 or float16), with a straight-through
+  (identity) gradient; what ``block_formats.fake_quantize_block`` runs on CPU tensors.
 
 The straight-through node keeps no mask when nothing was clamped (a weight under its own
 min-max range): its backward then hands the incoming gradient on as is (``grad * 1``, the
@@ -80,6 +85,8 @@ import torch
 
 NAME = "qcompile_fake_quant"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fake_quant.cpp"
+# the block-scaled formats' fake-quant (``qcompile::block_fake_quant``), in the same library
+BLOCK_SOURCE = Path(__file__).resolve().parent / "csrc" / "block_quant.cpp"
 # No fast-math (IEEE division and rounding), no contraction into FMAs: bit-identical to
 # the eager formula. OpenMP: at::parallel_for is an inline OpenMP region (torch's libgomp).
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math")
@@ -90,7 +97,8 @@ def build_directory() -> Path:
     """Where the extension is built: ``$QCOMPILE_EXT_DIR``, else the user cache, in a
     folder named after the source, the flags, torch and Python (a change rebuilds)."""
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for source in _sources():
+        key.update(source.read_bytes())
     key.update(repr((CFLAGS, LDFLAGS, torch.__version__, sys.version_info[:2])).encode())
     root = os.environ.get("QCOMPILE_EXT_DIR")
     if not root:
@@ -98,6 +106,11 @@ def build_directory() -> Path:
         root = os.path.join(cache, "qcompile", "extensions")
     tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
     return Path(root) / f"{NAME}-{tag}-{key.hexdigest()[:16]}"
+
+
+def _sources() -> tuple[Path, ...]:
+    """The extension's C++ sources (read at each call: tests swap ``SOURCE``)."""
+    return (SOURCE, BLOCK_SOURCE)
 
 
 @contextlib.contextmanager
@@ -139,11 +152,12 @@ def load() -> Any:
             folder.mkdir(parents=True, exist_ok=True)
             # torch's file lock in the build folder serialises concurrent builders
             with _ninja_on_path():
-                build(name=NAME, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                build(name=NAME, sources=[str(s) for s in _sources()], extra_cflags=list(CFLAGS),
                       extra_ldflags=list(LDFLAGS), build_directory=str(folder),
                       is_python_module=False, verbose=False)
         ops = torch.ops.qcompile
         ops.fake_quant.default  # noqa: B018  (raises if the library did not register)
+        ops.block_fake_quant.default  # noqa: B018
     except Exception as err:  # no compiler, no ninja, a build error: stay correct, go slow
         first = str(err).strip().splitlines()
         warnings.warn(

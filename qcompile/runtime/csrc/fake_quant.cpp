@@ -273,7 +273,8 @@ class OutputPool final : public c10::Allocator {
 };
 
 // An uninitialised CPU tensor of the given sizes and strides, from the pool when large.
-static Tensor empty_out(at::IntArrayRef sizes, at::IntArrayRef strides, at::ScalarType dtype) {
+// Not static: block_quant.cpp's kernels take their outputs from the same pool.
+Tensor empty_out(at::IntArrayRef sizes, at::IntArrayRef strides, at::ScalarType dtype) {
   OutputPool& pool = OutputPool::get();
   const int64_t n = c10::multiply_integers(sizes);
   if (!pool.enabled() || static_cast<size_t>(n) * c10::elementSize(dtype) < kPoolMin) {

@@ -1,6 +1,7 @@
 """The ``fakequant`` suite: fake-quant throughput (GB/s, forward and forward+backward) of
 qcompile's quantizers per-tensor / per-channel / per-group / LSQ next to ``y.copy_(x)``
-and torch's built-in fake-quant op of the same kind, plus the per-call time on a small
+and torch's built-in fake-quant op of the same kind, the block-scaled formats (MX, NVFP4,
+NF4) next to the int4 per-group quantizer and the copy, plus the per-call time on a small
 tensor. Prints as ``records`` (one line per kind).
 
 Example:
@@ -141,6 +142,7 @@ def bench_fakequant(quick: bool) -> dict[str, Any]:
     copy_gbps = 2 * nbytes / t["copy"] / 1e9
     out: dict[str, Any] = {"elements": n, "copy_GBps": copy_gbps,
                            "kernels": 1 if kernels.available() else 0}
+    out.update(bench_block_formats(x, g, rounds, quick))
     for name in cases:
         row: dict[str, Any] = {}
         for key, tensors in (("fwd", 2), ("fwd_bwd", 4)):
@@ -172,4 +174,97 @@ def bench_fakequant(quick: bool) -> dict[str, Any]:
                 small_times[key].append((now() - t0) / calls * 1e6)
     row = {k: statistics.median(v) for k, v in small_times.items()}
     out["small_64x64_us"] = row
+    return out
+
+
+def block_cases(x: torch.Tensor, formats: tuple[str, ...] = ()) -> dict[str, Any]:
+    """name -> forward of each block-scaled format (or of ``formats``) at its default block
+    (``fake_quantize_block``: the C++ kernel on CPU tensors), and of the int4 per-group (32)
+    quantizer they replace."""
+    from qcompile.runtime.block_formats import BLOCK_DTYPES, default_block, fake_quantize_block
+    from qcompile.runtime.fake_quant import FakeQuantize
+
+    cases: dict[str, Any] = {
+        fmt: lambda t, fmt=fmt: fake_quantize_block(t, fmt, default_block(fmt))
+        for fmt in formats or BLOCK_DTYPES}
+    fq = FakeQuantize("int4", granularity="per_group", group_size=32,
+                      channels=x.numel() // 32).to(x.device)
+    fq(x)  # a weight under its own min-max range
+    fq.observe = False
+    cases["int4_per_group32"] = fq
+    return cases
+
+
+def bench_block_formats(x: torch.Tensor, g: torch.Tensor, rounds: int,
+                        quick: bool) -> dict[str, Any]:
+    """The block-scaled formats' fake-quant throughput, interleaved (medians of the rounds):
+    forward, forward+backward (the identity gradient, handed back by ``torch.autograd.grad``:
+    ``.backward(g)`` on a leaf would add a copy of ``g``, which the caller still holds, into
+    ``.grad``) and the bfloat16 forward, each next to a copy of the same bytes;
+    ``<kind>_vs_copy`` is the share of the copy's bandwidth. NVFP4 reads x twice (its tensor
+    scale first): its GB/s still count one read and one write. ``block_eager``: the eager
+    formula (``fake_quant_eager``) on a smaller tensor and, in full runs, its
+    ``torch.compile`` (Inductor, compile time not counted). ``quick``: one format per kind,
+    one round."""
+    from qcompile.runtime.block_formats import default_block, fake_quant_eager
+
+    device = x.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    xb, y, yb = x.bfloat16(), torch.empty_like(x), torch.empty_like(x, dtype=torch.bfloat16)
+    cases = block_cases(x, ("mxfp4", "nvfp4", "nf4") if quick else ())
+    runs: list[tuple[str, Any]] = []
+
+    def timed(key: str, fn: Any) -> None:
+        def run() -> None:
+            fn()
+            sync()
+        runs.append((key, run))
+
+    def fwd_bwd(fn: Any) -> None:
+        leaf = x.detach().requires_grad_(True)
+        torch.autograd.grad(fn(leaf), leaf, g)
+
+    for name, fn in cases.items():
+        timed("copy", lambda: y.copy_(x))
+        timed(f"{name}.fwd", lambda fn=fn: fn(x))
+        timed(f"{name}.fwd_bwd", lambda fn=fn: fwd_bwd(fn))
+        timed("copy_bf16", lambda: yb.copy_(xb))
+        timed(f"{name}.bf16_fwd", lambda fn=fn: fn(xb))
+    # the eager formula (and Inductor's kernel of it): [N, 16] intermediates for NF4
+    m = 1 << (14 if quick else 20)
+    xe = x.reshape(-1)[:m].reshape(-1, 1024)
+    eager = {fmt: (lambda t, fmt=fmt: fake_quant_eager(t, fmt, default_block(fmt)))
+             for fmt in ("mxfp4", "nvfp4", "nf4")}
+    for fmt, fn in eager.items():
+        timed("copy_eager_size", lambda: y.reshape(-1)[:m].copy_(xe.reshape(-1)))
+        timed(f"{fmt}.eager", lambda fn=fn: fn(xe))
+        if not quick:
+            compiled = torch.compile(fn, dynamic=False)
+            timed(f"{fmt}.compiled", lambda fn=compiled: fn(xe))
+    times: dict[str, list[float]] = {k: [] for k, _ in runs}
+    for _, fn in runs:  # warm up (and compile)
+        fn()
+    now = clock()
+    for _ in range(1 if quick else rounds):
+        for key, fn in runs:
+            t0 = now()
+            fn()
+            times[key].append(now() - t0)
+    t = {k: statistics.median(v) for k, v in times.items()}
+    nbytes, nbf16 = x.numel() * x.element_size(), x.numel() * 2
+    out: dict[str, Any] = {}
+    for name in cases:
+        row: dict[str, Any] = {}
+        for key, tensors, size, copy in (("fwd", 2, nbytes, "copy"),
+                                         ("fwd_bwd", 4, nbytes, "copy"),
+                                         ("bf16_fwd", 2, nbf16, "copy_bf16")):
+            row[f"{key}_GBps"] = tensors * size / t[f"{name}.{key}"] / 1e9
+            row[f"{key}_vs_copy"] = row[f"{key}_GBps"] / (2 * size / t[copy] / 1e9)
+        out[f"block_{name}"] = row
+    row = {"elements": m}
+    for fmt in eager:
+        for kind in ("eager", "compiled"):
+            if f"{fmt}.{kind}" in t:
+                row[f"{fmt}_{kind}_vs_copy"] = t["copy_eager_size"] / t[f"{fmt}.{kind}"]
+    out["block_eager"] = row
     return out
