@@ -13,6 +13,17 @@ energy first. The scales and zero points are the weight quantizer's (per tensor,
 or group, from the original weights): only the integers change, so the result converts
 and exports as any calibrated graph does.
 
+Block-scaled weights (``mxfp4``, ``nvfp4``, ``nf4``, ...; ``gptq_blocks``) have no fixed
+grid: each forward computes every block's scale from the weight itself. GPTQ computes a
+block's scale when it reaches the block's first column, from the weights as the errors of
+the columns before have updated them (NVFP4's tensor scale from the original weight), and
+rounds the block's columns on that grid. So that the forward finds the same scales again,
+the element that sets each block's scale is rounded to a magnitude that keeps it (the
+block's largest level for NF4 and NVFP4, its top binade for MX; NVFP4's largest original
+element keeps its block's scale at the maximum, so the tensor scale stays), the others to
+nearest: the weight GPTQ writes is its own fake-quant. ``act_order`` takes every block's
+scale from the original weights (the columns no longer go block by block).
+
 Layers go level by level (``qcompile.graph.layerwise.levels``): each level's inputs come
 from the graph with the levels before it already rounded, as in the paper. Memory is one
 ``k x k`` matrix per layer of the level being measured.
@@ -37,14 +48,32 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.fx import GraphModule
 
-from qcompile.graph.algorithms import Data, plan, round_layers
+from qcompile.graph.algorithms import (
+    Data,
+    fix_grid,
+    no_data,
+    plan,
+    round_layers,
+    set_parameter,
+    usable,
+    where,
+)
 from qcompile.graph.context import Context
-from qcompile.graph.layerwise import round_to_grid
+from qcompile.graph.layerwise import output_error, round_to_grid, weight_grid
 from qcompile.graph.pipeline import graph_pass
 from qcompile.passes.equalize import algorithm_entry
+from qcompile.runtime.block_formats import (
+    FORMATS,
+    BlockGrid,
+    block_scales,
+    fake_quant_eager,
+    nvfp4_tensor_scale,
+)
 from qcompile.specs.quant import GPTQ
 
 _MAX_DAMP_RETRIES = 6  # each multiplies damp by 10 when H is not positive definite
@@ -55,6 +84,36 @@ def round_gptq(gm: GraphModule, ctx: Context) -> GraphModule:
     """Check there are layers for GPTQ and record the entry for ``qc.calibrate``."""
     index, _ = algorithm_entry(ctx, "gptq")
     return plan(gm, ctx, index, "gptq", gram=True, verb="round")
+
+
+def _inverse_factor(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
+    """The upper Cholesky factor of ``(H + damp * mean(diag H) * I)^-1`` (float32) and the
+    damping used (raised tenfold while H is not positive definite)."""
+    k = h.shape[0]
+    mean_diag = float(torch.diag(h).mean())
+    eye = torch.eye(k, dtype=h.dtype, device=h.device)
+    used = damp
+    for _ in range(_MAX_DAMP_RETRIES):
+        chol, info = torch.linalg.cholesky_ex(h + used * mean_diag * eye)
+        if int(info) == 0:
+            hinv = torch.cholesky_inverse(chol)
+            u, info = torch.linalg.cholesky_ex(hinv, upper=True)
+            if int(info) == 0:
+                return u.float(), used
+        used *= 10
+    # hopeless: plain rounding, column by column
+    return torch.diag(torch.diag(h).rsqrt()).float(), used
+
+
+def _prepare(w: torch.Tensor, gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 copy of ``w`` and float64 copy of ``gram``, inputs that are always 0 made
+    harmless (any value of their column is exact: it is set to 0)."""
+    w = w.detach().float().clone()
+    h = gram.detach().double().clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    return w, h
 
 
 def gptq(w: torch.Tensor, gram: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
@@ -77,30 +136,13 @@ def gptq(w: torch.Tensor, gram: torch.Tensor, scale: torch.Tensor, zero_point: t
         ...                                                   x.T @ x, 256)
         True
     """
-    w = w.detach().float().clone()
-    h = gram.detach().double().clone()
+    w, h = _prepare(w, gram)
     k = w.shape[1]
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1.0  # an input that is always 0: any value of its column is exact
-    w[:, dead] = 0.0
     perm = torch.argsort(torch.diag(h), descending=True, stable=True) if act_order else None
     if perm is not None:
         w, h = w[:, perm], h[perm][:, perm]
         scale, zero_point = scale[:, perm], zero_point[:, perm]
-    mean_diag = float(torch.diag(h).mean())
-    eye = torch.eye(k, dtype=h.dtype, device=h.device)
-    used = damp
-    for _ in range(_MAX_DAMP_RETRIES):
-        chol, info = torch.linalg.cholesky_ex(h + used * mean_diag * eye)
-        if int(info) == 0:
-            hinv = torch.cholesky_inverse(chol)
-            u, info = torch.linalg.cholesky_ex(hinv, upper=True)
-            if int(info) == 0:
-                break
-        used *= 10
-    else:
-        u = torch.diag(torch.diag(h).rsqrt())  # hopeless: plain rounding, column by column
-    u = u.float()
+    u, used = _inverse_factor(h, damp)
     out = torch.zeros_like(w)
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
@@ -121,10 +163,152 @@ def gptq(w: torch.Tensor, gram: torch.Tensor, scale: torch.Tensor, zero_point: t
     return out, used
 
 
+@dataclass(frozen=True)
+class _BlockState:
+    """One column block's grid while GPTQ rounds it: the grid of each row's block, and per
+    row the column (within the block) of the element that set the scale (``lead``) and the
+    magnitude it rounds to at least (``keep``) so that the scale is found again."""
+
+    grid: BlockGrid
+    lead: torch.Tensor  # [N] int64
+    keep: torch.Tensor  # [N] float32
+
+
+def _block_state(cols: torch.Tensor, fmt: str, tensor_scale: torch.Tensor | None,
+                 pin: tuple[int, int, torch.Tensor] | None) -> _BlockState:
+    """The grid of ``cols`` ([N, block]); ``pin``: (row, column, magnitude) of NVFP4's
+    largest original element, which keeps at least that magnitude (its block's scale stays
+    at the maximum, and with it the tensor scale)."""
+    if pin is not None:
+        row, col, magnitude = pin
+        cols = cols.clone()
+        cols[row, col] = torch.copysign(torch.maximum(cols[row, col].abs(), magnitude),
+                                        cols[row, col])
+    amax, lead = cols.abs().max(dim=-1, keepdim=True)
+    grid = block_scales(cols, fmt, tensor_scale)
+    keep = grid.fake_quant(amax)  # the block's largest level (NF4, NVFP4)
+    f = FORMATS[fmt]
+    if f.kind == "mx":  # any magnitude in the top binade keeps the shared exponent
+        keep = torch.minimum(keep, grid.from_grid * 2.0 ** f.emax)
+    keep = torch.where(amax > 0, keep, torch.zeros_like(keep))
+    return _BlockState(grid, lead[:, 0], keep[:, 0])
+
+
+def gptq_blocks(w: torch.Tensor, gram: torch.Tensor, fmt: str, block: int, *,
+                block_size: int = 128, damp: float = 0.01,
+                act_order: bool = False) -> tuple[torch.Tensor, float]:
+    """GPTQ on one ``[out, k]`` weight in the block format ``fmt`` (blocks of ``block``
+    along each row): the rounded weight, equal to its own fake-quant (NVFP4: to a few
+    float32 ulps, through the tensor scale's rounding), and the damping used. The lazy
+    batches are ``block_size`` rounded down to whole blocks (one block at least).
+
+    Example:
+        >>> import torch
+        >>> from qcompile.graph.layerwise import output_error
+        >>> from qcompile.runtime.block_formats import fake_quant_eager
+        >>> g = torch.Generator().manual_seed(0)
+        >>> x = torch.randn(512, 64, generator=g) @ torch.randn(64, 64, generator=g)
+        >>> w = torch.randn(16, 64, generator=g)
+        >>> q, _ = gptq_blocks(w, x.T @ x, "mxfp4", 32)
+        >>> torch.equal(fake_quant_eager(q, "mxfp4", 32), q)  # the forward finds q again
+        True
+        >>> rtn = fake_quant_eager(w, "mxfp4", 32)
+        >>> output_error(q - w, x.T @ x, 512) < output_error(rtn - w, x.T @ x, 512)
+        True
+    """
+    k = w.shape[1]
+    if k % block:
+        raise ValueError(f"rows of {k} elements do not split into blocks of {block}")
+    original = w.detach().float()
+    w, h = _prepare(w, gram)
+    tensor_scale, pin = None, None
+    if FORMATS[fmt].kind == "nvfp4":
+        tensor_scale = nvfp4_tensor_scale(original)
+        row, col = divmod(int(original.abs().argmax()), k)
+        pin = (row, col, original[row, col].abs())
+
+    def state(cols: torch.Tensor, b: int) -> _BlockState:
+        here = pin if pin is not None and pin[1] // block == b else None
+        if here is not None:
+            here = (here[0], here[1] - b * block, here[2])
+        return _block_state(cols, fmt, tensor_scale, here)
+
+    states: dict[int, _BlockState] = {}
+    perm = None
+    if act_order:  # columns out of block order: every grid from the original weights
+        states = {b: state(w[:, b * block:(b + 1) * block], b) for b in range(k // block)}
+        perm = torch.argsort(torch.diag(h), descending=True, stable=True)
+        w, h = w[:, perm], h[perm][:, perm]
+        step = block_size
+    else:  # a block's columns in one lazy batch, so its grid reads their updated values
+        step = max(block, block_size // block * block)
+    u, used = _inverse_factor(h, damp)
+    out = torch.zeros_like(w)
+    for i1 in range(0, k, step):
+        i2 = min(i1 + step, k)
+        cur = w[:, i1:i2].clone()
+        errors = torch.zeros_like(cur)
+        u_block = u[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            c = i1 + i if perm is None else int(perm[i1 + i])
+            b, pos = divmod(c, block)
+            if b not in states:  # the block's first column: its grid from the columns now
+                states[b] = state(cur[:, i:i + block], b)
+            st = states[b]
+            col = cur[:, i]
+            q = st.grid.fake_quant(col.unsqueeze(1))[:, 0]
+            q = torch.where(st.lead == pos,
+                            torch.copysign(torch.maximum(q.abs(), st.keep), col), q)
+            out[:, i1 + i] = q
+            err = (col - q) / u_block[i, i]
+            cur[:, i:] -= err.unsqueeze(1) * u_block[i, i:].unsqueeze(0)
+            errors[:, i] = err
+        w[:, i2:] -= errors @ u[i1:i2, i2:]
+    if perm is not None:
+        out = out[:, torch.argsort(perm)]
+    return out, used
+
+
 def apply(data: Data, index: int, entry: GPTQ) -> list[str]:
     """Round every usable layer's weight with GPTQ, level by level (``qc.calibrate``)."""
-    def solve(w, gram, rows, scale, zero_point, quant_min, quant_max):
-        new, used = gptq(w, gram, scale, zero_point, quant_min, quant_max,
-                         block_size=entry.block_size, damp=entry.damp, act_order=entry.act_order)
-        return new, (f"; damp raised to {used:g}" if used != entry.damp else "")
-    return round_layers(data, index, "gptq", solve)
+    gm = data.gm
+    layers, skipped = usable(gm, gram=True)
+    if not any(layer.get_quantizer(gm).block_format for layer in layers):
+        def solve(w, gram, rows, scale, zero_point, quant_min, quant_max):
+            new, used = gptq(w, gram, scale, zero_point, quant_min, quant_max,
+                             block_size=entry.block_size, damp=entry.damp,
+                             act_order=entry.act_order)
+            return new, (f"; damp raised to {used:g}" if used != entry.damp else "")
+        return round_layers(data, index, "gptq", solve)
+    # block formats among them: their grids come from the weights, not the quantizer
+    here, notes = where(index, "gptq"), []
+    for group, stats in data.by_level(layers, gram=True, desc="gptq"):
+        for layer in group:
+            if not stats.rows.get(layer):
+                raise no_data(here, layer)
+            q = layer.get_quantizer(gm)
+            weight = layer.get_weight(gm)
+            w = weight.detach().float().reshape(weight.shape[0], -1)
+            gram, rows = stats.gram[layer], stats.rows[layer]
+            opts = {"block_size": entry.block_size, "damp": entry.damp,
+                    "act_order": entry.act_order}
+            if q.block_format:
+                fmt, block = q.block_format, int(q.group_size)
+                new, used = gptq_blocks(w, gram, fmt, block, **opts)
+                nearest = fake_quant_eager(w, fmt, block)
+                new = fake_quant_eager(new, fmt, block)  # what the forward computes
+            else:
+                scale, zero_point = weight_grid(q, weight)
+                new, used = gptq(w, gram, scale, zero_point, q.quant_min, q.quant_max, **opts)
+                nearest = round_to_grid(w, scale, zero_point, q.quant_min, q.quant_max)
+            g, w64 = gram.double(), w.double()
+            before = output_error(nearest.double() - w64, g, rows)
+            after = output_error(new.double() - w64, g, rows)
+            name = f"{layer.owner}.{layer.weight}" if layer.owner else layer.weight
+            set_parameter(gm, name, new.to(weight.device))
+            fix_grid(gm, layer)
+            share = f"{100 * after / before:.0f}% of" if before > 0 else "vs"
+            extra = f"; damp raised to {used:g}" if used != entry.damp else ""
+            notes.append(f"{layer.name} ({'x'.join(map(str, w.shape))}): output error "
+                         f"{before:.3g} -> {after:.3g} ({share} round-to-nearest){extra}")
+    return notes + [f"{name} left to round-to-nearest: {reason}" for name, reason in skipped]

@@ -47,6 +47,10 @@ Subcommands:
 - ``moe``: mixture-of-experts language models (Mixtral-, Qwen2-MoE-, DeepSeek-V3-style tiny
   configs): expert parameters behind a quantizer, QAT loss next to fp32, and in mode none
   bit-identical logits and identical routing.
+- ``llm``: a small Llama-style language model (dense and mixture-of-experts) trained on
+  English text that ships with Python: validation perplexity of fp32, round-to-nearest PTQ,
+  GPTQ and QAT for w8a8, 8da4w, int4 weight-only, MXFP4, NVFP4 and NF4, and the share of
+  the PTQ loss QAT wins back.
 - ``cuda``: on a CUDA GPU (skipped without one): fake-quant forward + backward as a share
   of the device's copy bandwidth, eager and under ``torch.compile``, and the compiled
   training step of a ~340M-parameter Llama-style model with ``8da4w-qat`` relative to its

@@ -1,23 +1,31 @@
-"""A small Llama-style character language model trained on the Python standard library's
-own source, for ``qcompile-bench algorithms``: real text every machine has, no download.
+"""A small Llama-style character language model trained on text that ships with Python,
+for ``qcompile-bench algorithms`` and ``qcompile-bench llm``: real text every machine has,
+no download.
 
-Data: the ``*.py`` files under ``sysconfig.get_paths()["stdlib"]`` (``site-packages`` and
-``dist-packages`` left out: they differ from machine to machine), sorted by relative path;
-every ``val_every``-th file is held out for validation, the others are training text.
-Each split is the concatenation of its files cut at a character budget. The vocabulary is
-the training text's characters seen at least ``min_count`` times, plus ``<unk>`` (id 0).
+Data (``LMConfig.text``): ``"stdlib"``, the ``*.py`` files under
+``sysconfig.get_paths()["stdlib"]`` (``site-packages`` and ``dist-packages`` left out: they
+differ from machine to machine), sorted by relative path; every ``val_every``-th file is
+held out for validation, the others are training text. ``"english"``: the English reference
+pages of ``pydoc_data.topics`` (the language reference as ``help()`` shows it), every
+``val_every``-th topic (sorted by name) held out for validation; the training text is the
+other topics followed by the stdlib's training files. Each split is the concatenation of
+its parts cut at a character budget. The vocabulary is the training text's characters seen
+at least ``min_count`` times, plus ``<unk>`` (id 0).
 
 Model: token embedding, ``layers`` pre-norm blocks (``nn.RMSNorm``, causal self-attention
 with rotary positions through ``F.scaled_dot_product_attention(is_causal=True)``, SwiGLU
-MLP), a final RMSNorm and an untied Linear head; no biases. It traces with
-``torch.fx.symbolic_trace`` (no data-dependent control flow), so qcompile compiles it.
+MLP), a final RMSNorm and an untied Linear head; no biases. With ``experts`` > 0 each
+block's MLP is a mixture of experts (``MoE``: a Linear router, softmax, the top ``top_k``
+experts per token, each a SwiGLU of width ``hidden``, run on the tokens routed to it only).
+It traces with ``torch.fx.symbolic_trace`` (no data-dependent control flow), so qcompile
+compiles it.
 
 Trained float weights are cached under ``~/.cache/qcompile-bench/`` (``QCOMPILE_BENCH_CACHE``
 overrides the directory), keyed by a hash of the config, the training text and the torch
 version, so repeated runs skip training.
 
 Example (a tiny model on a tiny slice of the text, no training):
-    >>> import torch
+    >>> import dataclasses, torch
     >>> from qcompile.tools.bench.lm import LMConfig, TinyLlama, load_text
     >>> cfg = LMConfig(layers=1, dim=32, heads=2, hidden=64, context=16,
     ...                train_chars=20_000, val_chars=2_000)
@@ -30,6 +38,9 @@ Example (a tiny model on a tiny slice of the text, no training):
     True
     >>> gm = torch.fx.symbolic_trace(model)
     >>> bool(torch.allclose(gm(x), model(x)))
+    True
+    >>> moe = TinyLlama(dataclasses.replace(cfg, experts=4), len(data.vocab))
+    >>> bool(torch.allclose(torch.fx.symbolic_trace(moe)(x), moe(x)))
     True
 """
 
@@ -71,11 +82,19 @@ class LMConfig:
     lr: float = 3e-3
     warmup: int = 50
     seed: int = 0
+    text: str = "stdlib"        # "stdlib" | "english" (see the module docstring)
+    experts: int = 0            # > 0: mixture-of-experts MLPs of this many experts
+    top_k: int = 2              # experts per token
 
     def key(self, text_digest: str) -> str:
-        """Cache key: the config, the training text and the torch version (numerics)."""
-        blob = json.dumps([dataclasses.asdict(self), text_digest, torch.__version__],
-                          sort_keys=True)
+        """Cache key: the config, the training text and the torch version (numerics).
+        ``text``, ``experts`` and ``top_k`` enter it only when not at their defaults, so
+        the keys of configs without them stay what they were."""
+        fields = dataclasses.asdict(self)
+        for name in ("text", "experts", "top_k"):
+            if fields[name] == LMConfig.__dataclass_fields__[name].default:
+                del fields[name]
+        blob = json.dumps([fields, text_digest, torch.__version__], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -85,7 +104,7 @@ class TextData:
     train: torch.Tensor         # int64 ids
     val: torch.Tensor
     digest: str                 # sha256 of the training text
-    files: tuple[int, int]      # (training files, validation files) read
+    files: tuple[int, int]      # (training, validation) files (and topic pages) read
 
 
 def stdlib_sources() -> list[Path]:
@@ -111,13 +130,32 @@ def _take(files: list[Path], budget: int) -> tuple[str, int]:
     return "".join(parts)[:budget], used
 
 
+def english_topics() -> list[str]:
+    """The pages of ``pydoc_data.topics`` (English reference text), sorted by topic name."""
+    from pydoc_data.topics import topics
+
+    return [topics[name] + "\n" for name in sorted(topics)]
+
+
 def load_text(cfg: LMConfig) -> TextData:
     """The training and validation splits as ids (deterministic for a given stdlib)."""
+    if cfg.text not in ("stdlib", "english"):
+        raise ValueError(f"LMConfig.text is 'stdlib' or 'english', not {cfg.text!r}")
     files = stdlib_sources()
     val_files = files[::cfg.val_every]
     train_files = [p for i, p in enumerate(files) if i % cfg.val_every]
-    train, n_train = _take(train_files, cfg.train_chars)
-    val, n_val = _take(val_files, cfg.val_chars)
+    if cfg.text == "english":
+        pages = english_topics()
+        held = pages[::cfg.val_every]
+        kept = [t for i, t in enumerate(pages) if i % cfg.val_every]
+        english = "".join(kept)
+        rest, used = _take(train_files, max(0, cfg.train_chars - len(english)))
+        train = (english + rest)[:cfg.train_chars]
+        val = "".join(held)[:cfg.val_chars]
+        n_train, n_val = len(kept) + used, len(held)
+    else:
+        train, n_train = _take(train_files, cfg.train_chars)
+        val, n_val = _take(val_files, cfg.val_chars)
     counts = Counter(train)
     vocab = ["<unk>", *sorted(c for c, n in counts.items() if n >= cfg.min_count)]
     index = {c: i for i, c in enumerate(vocab)}
@@ -164,13 +202,38 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+class MoE(nn.Module):
+    """Mixture of experts: ``router`` scores each token, the ``top_k`` best experts (by
+    softmax probability, renormalised over the chosen ones) each run on the tokens routed
+    to them only, and their outputs are added back at those tokens' rows."""
+
+    def __init__(self, dim: int, hidden: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(dim, hidden) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.flatten(0, -2)
+        probs, index = torch.topk(self.router(flat).softmax(dim=-1), self.top_k, dim=-1)
+        gates = probs / probs.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            hit = index == e  # [tokens, top_k]: at most one True per row
+            rows = hit.any(dim=-1).nonzero().squeeze(-1)
+            gate = (gates * hit).sum(dim=-1)[rows].unsqueeze(-1)
+            out = out.index_add(0, rows, expert(flat[rows]) * gate)
+        return out.view_as(x)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: LMConfig) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.dim)
         self.attn = Attention(cfg.dim, cfg.heads)
         self.mlp_norm = nn.RMSNorm(cfg.dim)
-        self.mlp = SwiGLU(cfg.dim, cfg.hidden)
+        self.mlp: nn.Module = (MoE(cfg.dim, cfg.hidden, cfg.experts, cfg.top_k) if cfg.experts
+                               else SwiGLU(cfg.dim, cfg.hidden))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)

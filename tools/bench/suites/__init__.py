@@ -33,6 +33,7 @@ from qcompile.tools.bench.suites.distributed import (
     run_pipeline,
 )
 from qcompile.tools.bench.suites.fakequant import bench_fakequant
+from qcompile.tools.bench.suites.llm import bench_llm, llm_text
 from qcompile.tools.bench.suites.moe import bench_moe
 from qcompile.tools.bench.suites.onnx import bench_onnx
 from qcompile.tools.bench.suites.step import bench_step
@@ -62,5 +63,6 @@ SUITES: dict[str, Suite] = {
     "algorithms": Suite(bench_algorithms, algorithms_text, threads=2),
     "torch-models": Suite(bench_torch_models, torch_models_text, threads=2),
     "moe": Suite(bench_moe, threads=2),
+    "llm": Suite(bench_llm, llm_text, threads=2),
     "cuda": Suite(bench_cuda, cuda_text),
 }

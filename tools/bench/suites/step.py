@@ -1,8 +1,8 @@
 """The ``step`` suite: a QAT training step (forward, backward, SGD) relative to the fp32
 eager step, qcompile int8-qat next to torch.ao ``prepare_qat_fx`` and, when installed,
 torchao's QAT, on the MLP, the ResNet-18-style CNN and the transformer; and qcompile's
-LLM schemes: NVFP4 weights only (``nvfp4_w``), ``nvfp4-qat`` (weights and the inputs of
-Linear layers) and ``8da4w-qat``. Prints as ``records`` (one line per model).
+LLM schemes (full runs): NVFP4 weights only (``nvfp4_w``), ``nvfp4-qat`` (weights and the
+inputs of Linear layers) and ``8da4w-qat``. Prints as ``records`` (one line per model).
 
 Example:
     >>> from qcompile.tools.bench.suites.step import bench_step
@@ -46,10 +46,11 @@ def bench_step(quick: bool) -> dict[str, Any]:
         builds: list[tuple[str, Any]] = [
             ("fp32", lambda m: m),
             ("qcompile", lambda m, x=x: qc.qcompile(m, "int8-qat", (x,))),
-            ("prepare_qat_fx", lambda m, x=x: prepare_qat_fx(m, x)),
-            ("nvfp4_w", lambda m, x=x: qc.qcompile(m, NVFP4_WEIGHTS, (x,))),
-            ("nvfp4", lambda m, x=x: qc.qcompile(m, "nvfp4-qat", (x,))),
-            ("8da4w", lambda m, x=x: qc.qcompile(m, "8da4w-qat", (x,)))]
+            ("prepare_qat_fx", lambda m, x=x: prepare_qat_fx(m, x))]
+        if not quick:  # the LLM schemes
+            builds += [("nvfp4_w", lambda m, x=x: qc.qcompile(m, NVFP4_WEIGHTS, (x,))),
+                       ("nvfp4", lambda m, x=x: qc.qcompile(m, "nvfp4-qat", (x,))),
+                       ("8da4w", lambda m, x=x: qc.qcompile(m, "8da4w-qat", (x,)))]
         if has_torchao():  # optional competitor (fake-quantizes Linear layers only)
             builds.append(("torchao_qat", torchao_qat))
         steps: dict[str, Any] = {}
