@@ -22,11 +22,18 @@ Formats (the head, and the MoE routers, stay float; ``target: generic``):
 
 Rows: ``fp32``; ``RTN``: round-to-nearest PTQ (``mode: dynamic``, weight scales from the
 weights, activation scales from each batch); ``GPTQ``: the same with ``quant.algorithms:
-[gptq]`` on calibration batches of training text; ``QAT``: the same rules in ``mode: qat``
-(the graph computes exactly what RTN computes until it trains), trained from the fp32
-weights for a fixed token budget, the same for every format; ``fp32 + budget``: the float
-model trained for that budget too (what the extra training alone buys). Recovery is
+[gptq]`` on calibration windows of the training topic pages; ``QAT``: the same rules in
+``mode: qat`` (the graph computes exactly what RTN computes until it trains: checked on a
+batch), fine-tuned from the fp32 weights on windows of the training topic pages for a fixed
+token budget, the same for every format (``Recipe``). Recovery is
 ``(PTQ - QAT) / (PTQ - fp32)``, against RTN and against GPTQ.
+
+The QAT loss is distillation from the fp32 model (KL divergence of the graph's next-token
+distribution from the float model's), not the text's own next characters: it measures what
+QAT wins back of the quantization loss alone. Fine-tuning on the text itself also adapts
+the model to the topic pages: the fp32 model fine-tuned that way for 32 k characters
+already gains more perplexity than 4-bit quantization costs, so a recovery measured that
+way would mostly count the extra training.
 
 Example (the formats and a spec):
     >>> from qcompile.tools.bench.suites.llm import FORMATS, spec
@@ -39,7 +46,6 @@ Example (the formats and a spec):
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import sys
@@ -52,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qcompile as qc
-from qcompile.tools.bench import lm
+import qcompile.tools.bench.lm as lm
 
 # -- models -----------------------------------------------------------------------------
 
@@ -99,13 +105,14 @@ def spec(fmt: str, mode: str, algorithms: tuple[dict[str, Any], ...] = ()) -> qc
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """Fine-tuning from the fp32 weights: AdamW (no weight decay), linear warm-up then
-    cosine decay to 0, gradients clipped at 1, seeded random training windows. The token
-    budget is ``steps * batch * context``, the same for every format."""
+    """QAT fine-tuning from the fp32 weights: distillation from the fp32 model, AdamW (no
+    weight decay), linear warm-up then cosine decay to 0, gradients clipped at 1, seeded
+    random windows. The token budget is ``steps * batch * context``, the same for every
+    format."""
 
-    steps: int = 64
-    batch: int = 16
-    lr: float = 5e-4
+    steps: int = 128
+    batch: int = 8
+    lr: float = 2e-4
     warmup: int = 4
     seed: int = 11
 
@@ -114,8 +121,18 @@ QAT = Recipe()
 QUICK_QAT = Recipe(steps=4, batch=4)
 
 
-def fine_tune(model: nn.Module, data: lm.TextData, context: int, recipe: Recipe) -> float:
-    """Train ``model`` (a float model or a QAT graph) on ``recipe``; the last loss."""
+def english_train_ids(cfg: lm.LMConfig, data: lm.TextData) -> torch.Tensor:
+    """The training topic pages (the start of ``data.train`` for ``text="english"``)."""
+    pages = lm.english_topics()
+    n = sum(len(t) for i, t in enumerate(pages) if i % cfg.val_every)
+    return data.train[:min(n, len(data.train))]
+
+
+def fine_tune(model: nn.Module, teacher: nn.Module, ids: torch.Tensor, context: int,
+              recipe: Recipe) -> float:
+    """Train ``model`` (a QAT graph) to match ``teacher``'s next-token distributions on
+    random windows of ``ids``; the last loss (mean KL divergence per token)."""
+    teacher.eval()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0, betas=(0.9, 0.95))
 
@@ -130,10 +147,12 @@ def fine_tune(model: nn.Module, data: lm.TextData, context: int, recipe: Recipe)
     model.train()
     loss = torch.tensor(math.nan)
     for _ in range(recipe.steps):
-        starts = torch.randint(0, len(data.train) - context - 1, (recipe.batch,), generator=gen)
-        x = torch.stack([data.train[s:s + context] for s in starts.tolist()])
-        y = torch.stack([data.train[s + 1:s + context + 1] for s in starts.tolist()])
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        starts = torch.randint(0, len(ids) - context, (recipe.batch,), generator=gen)
+        x = torch.stack([ids[s:s + context] for s in starts.tolist()])
+        with torch.no_grad():
+            target = F.log_softmax(teacher(x).flatten(0, 1), dim=-1)
+        loss = F.kl_div(F.log_softmax(model(x).flatten(0, 1), dim=-1), target,
+                        log_target=True, reduction="batchmean")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -163,10 +182,9 @@ def run_model(name: str, cfg: lm.LMConfig, formats: tuple[str, ...], recipe: Rec
         "files": {"train": data.files[0], "val": data.files[1]},
         "val_tokens": (len(data.val) - 1) // cfg.context * cfg.context,
         "qat_tokens": recipe.steps * recipe.batch * cfg.context,
-        "calibration_tokens": calib_batches * recipe.batch * cfg.context}
-    batch = recipe.batch
-    calib = [(b,) for b in lm.batches(data.train, cfg.context, batch, calib_batches,
-                                      cfg.seed + 2)]
+        "calibration_tokens": calib_batches * 16 * cfg.context}
+    tune = english_train_ids(cfg, data)
+    calib = [(b,) for b in lm.batches(tune, cfg.context, 16, calib_batches, cfg.seed + 2)]
 
     def ppl(m: nn.Module) -> float:
         return lm.perplexity(m, data.val, cfg.context, batch=64)
@@ -174,13 +192,9 @@ def run_model(name: str, cfg: lm.LMConfig, formats: tuple[str, ...], recipe: Rec
     def log(what: str, value: float, seconds: float) -> None:
         print(f"llm | {name} | {what}: {value:.4f} ({seconds:.1f} s)", file=sys.stderr)
 
-    out["fp32"] = ppl(model)
     t = time.perf_counter()
-    control = copy.deepcopy(model)
-    fine_tune(control, data, cfg.context, recipe)
-    out["fp32_budget"] = ppl(control)
-    out["fp32_budget_s"] = time.perf_counter() - t
-    log("fp32 / fp32 + budget", out["fp32_budget"], out["fp32_budget_s"])
+    out["fp32"] = ppl(model)
+    log("fp32", out["fp32"], time.perf_counter() - t)
     rows: dict[str, dict[str, Any]] = {}
     for fmt in formats:
         row: dict[str, Any] = {}
@@ -202,7 +216,7 @@ def run_model(name: str, cfg: lm.LMConfig, formats: tuple[str, ...], recipe: Rec
             x = calib[0][0][:4]
             row["qat_step0_equals_rtn"] = bool(torch.allclose(qat.eval()(x), rtn(x),
                                                               rtol=1e-5, atol=1e-5))
-        row["qat_final_loss"] = fine_tune(qat, data, cfg.context, recipe)
+        row["qat_final_kl"] = fine_tune(qat, model, tune, cfg.context, recipe)
         row["qat_train_s"] = time.perf_counter() - t
         row["qat"] = ppl(qat)
         row["qat_s"] = time.perf_counter() - t
@@ -252,7 +266,6 @@ def model_table(name: str, r: dict[str, Any]) -> str:
         lines.append(f"| {label} | " + " | ".join(cell(f) for f in fmts) + " |")
 
     line("fp32", lambda f: _num(r["fp32"]))
-    line("fp32 + QAT budget (control)", lambda f: _num(r["fp32_budget"]))
     line("RTN PTQ", lambda f: _num(rows[f]["rtn"]))
     line("GPTQ PTQ", lambda f: _num(rows[f]["gptq"]))
     line("QAT", lambda f: _num(rows[f]["qat"]))
