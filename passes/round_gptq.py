@@ -1,17 +1,18 @@
 """``round_gptq``: GPTQ (``quant.algorithms: [{kind: gptq, block_size: 128, damp: 0.01,
 act_order: false}]``; Frantar et al. 2023), Hessian-based sequential rounding.
 
-For every conv/linear layer with an integer weight quantizer, with ``H = X^T X`` the Gram
-matrix of the layer's inputs on the calibration batches (each output is a dot product with
-a row of ``X``; convolutions through their unfolded patches), GPTQ rounds the weight's
-columns one at a time onto the quantizer's grid and spreads each column's rounding error
-over the columns not rounded yet, in proportion to ``H^-1``: the layer's output error on
-the data, ``trace(dW H dW^T)``, is what it minimises, not the weights' own error. Columns
-go in blocks of ``block_size`` (the lazy batch update); ``damp`` (a share of the mean
-diagonal) keeps ``H`` invertible; ``act_order`` rounds the columns with the largest input
-energy first. The scales and zero points are the weight quantizer's (per tensor, channel
-or group, from the original weights): only the integers change, so the result converts
-and exports as any calibrated graph does.
+For every conv/linear layer with an integer or block-format weight quantizer, with
+``H = X^T X`` the Gram matrix of the layer's inputs on the calibration batches (each output
+is a dot product with a row of ``X``; convolutions through their unfolded patches), GPTQ
+rounds the weight's columns one at a time onto the quantizer's grid and spreads each
+column's rounding error over the columns not rounded yet, in proportion to ``H^-1``: the
+layer's output error on the data, ``trace(dW H dW^T)``, is what it minimises, not the
+weights' own error. Columns go in blocks of ``block_size`` (the lazy batch update);
+``damp`` (a share of the mean diagonal) keeps ``H`` invertible; ``act_order`` rounds the
+columns with the largest input energy first. For integer weights the scales and zero
+points are the weight quantizer's (per tensor, channel or group, from the original
+weights): only the integers change, so the result converts and exports as any calibrated
+graph does.
 
 Block-scaled weights (``mxfp4``, ``nvfp4``, ``nf4``, ...; ``gptq_blocks``) have no fixed
 grid: each forward computes every block's scale from the weight itself. GPTQ computes a
@@ -21,8 +22,10 @@ rounds the block's columns on that grid. So that the forward finds the same scal
 the element that sets each block's scale is rounded to a magnitude that keeps it (the
 block's largest level for NF4 and NVFP4, its top binade for MX; NVFP4's largest original
 element keeps its block's scale at the maximum, so the tensor scale stays), the others to
-nearest: the weight GPTQ writes is its own fake-quant. ``act_order`` takes every block's
-scale from the original weights (the columns no longer go block by block).
+nearest: the weight GPTQ writes is its own fake-quant (NVFP4: to a float32 rounding of
+the tensor scale). The lazy batches hold whole blocks (``block_size`` rounded down to a
+multiple of the block); ``act_order`` takes every block's scale from the original weights
+(the columns no longer go block by block).
 
 Layers go level by level (``qcompile.graph.layerwise.levels``): each level's inputs come
 from the graph with the levels before it already rounded, as in the paper. Memory is one
