@@ -53,7 +53,7 @@ _BETA = (20.0, 2.0)  # the regulariser's exponent, annealed from the first to th
 def round_adaround(gm: GraphModule, ctx: Context) -> GraphModule:
     """Check there are layers for AdaRound and record the entry for ``qc.calibrate``."""
     index, _ = algorithm_entry(ctx, "adaround")
-    return plan(gm, ctx, index, "adaround", gram=True, verb="round")
+    return plan(gm, ctx, index, "adaround", gram=True, verb="round", blocks=False)
 
 
 def _soft(v: torch.Tensor) -> torch.Tensor:
@@ -142,7 +142,7 @@ def adaround(w: torch.Tensor, gram: torch.Tensor, rows: int, scale: torch.Tensor
 
 def apply(data: Data, index: int, entry: AdaRound) -> list[str]:
     """Learn every usable layer's rounding, level by level (``qc.calibrate``)."""
-    def solve(w, gram, rows, scale, zero_point, quant_min, quant_max):
+    def solve(w, gram, rows, scale, zero_point, quant_min, quant_max, _quantizer):
         new, flipped = adaround(w, gram, rows, scale, zero_point, quant_min, quant_max,
                                 iterations=entry.iterations, reg_weight=entry.reg_weight,
                                 lr=entry.lr, warmup=entry.warmup)

@@ -58,16 +58,11 @@ from torch.fx import GraphModule
 
 from qcompile.graph.algorithms import (
     Data,
-    fix_grid,
-    no_data,
     plan,
     round_layers,
-    set_parameter,
-    usable,
-    where,
 )
 from qcompile.graph.context import Context
-from qcompile.graph.layerwise import output_error, round_to_grid, weight_grid
+from qcompile.graph.layerwise import round_to_grid
 from qcompile.graph.pipeline import graph_pass
 from qcompile.passes.equalize import algorithm_entry
 from qcompile.runtime.block_formats import (
@@ -274,44 +269,14 @@ def gptq_blocks(w: torch.Tensor, gram: torch.Tensor, fmt: str, block: int, *,
 
 def apply(data: Data, index: int, entry: GPTQ) -> list[str]:
     """Round every usable layer's weight with GPTQ, level by level (``qc.calibrate``)."""
-    gm = data.gm
-    layers, skipped = usable(gm, gram=True)
-    if not any(layer.get_quantizer(gm).block_format for layer in layers):
-        def solve(w, gram, rows, scale, zero_point, quant_min, quant_max):
-            new, used = gptq(w, gram, scale, zero_point, quant_min, quant_max,
-                             block_size=entry.block_size, damp=entry.damp,
-                             act_order=entry.act_order)
-            return new, (f"; damp raised to {used:g}" if used != entry.damp else "")
-        return round_layers(data, index, "gptq", solve)
-    # block formats among them: their grids come from the weights, not the quantizer
-    here, notes = where(index, "gptq"), []
-    for group, stats in data.by_level(layers, gram=True, desc="gptq"):
-        for layer in group:
-            if not stats.rows.get(layer):
-                raise no_data(here, layer)
-            q = layer.get_quantizer(gm)
-            weight = layer.get_weight(gm)
-            w = weight.detach().float().reshape(weight.shape[0], -1)
-            gram, rows = stats.gram[layer], stats.rows[layer]
-            opts = {"block_size": entry.block_size, "damp": entry.damp,
-                    "act_order": entry.act_order}
-            if q.block_format:
-                fmt, block = q.block_format, int(q.group_size)
-                new, used = gptq_blocks(w, gram, fmt, block, **opts)
-                nearest = fake_quant_eager(w, fmt, block)
-                new = fake_quant_eager(new, fmt, block)  # what the forward computes
-            else:
-                scale, zero_point = weight_grid(q, weight)
-                new, used = gptq(w, gram, scale, zero_point, q.quant_min, q.quant_max, **opts)
-                nearest = round_to_grid(w, scale, zero_point, q.quant_min, q.quant_max)
-            g, w64 = gram.double(), w.double()
-            before = output_error(nearest.double() - w64, g, rows)
-            after = output_error(new.double() - w64, g, rows)
-            name = f"{layer.owner}.{layer.weight}" if layer.owner else layer.weight
-            set_parameter(gm, name, new.to(weight.device))
-            fix_grid(gm, layer)
-            share = f"{100 * after / before:.0f}% of" if before > 0 else "vs"
-            extra = f"; damp raised to {used:g}" if used != entry.damp else ""
-            notes.append(f"{layer.name} ({'x'.join(map(str, w.shape))}): output error "
-                         f"{before:.3g} -> {after:.3g} ({share} round-to-nearest){extra}")
-    return notes + [f"{name} left to round-to-nearest: {reason}" for name, reason in skipped]
+    opts = {"block_size": entry.block_size, "damp": entry.damp, "act_order": entry.act_order}
+
+    def solve(w, gram, rows, scale, zero_point, quant_min, quant_max, quantizer):
+        if quantizer.block_format is not None:  # its grid comes from the weight itself
+            fmt, block = quantizer.block_format, int(quantizer.group_size)
+            new, used = gptq_blocks(w, gram, fmt, block, **opts)
+            new = fake_quant_eager(new, fmt, block)  # what the forward computes
+        else:
+            new, used = gptq(w, gram, scale, zero_point, quant_min, quant_max, **opts)
+        return new, (f"; damp raised to {used:g}" if used != entry.damp else "")
+    return round_layers(data, index, "gptq", solve, blocks=True)

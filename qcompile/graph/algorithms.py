@@ -52,6 +52,7 @@ from qcompile.graph.layerwise import (
 from qcompile.graph.meta import FIXED_GRID_KEY, PENDING_ALGORITHMS_KEY, REPORT_KEY, SPEC_KEY
 from qcompile.graph.records import PassRecord
 from qcompile.graph.running import untouched
+from qcompile.runtime.block_formats import fake_quant_eager
 from qcompile.runtime.calibration import quantizers
 from qcompile.specs.quant import FP8_MAX
 
@@ -83,10 +84,12 @@ def _shared(layers: Sequence[QuantLayer]) -> set[tuple[str, str]]:
     return {k for k, n in seen.items() if n > 1}
 
 
-def usable(gm: nn.Module, *, gram: bool) -> tuple[list[QuantLayer], list[tuple[str, str]]]:
+def usable(gm: nn.Module, *, gram: bool, blocks: bool = True
+           ) -> tuple[list[QuantLayer], list[tuple[str, str]]]:
     """The layers an algorithm can work on, and (name, why) for the others: integer weight
-    grids only (fp8's is not uniform), one layer per weight, and, for the algorithms that
-    need the inputs' Gram matrix (``gram``), linear and ungrouped 1-/2-d convolutions."""
+    grids (fp8's is not uniform) and, where the algorithm takes them (``blocks``),
+    block-scaled weights; one layer per weight; and, for the algorithms that need the
+    inputs' Gram matrix (``gram``), linear and ungrouped 1-/2-d convolutions."""
     layers = quantized_layers(gm)
     shared = _shared(layers)
     ok, skipped = [], []
@@ -95,6 +98,8 @@ def usable(gm: nn.Module, *, gram: bool) -> tuple[list[QuantLayer], list[tuple[s
         reason = None
         if q.dtype in FP8_MAX:
             reason = f"{q.dtype} weights (not an integer grid)"
+        elif q.block_format is not None and not blocks:
+            reason = f"{q.dtype} weights (block-scaled: no fixed grid to round onto)"
         elif (layer.owner, layer.weight) in shared or not layer.exclusive:
             reason = "its weight is shared with another layer or op"
         elif gram:
@@ -107,16 +112,16 @@ def usable(gm: nn.Module, *, gram: bool) -> tuple[list[QuantLayer], list[tuple[s
 
 
 def plan(gm: GraphModule, ctx: Context, index: int, kind: str, *, gram: bool,
-         verb: str) -> GraphModule:
+         verb: str, blocks: bool = True) -> GraphModule:
     """The compile-time half of a data-driven algorithm's pass: there must be layers for
     it; the entry is recorded as pending until ``qc.calibrate`` runs it."""
     here = where(index, kind)
-    ok, skipped = usable(gm, gram=gram)
+    ok, skipped = usable(gm, gram=gram, blocks=blocks)
     if not ok:
         why = "; ".join(f"{name}: {reason}" for name, reason in skipped[:3])
         raise QCompileError(
             f"{here}: no layer to {verb}: it works on conv/linear layers whose weight is "
-            "quantized to an integer dtype" + (f" ({why})" if why else
+            "quantized to an integer or block-scaled dtype" + (f" ({why})" if why else
                                                ", and no rule quantizes a weight"),
             fix="add a rule with a weight scheme (e.g. {match: {module: Linear}, weight: "
             f"{{dtype: int4}}}}) for the layers, or remove {kind} from quant.algorithms")
@@ -257,15 +262,19 @@ def no_data(here: str, layer: QuantLayer) -> QCompileError:
 
 # A rounding solver: (weight [out, k], H = X^T X, rows, scale, zero point, quant_min,
 # quant_max) -> (the weight on its grid, what to add to the layer's note).
-Solver = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, int, int],
+# solve(w, gram, rows, scale, zero_point, quant_min, quant_max, quantizer) -> (new weight,
+# note); scale and zero_point are None for a block-scaled weight (its grid comes from it)
+Solver = Callable[[torch.Tensor, torch.Tensor, int, Any, Any, int, int, Any],
                   tuple[torch.Tensor, str]]
 
 
-def round_layers(data: Data, index: int, kind: str, solve: Solver) -> list[str]:
+def round_layers(data: Data, index: int, kind: str, solve: Solver, *,
+                 blocks: bool = False) -> list[str]:
     """Round every usable layer's weight with ``solve``, level by level: write it, keep its
-    grid, and note its output error on the data against round-to-nearest's."""
+    grid, and note its output error on the data against round-to-nearest's. ``blocks``:
+    ``solve`` also takes block-scaled weights (round-to-nearest is then their fake-quant)."""
     gm, here = data.gm, where(index, kind)
-    layers, skipped = usable(gm, gram=True)
+    layers, skipped = usable(gm, gram=True, blocks=blocks)
     notes = []
     for group, stats in data.by_level(layers, gram=True, desc=kind):
         for layer in group:
@@ -274,11 +283,15 @@ def round_layers(data: Data, index: int, kind: str, solve: Solver) -> list[str]:
             q = layer.get_quantizer(gm)
             weight = layer.get_weight(gm)
             w = weight.detach().float().reshape(weight.shape[0], -1)
-            scale, zero_point = weight_grid(q, weight)
             gram, rows = stats.gram[layer], stats.rows[layer]
-            new, extra = solve(w, gram, rows, scale, zero_point, q.quant_min, q.quant_max)
+            if q.block_format is not None:
+                scale = zero_point = None
+                nearest = fake_quant_eager(w, q.block_format, int(q.group_size))
+            else:
+                scale, zero_point = weight_grid(q, weight)
+                nearest = round_to_grid(w, scale, zero_point, q.quant_min, q.quant_max)
+            new, extra = solve(w, gram, rows, scale, zero_point, q.quant_min, q.quant_max, q)
             g, w64 = gram.double(), w.double()
-            nearest = round_to_grid(w, scale, zero_point, q.quant_min, q.quant_max)
             before = output_error(nearest.double() - w64, g, rows)
             after = output_error(new.double() - w64, g, rows)
             name = f"{layer.owner}.{layer.weight}" if layer.owner else layer.weight

@@ -97,3 +97,20 @@ def test_calibrate_runs_it_on_block_format_layers(fmt):
     for name in ("0", "2"):  # the forward reproduces the weights GPTQ wrote
         w = gm.get_submodule(name).weight.detach()
         assert torch.allclose(fake_quant_eager(w, fmt, 16), w, rtol=1e-6, atol=0)
+
+
+def test_adaround_leaves_block_format_layers_to_round_to_nearest():
+    """AdaRound learns a rounding on a fixed grid; a block-scaled weight has none: it is
+    skipped with the reason, and an integer layer beside it is still rounded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    calib = [_data(64, s) for s in range(2)]
+    spec = qc.CompileSpec.model_validate({"quant": {
+        "mode": "static", "algorithms": [{"kind": "adaround", "iterations": 5}],
+        "rules": [{"match": {"name": "0"}, "weight": {"dtype": "nvfp4"}},
+                  {"match": {"name": "2"}, "weight": {"dtype": "int4"}}]}})
+    gm = qc.calibrate(qc.qcompile(model, spec, example_inputs=(calib[0],)), calib,
+                      progress=False)
+    notes = qc.report(gm).passes[-1].notes
+    assert any("block-scaled" in n and n.startswith("0") for n in notes), notes
+    assert any("round-to-nearest)" in n and n.startswith("2") for n in notes), notes
