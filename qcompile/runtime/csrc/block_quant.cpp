@@ -120,12 +120,12 @@ namespace qcompile_bq::isa_base {
 #undef QCOMPILE_BQ_ISA_NAME
 #undef QCOMPILE_BQ_KERNEL_BODY
 
-// fake_quant.cpp's output allocation: outputs of 1 MB and more come from its cache of freed
-// blocks (a fresh large output's page faults cost more than the kernel). Weak: without
-// that definition in the library (it is file-local there) outputs come from at::empty.
+// From fake_quant.cpp, built into the same library: its output allocation (outputs of
+// 1 MB and more come from its cache of freed blocks: a fresh large output's page faults
+// cost more than the kernel) and its choice of instruction-set variant.
 namespace qcompile_fq {
-__attribute__((weak)) at::Tensor empty_out(at::IntArrayRef sizes, at::IntArrayRef strides,
-                                           at::ScalarType dtype);
+at::Tensor empty_out(at::IntArrayRef sizes, at::IntArrayRef strides, at::ScalarType dtype);
+int isa_level(const std::string& want);
 }  // namespace qcompile_fq
 
 namespace qcompile_bq {
@@ -134,19 +134,17 @@ using at::Tensor;
 
 constexpr int64_t kGrain = 32768;  // elements per parallel task, at least
 
-// The variant fake_quant.cpp picks: the best the CPU supports, or QCOMPILE_FQ_ISA's
-// (avx512, avx2, base), read at each call so tests can compare variants in one process.
+// The variant fake_quant.cpp picks (its isa_level): the best the CPU supports, or
+// QCOMPILE_FQ_ISA's (avx512, avx2, base), read at each call so tests can compare variants
+// in one process.
 static const KernelTable* pick(const std::string& want) {
+  switch (qcompile_fq::isa_level(want)) {
 #ifdef QCOMPILE_BQ_X86
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
-  if (avx512 && (want.empty() || want == "avx512")) return &isa_avx512::table;
-  if (avx2 && (want.empty() || want == "avx512" || want == "avx2")) return &isa_avx2::table;
+    case 2: return &isa_avx512::table;
+    case 1: return &isa_avx2::table;
 #endif
-  return &isa_base::table;
+    default: return &isa_base::table;
+  }
 }
 
 static const KernelTable& kernels() {
@@ -221,9 +219,7 @@ static Tensor block_fake_quant_cpu(const Tensor& x_in, c10::string_view fmt_in, 
               "qcompile block_fake_quant: expects a float32, bfloat16 or float16 tensor, got ",
               dtype);
   const Tensor x = x_in.contiguous();
-  Tensor out = qcompile_fq::empty_out != nullptr
-                   ? qcompile_fq::empty_out(x.sizes(), x.strides(), dtype)
-                   : at::empty(x.sizes(), x.options());
+  Tensor out = qcompile_fq::empty_out(x.sizes(), x.strides(), dtype);
   const int64_t n = x.numel();
   if (n == 0) return out;
   j.x = x.const_data_ptr();

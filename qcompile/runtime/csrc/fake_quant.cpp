@@ -132,19 +132,32 @@ constexpr int64_t kChunk = 8192;      // LSQ row mode: elements per partial sum
 constexpr int64_t kColBlock = 8192;   // LSQ column mode: columns per task
 constexpr int64_t kColTask = 262144;  // LSQ column mode: elements per task, about
 
-// The best variant the CPU supports, or the one QCOMPILE_FQ_ISA (avx512, avx2, base) asks
-// for, read at each call so tests can compare variants in one process.
-static const KernelTable* pick(const std::string& want) {
+// The variant to run: 2 (avx512), 1 (avx2) or 0 (base): the best the CPU supports, or the
+// one QCOMPILE_FQ_ISA asks for (``want``; never above what the CPU has). Not static:
+// block_quant.cpp's kernels choose their variant with it too, so both always agree.
+int isa_level(const std::string& want) {
 #ifdef QCOMPILE_FQ_X86
   __builtin_cpu_init();
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
-  if (avx512 && (want.empty() || want == "avx512")) return &isa_avx512::table;
-  if (avx2 && (want.empty() || want == "avx512" || want == "avx2")) return &isa_avx2::table;
+  if (avx512 && (want.empty() || want == "avx512")) return 2;
+  if (avx2 && (want.empty() || want == "avx512" || want == "avx2")) return 1;
 #endif
-  return &isa_base::table;
+  return 0;
+}
+
+// The best variant the CPU supports, or the one QCOMPILE_FQ_ISA (avx512, avx2, base) asks
+// for, read at each call so tests can compare variants in one process.
+static const KernelTable* pick(const std::string& want) {
+  switch (isa_level(want)) {
+#ifdef QCOMPILE_FQ_X86
+    case 2: return &isa_avx512::table;
+    case 1: return &isa_avx2::table;
+#endif
+    default: return &isa_base::table;
+  }
 }
 
 static const KernelTable& kernels() {
