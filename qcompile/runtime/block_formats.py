@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qcompile.runtime import kernels
+
 __all__ = [
     "BLOCK_DTYPES",
     "FORMATS",
@@ -279,12 +281,10 @@ class _BlockSTE(torch.autograd.Function):
 
 
 def _kernel_ok(x: torch.Tensor) -> bool:
-    from qcompile.runtime import kernels
-
+    # kernels.available() means the library loaded with block_fake_quant registered
     return (type(x) in (torch.Tensor, torch.nn.Parameter) and x.is_cpu
             and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous()
-            and not torch.compiler.is_compiling() and kernels.available()
-            and hasattr(torch.ops.qcompile, "block_fake_quant"))
+            and not torch.compiler.is_compiling() and kernels.available())
 
 
 def _forward(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:

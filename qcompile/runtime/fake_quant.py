@@ -565,7 +565,8 @@ class FakeQuantize(nn.Module):
     def _check_block_shape(self, x: torch.Tensor) -> None:
         """A tensor whose blocks do not fit (a graph compiled without example inputs, run
         on a new shape): the error a spec would have given."""
-        if x.dim() and (x.shape[-1] if not self.weight else x[0].numel()) % self.group_size == 0:
+        if x.dim() and x.shape[0] and (
+                x.shape[-1] if not self.weight else x.numel() // x.shape[0]) % self.group_size == 0:
             return
         try:
             check_blocks(Scheme(dtype=self.block_format, group_size=self.group_size),
