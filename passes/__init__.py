@@ -34,6 +34,7 @@ from qcompile.passes import (
     correct_bias,
     equalize,
     fold_bn,
+    insert_adapters,
     insert_quant,
     partition,
     place,
@@ -45,6 +46,7 @@ from qcompile.passes import (
 from qcompile.passes.trace.capture_symbolic import refuse_lost_leaf_hooks
 from qcompile.passes.trace.saving import keep_whole
 from qcompile.runtime import recompute
+from qcompile.runtime.frozen import FrozenWeight
 from qcompile.specs import CompileSpec
 from qcompile.version import __version__
 
@@ -75,6 +77,8 @@ def default_passes(spec: CompileSpec) -> list[Pass]:
         passes += [ALGORITHM_PASSES[k] for k in kinds if k not in DATA_ALGORITHMS]
         passes += [annotate.annotate, insert_quant.insert_quant]
         passes += [ALGORITHM_PASSES[k] for k in kinds if k in DATA_ALGORITHMS]
+    if spec.adapters:
+        passes += [insert_adapters.insert_adapters]
     if spec.pipeline is not None:
         passes += [partition.partition, place.place]
     return passes
@@ -90,6 +94,18 @@ def as_inputs(example_inputs: Any) -> tuple[Any, ...] | None:
         return tuple(example_inputs)
     raise QCompileError(f"example_inputs must be a tuple of inputs, got "
                         f"{type(example_inputs).__name__}", fix="pass example_inputs=(x,)")
+
+
+def parameter_count(gm: nn.Module) -> int:
+    """Parameter elements of ``gm``, a frozen base counted as the weight it stores (its
+    packed codes and scales are not elements of the model)."""
+    total = 0
+    for m in gm.modules():
+        if isinstance(m, FrozenWeight):
+            total += m.rows * m.cols
+        else:
+            total += sum(p.numel() for p in m.parameters(recurse=False))
+    return total
 
 
 def _balance_ratio(ctx: Context) -> float | None:
@@ -139,6 +155,9 @@ def compile_model(model: nn.Module, spec: CompileSpec, example_inputs: Any = Non
         stages=ctx.stages,
         balance=ctx.balance,
         balance_ratio=_balance_ratio(ctx),
+        adapters=ctx.adapters,
+        trainable_parameters=sum(p.numel() for p in gm.parameters() if p.requires_grad),
+        parameters=parameter_count(gm),
         total_seconds=time.perf_counter() - t0,
     )
     gm.meta[SYNC_OBSERVERS_KEY] = spec.quant.sync_observers

@@ -30,6 +30,8 @@ _LAZY = {
     "export_encodings": "qcompile.deploy.encodings",
     "load_encodings": "qcompile.deploy.encodings",
     "export_onnx": "qcompile.deploy.onnx",
+    "save_adapters": "qcompile.deploy.adapters",
+    "merge_adapters": "qcompile.deploy.adapters",
     "sqnr": "qcompile.measure",
     "Report": "qcompile.graph.records",
     "FakeQuantize": "qcompile.runtime.fake_quant",

@@ -240,6 +240,9 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
         ['quantized::linear_dynamic']
     """
 
+    from qcompile.deploy.adapters import refuse_adapters
+
+    refuse_adapters(gm, "convert")  # lowering the base alone would drop the adapters
     sharded = sharded_by(gm)
     if sharded is not None:
         fsdp1 = any(c.__name__ == "FullyShardedDataParallel"

@@ -6,6 +6,7 @@ Example:
     'none'
 """
 
+from qcompile.specs.adapters import AdapterSpec
 from qcompile.specs.compile import (
     CompileSpec,
     DataParallelSpec,
@@ -40,6 +41,7 @@ __all__ = [
     "FP8_MAX",
     "GPTQ",
     "AdaRound",
+    "AdapterSpec",
     "Algorithm",
     "BiasCorrection",
     "CompileSpec",

@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from qcompile.specs.adapters import AdapterSpec
 from qcompile.specs.quant import Frozen, QuantSpec
 
 # Device strings are checked for form here (torch-free); whether the device exists on this
@@ -191,6 +192,9 @@ class CompileSpec(Frozen):
                                   "for no cache")
     trace: TraceSpec = Field(default_factory=TraceSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list, description="trainable adapters (LoRA) on matched Linear "
+        "layers, their base weights frozen (qcompile.specs.adapters)")
 
     @field_validator("version", mode="before")
     @classmethod
@@ -199,6 +203,17 @@ class CompileSpec(Frozen):
         if type(v) is not int:
             raise ValueError(f"version must be the integer 1, got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _adapters_fit(self) -> CompileSpec:
+        data = [a.kind for a in self.quant.algorithms if a.kind in ("adaround", "gptq")]
+        frozen = [i for i, a in enumerate(self.adapters) if a.base == "frozen" and not a.skip]
+        if data and frozen:
+            raise ValueError(
+                f"adapters[{frozen[0]}] stores its base frozen when compiling, and "
+                f"quant.algorithms {data[0]} rounds weights later, in qc.calibrate: round the "
+                "model first (qc.qcompile + qc.calibrate without adapters), or use base: qat")
+        return self
 
     @field_validator("cache_dir")
     @classmethod

@@ -67,6 +67,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qcompile.deploy.adapters import refuse_adapters
 from qcompile.errors import QCompileError
 from qcompile.files import write_atomically
 from qcompile.graph.algorithms import refuse_pending
@@ -136,6 +137,7 @@ def export_encodings(gm: nn.Module, path: str | Path) -> None:
 
     Refuses (``QCompileError``, no file written) a graph whose activation quantizers never
     observed data: a static graph before ``qc.calibrate``, a QAT graph before training."""
+    refuse_adapters(gm, "export_encodings")
     mode = report(gm).mode
     refuse_pending(gm, "export_encodings")
     missing = uncalibrated(gm, mode)

@@ -89,6 +89,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from qcompile.deploy.adapters import refuse_adapters
 from qcompile.errors import QCompileError
 from qcompile.files import write_atomically
 from qcompile.graph.algorithms import refuse_pending
@@ -882,6 +883,7 @@ def export_onnx(
     Quantizers that still observe (QAT before ``qc.freeze``) are written with their
     current qparams, with a warning."""
     graph = _compiled(gm)
+    refuse_adapters(graph, "export_onnx")
     refuse_pending(graph, "export_onnx")
     onnxscript, ir = _require_onnx()
     args, kwargs = _example(example_inputs, example_kwargs)

@@ -33,6 +33,7 @@ from qcompile.errors import QCompileError
 from qcompile.graph.meta import SHARDED_KEY, SYNC_OBSERVERS_KEY
 from qcompile.runtime import weight_cache
 from qcompile.runtime.fake_quant import FakeQuantize
+from qcompile.runtime.frozen import FrozenWeight
 from qcompile.runtime.observers import MovingAverageObserver
 from qcompile.specs import as_spec
 
@@ -369,6 +370,12 @@ def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Modul
     for name in sorted(called, key=lambda s: -s.count(".")):  # innermost first
         module = gm.get_submodule(name)
         if not any(True for _ in module.parameters()) or name in read:
+            continue
+        if isinstance(module, FrozenWeight) or name.endswith((".lora_A", ".lora_B")):
+            # a frozen base's output needs no gradient, so as its own group FSDP2 would
+            # never gather it again for the backward, where it is dequantized again; an
+            # adapter is a few rows. Both join the enclosing block's group (gathered for
+            # the block's forward and backward): no all-gather of their own
             continue
         if isinstance(module, FakeQuantize):
             # fp32 scales whatever the model's policy; inputs keep their dtype (the

@@ -66,10 +66,12 @@ from qcompile.distributed.guards import (
     wrapper_under_construction,
 )
 from qcompile.errors import QCompileError
-from qcompile.graph.meta import ALGORITHMS_SKIPPED_KEY, FOLDS_KEY, SHARDED_KEY
+from qcompile.graph.meta import ADAPTERS_KEY, ALGORITHMS_SKIPPED_KEY, FOLDS_KEY, SHARDED_KEY
 from qcompile.graph.records import report
 from qcompile.graph.signature import graph_inputs
 from qcompile.passes import as_inputs, compile_model
+from qcompile.passes.insert_adapters import init_adapter
+from qcompile.runtime.block_formats import nvfp4_tensor_scale
 from qcompile.runtime.calibration import (
     check_calibratable,
     collect_statistics,
@@ -80,6 +82,7 @@ from qcompile.runtime.calibration import (
     weight_quantizers,
 )
 from qcompile.runtime.fake_quant import FakeQuantize
+from qcompile.runtime.frozen import FrozenWeight
 from qcompile.specs import CompileSpec, PipelineSpec, as_spec
 from qcompile.specs.quant import DATA_KINDS
 
@@ -701,6 +704,7 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
                 fix="register it with persistent=True and save it in the checkpoint, or "
                     "call compile_once without checkpoint= (rank 0 then streams the model)")
         loader.put(b, short, lambda r, n=short: read(n, r))
+    adapted = _fill_adapters(gm, spec, read, loader, group, rank, world)
     real.clear()
     # a NaN in one rank's rows is an error on every rank (the ranges below are collectives)
     with collective_phase("compile_once (loading the weights)", group):
@@ -708,5 +712,107 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
     _observe_weights(gm, group, rank, world)
     if ckpt is not None:
         ckpt.close()  # the memory maps of the headers (data was read with readinto)
-    return gm, {"weights": weights | set(folds),
+    return gm, {"weights": weights | set(folds) | adapted,
                 "weights_hash": h}
+
+
+def _by_model_name(gm: nn.Module) -> dict[str, nn.Module]:
+    """The graph's modules by the model's names (a block child's ``stage_<i>.`` dropped)."""
+    found = {}
+    for name, m in gm.named_modules():
+        head, _, rest = name.partition(".")
+        found[rest if head.startswith("stage_") and rest else name] = m
+    return found
+
+
+@torch.no_grad()
+def _fill_adapters(gm: nn.Module, spec: CompileSpec, read: Callable[[str, slice | None],
+                   torch.Tensor], loader: _Loader, group: Any, rank: int, world: int
+                   ) -> set[str]:
+    """Give the adapted layers their values on every rank: each frozen base stores this
+    rank's rows of its weight, quantized (a scale that spans the rows, per tensor or
+    NVFP4's tensor scale, from the range reduced across ranks); ``lora_A`` / ``lora_B``
+    start as ``qc.qcompile`` starts them (the same values on every rank, no collective).
+    Returns the state-dict names it filled (derived from the weights: never cached)."""
+    records = gm.meta.get(ADAPTERS_KEY) or {}
+    if not records:
+        return set()
+    modules = _by_model_name(gm)
+    on = initialised()
+    filled: set[str] = set()
+    for layer, rec in sorted(records.items()):
+        lora_a = modules[f"{layer}.lora_A"].weight
+        lora_b = modules[f"{layer}.lora_B"].weight
+        a = torch.empty(tuple(lora_a.shape), dtype=lora_a.dtype)
+        b = torch.empty(tuple(lora_b.shape), dtype=lora_b.dtype)
+        init_adapter(a, b, layer, rec.seed)
+        for param, value in ((lora_a, a), (lora_b, b)):
+            rows = _rows(param, rank, world)
+            local = param.to_local() if rows is not None else param
+            local.copy_(value[rows] if rows is not None else value)
+        filled |= {f"{layer}.lora_A.weight", f"{layer}.lora_B.weight"}
+        if rec.storage is None:
+            continue
+        fw = modules[rec.storage]
+        assert isinstance(fw, FrozenWeight)
+        filled |= {f"{rec.storage}.{n}" for n, _ in fw.named_parameters()}
+        _store_rows(fw, rec, f"{layer}.weight", spec, read, loader, group, rank, world, on)
+    return filled
+
+
+def _store_rows(fw: FrozenWeight, rec: Any, name: str, spec: CompileSpec,
+                read: Callable[[str, slice | None], torch.Tensor], loader: _Loader,
+                group: Any, rank: int, world: int, on: bool) -> None:
+    """This rank's rows of weight ``name``, quantized into ``fw``'s (sharded) storage."""
+    rows = _rows(fw.codes, rank, world)
+    shape = (fw.rows, fw.cols)
+    if loader.stream:  # rank 0 sends the whole float weight; this rank keeps its rows
+        whole = torch.empty(shape, dtype=fw.out_dtype, device=loader.device)
+        loader.put(whole, name, lambda r: read(name, r))
+        w = whole[rows] if rows is not None else whole
+    else:
+        w = read(name, rows)
+    w = w.to(loader.device).float()
+    local_rows = w.shape[0]
+    if not local_rows:  # a rank holding none of the rows still shares the global tensors
+        w = torch.zeros(1, fw.cols, device=w.device)
+    fq = FakeQuantize.from_scheme(rec.scheme, role="weight", shape=tuple(w.shape),
+                                  target=spec.quant.target).to(w.device)
+    # one small reduction per weight: any rank's non-finite value, and the range a scale
+    # spanning the rows needs, are known to every rank before any of them quantizes
+    spans = rows is not None and (fq.granularity == "per_tensor"
+                                  or fq.block_format == "nvfp4")
+    stats = torch.full((3,), float("-inf"), device=w.device)
+    if local_rows:
+        stats[0] = float(not bool(torch.isfinite(w).all()))
+        finite = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
+        stats[1], stats[2] = -finite.min(), finite.max()
+    if on and rows is not None:
+        torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX, group=group)
+    if stats[0] > 0:
+        raise QCompileError(f"compile_once: the checkpoint's {name} holds NaN or inf: its "
+                            "frozen base would store NaN scales",
+                            fix="repair the checkpoint (or the model that wrote it)")
+    tensor_scale = None
+    if spans and fq.block_format == "nvfp4":
+        tensor_scale = nvfp4_tensor_scale(torch.maximum(stats[1], stats[2]).reshape(1))
+    elif spans:
+        if getattr(fq.observer, "needs_data", False):
+            raise QCompileError(
+                f"compile_once: {name}'s frozen base is per_tensor with a "
+                f"{type(fq.observer).__name__}, which needs the whole weight on one rank",
+                fix="use granularity per_channel or per_group for frozen bases, or the "
+                "minmax observer")
+        fq.observe_range((-stats[1]).reshape(1), stats[2].reshape(1))
+    elif fq.observer is not None:
+        fq.observe_tensor(w)
+    values, _ = FrozenWeight.encode(fq, w, tensor_scale=tensor_scale)
+    for leaf, param in fw.named_parameters():
+        value = values[leaf]
+        prow = _rows(param, rank, world)
+        local = param.to_local() if prow is not None else param
+        if param.shape[0] == fw.rows and fw.rows > 1:  # laid out by rows: these rows
+            if local_rows:
+                local.copy_(value)
+        else:  # one value for the whole weight, the same on every rank
+            local.copy_(value[prow] if prow is not None else value)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from qcompile.graph.records import QuantizerRecord, StageRecord
+from qcompile.graph.records import AdapterRecord, QuantizerRecord, StageRecord
 from qcompile.specs import CompileSpec
 
 
@@ -43,6 +43,7 @@ class Context:
     # need it and the pipeline generates it later (pipeline.py)
     code_may_wait: bool = False
     stages: list[StageRecord] = field(default_factory=list)
+    adapters: list[AdapterRecord] = field(default_factory=list)  # insert_adapters
     balance: str | None = None
     conversion: Any = None  # qc.convert: the state its steps share (passes/convert)
     algorithms_run: int = 0  # quant.algorithms entries whose passes have run, in order

@@ -50,6 +50,9 @@ SHARDED_KEY = "qcompile.sharded"
 #: fold_bn: for each folded weight (and bias), the model tensors and BatchNorm it was
 #: computed from (``passes.fold_bn.Fold``): how a checkpoint's tensors become the graph's
 FOLDS_KEY = "qcompile.folds"
+#: insert_adapters: layer name -> ``passes.insert_adapters.AdapterLayer`` (its adapter, how
+#: its base is held): what ``qc.save_adapters`` / ``qc.merge_adapters`` read
+ADAPTERS_KEY = "qcompile.adapters"
 #: algorithm passes: the ``quant.algorithms[i]`` entries skipped because the weights were
 #: on the meta device (no values to rewrite): fine when the real compiled graph's tensors
 #: are copied in afterwards, wrong when the model's own weights are loaded

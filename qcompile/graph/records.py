@@ -68,6 +68,24 @@ class StageRecord(BaseModel):
     modules: list[str] = Field(default_factory=list, description="top-level modules it holds")
 
 
+class AdapterRecord(BaseModel):
+    """One adapted layer (``adapters``): its adapter and what its frozen base costs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    layer: str
+    entry: int = Field(description="index of the adapters entry that chose it")
+    rank: int
+    alpha: float
+    base: str = Field(description="frozen | qat")
+    stored: str | None = Field(None, description="the dtype a frozen base is stored as; None "
+                               "for a float base")
+    base_bytes_before: int = Field(description="bytes of the layer's weight as the model held it")
+    base_bytes_after: int = Field(description="bytes the graph holds for it (codes + scales "
+                                  "for a frozen base)")
+    adapter_parameters: int
+
+
 class ConversionRecord(BaseModel):
     """What ``qc.convert`` made of one node or weight."""
 
@@ -105,6 +123,10 @@ class Report(BaseModel):
     stages: list[StageRecord] = Field(default_factory=list)
     balance: str | None = Field(None, description="cost model used for the stages")
     balance_ratio: float | None = Field(None, description="max stage cost / mean stage cost")
+    adapters: list[AdapterRecord] = Field(default_factory=list)
+    trainable_parameters: int | None = Field(
+        None, description="parameter elements with requires_grad in the graph")
+    parameters: int | None = Field(None, description="parameter elements in the graph")
     total_seconds: float = 0.0
     conversions: list[ConversionRecord] = Field(
         default_factory=list, description="qc.convert: what each quantized node became")
@@ -136,6 +158,19 @@ class Report(BaseModel):
         if self.parameters_quantized is not None:
             lines.append(f"parameters behind a weight quantizer: "
                          f"{100 * self.parameters_quantized:.1f}%")
+        if self.adapters:
+            before = sum(a.base_bytes_before for a in self.adapters)
+            after = sum(a.base_bytes_after for a in self.adapters)
+            kinds = sorted({f"r={a.rank} {a.base}" + (f" {a.stored}" if a.stored else "")
+                            for a in self.adapters})
+            lines.append(f"adapters: {len(self.adapters)} lora ({', '.join(kinds)}), "
+                         f"{sum(a.adapter_parameters for a in self.adapters)} parameters")
+            lines.append(f"    adapted base weights: {before / 2**20:.2f} MiB -> "
+                         f"{after / 2**20:.2f} MiB ({100 * after / max(before, 1):.1f}%)")
+        if self.trainable_parameters is not None and self.parameters:
+            lines.append(f"trainable parameters: {self.trainable_parameters} of "
+                         f"{self.parameters} "
+                         f"({100 * self.trainable_parameters / self.parameters:.2f}%)")
         if self.stages:
             lines.append(f"stages: {len(self.stages)} (balance {self.balance}, max/mean cost "
                          f"{self.balance_ratio:.2f})")

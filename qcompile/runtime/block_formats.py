@@ -361,13 +361,14 @@ def _element_values(codes: torch.Tensor, f: BlockFormat) -> torch.Tensor:
     return torch.where((c >> (f.ebits + f.mbits)) & 1 == 1, -v, v)
 
 
-def quantize_blocks(x: torch.Tensor, fmt: str, block: int | None = None) -> BlockCodes:
+def quantize_blocks(x: torch.Tensor, fmt: str, block: int | None = None, *,
+                    tensor_scale: torch.Tensor | None = None) -> BlockCodes:
     """``x`` as codes and scales of format ``fmt`` (``dequantize_blocks`` gives back exactly
-    ``fake_quant_eager(x, fmt, block)``)."""
+    ``fake_quant_eager(x, fmt, block)``). NVFP4 takes ``tensor_scale`` when given (``x`` is
+    some rows of a larger tensor, whose tensor scale that is)."""
     f = FORMATS[fmt]
     block = block or f.block
     xb = _blocks(x, block)
-    tensor_scale = None
     if f.kind == "nf4":
         amax = xb.abs().amax(dim=-1, keepdim=True)
         safe = torch.where(amax == 0, torch.ones_like(amax), amax)
@@ -378,7 +379,7 @@ def quantize_blocks(x: torch.Tensor, fmt: str, block: int | None = None) -> Bloc
                             codes)
         return BlockCodes(fmt, block, codes.reshape(x.shape), amax.reshape(-1), None,
                           tuple(x.shape))
-    grid = block_scales(xb, fmt)
+    grid = block_scales(xb, fmt, tensor_scale)
     if f.kind == "mx":
         q = _round_element(torch.nan_to_num(xb) * grid.to_grid, f)
         e = _floor_log2(grid.from_grid)  # exact powers of two (2^-127 is subnormal: -127)
@@ -386,7 +387,8 @@ def quantize_blocks(x: torch.Tensor, fmt: str, block: int | None = None) -> Bloc
         scales = torch.where(grid.nan, torch.full_like(e, 255), e + 127).to(torch.uint8)
     else:
         q = _round_element(torch.clamp(xb * grid.to_grid, -f.max, f.max), f)
-        tensor_scale = nvfp4_tensor_scale(xb)
+        tensor_scale = (nvfp4_tensor_scale(xb) if tensor_scale is None
+                        else tensor_scale.float().reshape(()))
         if float(tensor_scale) == 0 or math.isinf(float(1.0 / tensor_scale)):
             scales = torch.zeros_like(grid.from_grid)
         else:

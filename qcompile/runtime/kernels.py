@@ -30,6 +30,10 @@ under ``torch.compile`` and ``torch.export``):
   NVFP4, NF4; ``fmt`` a name of ``block_formats.FORMATS``) over consecutive ``block``-element
   blocks of the contiguous ``x`` (float32, bfloat16 or float16), with a straight-through
   (identity) gradient; what ``block_formats.fake_quantize_block`` runs on CPU tensors.
+- ``qcompile::dequant_lut4(packed, lut, scale, block)`` / ``dequant_lut8(codes, lut, scale,
+  block)``: ``lut[code] * scale[block]`` over 4-bit codes packed two per byte or one code
+  per byte, float32 ``[rows, cols]``: a frozen base's dequantization
+  (``qcompile.runtime.frozen``), about a copy's cost, bit-identical to the torch formula.
 
 The straight-through node keeps no mask when nothing was clamped (a weight under its own
 min-max range): its backward then hands the incoming gradient on as is (``grad * 1``, the
@@ -87,6 +91,8 @@ NAME = "qcompile_fake_quant"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fake_quant.cpp"
 # the block-scaled formats' fake-quant (``qcompile::block_fake_quant``), in the same library
 BLOCK_SOURCE = Path(__file__).resolve().parent / "csrc" / "block_quant.cpp"
+# table-lookup dequantization of frozen bases (``qcompile::dequant_lut4`` / ``dequant_lut8``)
+DEQUANT_SOURCE = Path(__file__).resolve().parent / "csrc" / "dequant.cpp"
 # No fast-math (IEEE division and rounding), no contraction into FMAs: bit-identical to
 # the eager formula. OpenMP: at::parallel_for is an inline OpenMP region (torch's libgomp).
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math")
@@ -110,7 +116,7 @@ def build_directory() -> Path:
 
 def _sources() -> tuple[Path, ...]:
     """The extension's C++ sources (read at each call: tests swap ``SOURCE``)."""
-    return (SOURCE, BLOCK_SOURCE)
+    return (SOURCE, BLOCK_SOURCE, DEQUANT_SOURCE)
 
 
 @contextlib.contextmanager

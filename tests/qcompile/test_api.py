@@ -39,8 +39,8 @@ class MLP(nn.Module):
 
 
 class CNN(nn.Module):
-    """conv-bn-relu, a residual add, pooling to 2x2 (32 features: w4a8's group size), a
-    dropout and two Linear layers whose in_features are multiples of 32."""
+    """conv-bn-relu, a residual add, pooling to 2x4 (64 features: NF4's block, two of
+    w4a8's groups), a dropout and two Linear layers whose in_features are multiples of 64."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -49,10 +49,10 @@ class CNN(nn.Module):
         self.relu = nn.ReLU()
         self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
         self.bn2 = nn.BatchNorm2d(8)
-        self.pool = nn.AdaptiveAvgPool2d(2)
+        self.pool = nn.AdaptiveAvgPool2d((2, 4))
         self.drop = nn.Dropout(0.25)
-        self.fc1 = nn.Linear(32, 32)
-        self.fc2 = nn.Linear(32, 4)
+        self.fc1 = nn.Linear(64, 64)
+        self.fc2 = nn.Linear(64, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.relu(self.bn1(self.conv1(x)))
@@ -359,7 +359,7 @@ def test_report_of_a_plain_module_is_an_error() -> None:
 # -- quantizers ---------------------------------------------------------------------------
 def check_contract_attributes(gm: nn.Module) -> None:
     qs = qc.quantizers(gm)
-    assert qs
+    assert qs or qc.report(gm).adapters  # (frozen bases hold integers, no quantizer)
     assert qs == {n: m for n, m in gm.named_modules() if isinstance(m, qc.FakeQuantize)}
     for name, q in qs.items():
         assert isinstance(q, qc.FakeQuantize) and isinstance(q, nn.Module)
@@ -378,7 +378,8 @@ def check_contract_attributes(gm: nn.Module) -> None:
             assert q.group_size is None, name
     weights = {n: q for n, q in qs.items() if n.endswith("weight_fake_quant")}
     # per channel / group; a block format computes its scales from each block at forward
-    assert weights and all(q.scale.numel() > 1 or q.block_format for q in weights.values())
+    assert weights or qc.report(gm).adapters
+    assert all(q.scale.numel() > 1 or q.block_format for q in weights.values())
 
 
 # -- freeze -------------------------------------------------------------------------------
@@ -495,8 +496,10 @@ def test_every_preset_compiles_and_trains_a_step(preset: str) -> None:
     model, x = seeded(CNN), cnn_input(8)
     gm = qc.qcompile(model, preset, (x,))
     r = qc.report(gm)
-    assert [p.name for p in r.passes] == QUANT_PASSES
-    assert len(qc.quantizers(gm)) == len(r.quantizers) > 0
+    adapters = bool(qc.load_spec(preset).adapters)
+    assert [p.name for p in r.passes] == QUANT_PASSES + ["insert_adapters"] * adapters
+    # a frozen base replaces its layer's weight quantizer by integer storage
+    assert len(qc.quantizers(gm)) == len(r.quantizers) > 0 or len(r.adapters) == 2
     check_contract_attributes(gm)
     if r.mode == "static":
         qc.calibrate(gm, [(cnn_input(8, seed=s),) for s in range(2)])
@@ -506,8 +509,8 @@ def test_every_preset_compiles_and_trains_a_step(preset: str) -> None:
     params = dict(gm.named_parameters())
     assert params, preset
     for name, p in params.items():
-        if name.startswith("bn"):
-            continue  # folded away in static/dynamic presets
+        if name.startswith("bn") or not p.requires_grad:
+            continue  # folded away in static/dynamic presets; an adapted layer's base
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
     assert any(p.grad.abs().sum() > 0 for p in params.values())
     check_contract_attributes(gm)  # still true after calibration and training

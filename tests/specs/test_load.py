@@ -22,7 +22,7 @@ from qcompile.specs.quant import BLOCK_DTYPES, FLOAT_DTYPES
 
 PRESET_NAMES = sorted(presets())
 EXPECTED_PRESETS = ["8da4w-qat", "int8-dynamic", "int8-qat", "int8-static", "mxfp4-qat",
-                    "mxfp8-qat", "nvfp4-qat", "w4a8-qat", "w8-weight-only"]
+                    "mxfp8-qat", "nvfp4-qat", "qlora-nf4", "w4a8-qat", "w8-weight-only"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -262,6 +262,10 @@ def test_preset_dtypes_match_name(name: str) -> None:
         dtype = {"nvfp4-qat": "nvfp4", "mxfp4-qat": "mxfp4", "mxfp8-qat": "mxfp8_e4m3"}[name]
         assert {w.dtype for w in weights} == {a.dtype for a in acts} == {dtype}
         assert {r.activation_at for r in spec.quant.rules} == {"input"}
+    elif name == "qlora-nf4":  # frozen NF4 bases under LoRA adapters, the head float
+        assert {w.dtype for w in weights} == {"nf4"} and acts == []
+        assert [(a.skip, a.rank, a.alpha, a.base) for a in spec.adapters] == [
+            (True, 8, 8.0, "frozen"), (False, 16, 32.0, "frozen")]
     else:  # pragma: no cover - a new preset needs a line here
         pytest.fail(f"no expectations for preset {name}")
 
