@@ -46,6 +46,7 @@ from qcompile.runtime.block_formats import (
     _element_values,
     _exp2,
     dequantize_blocks,
+    nvfp4_tensor_scale,
     quantize_blocks,
 )
 from qcompile.runtime.block_storage import pack_fp6, pack_nibbles, unpack_fp6, unpack_nibbles
@@ -332,17 +333,28 @@ def _again(codes: torch.Tensor, module: FrozenWeight) -> torch.Tensor:
     return module.dequantize()
 
 
+# Rows quantized at a time: NF4's nearest level compares every element with 16 levels, so
+# a whole layer at once would hold 16 float copies of it (hundreds of MB for a large one)
+_ENCODE_ELEMENTS = 1 << 20
+
+
 def _encode_blocks(weight: torch.Tensor, fmt: str, block: int,
                    tensor_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
     f = FORMATS[fmt]
     rows, cols = weight.shape
-    c = quantize_blocks(weight, fmt, block,
-                        tensor_scale=tensor_scale if f.kind == "nvfp4" else None)
-    codes = c.codes.reshape(rows, cols).to(torch.uint8)
-    codes = pack_nibbles(codes) if f.bits == 4 else pack_fp6(codes) if f.bits == 6 else codes
-    scales = c.scales.reshape(rows, cols // block)
-    scales = scales.float() if f.kind == "nf4" else scales.view(torch.uint8)
-    out = {"codes": codes.contiguous(), "scales": scales.contiguous().clone()}
-    if c.tensor_scale is not None:
-        out["tensor_scale"] = c.tensor_scale.detach().float().reshape(1).clone()
+    if f.kind == "nvfp4" and tensor_scale is None:  # the whole weight's, for every chunk
+        tensor_scale = nvfp4_tensor_scale(weight)
+    step = max(1, _ENCODE_ELEMENTS // max(cols, 1))
+    codes, scales = [], []
+    for start in range(0, rows, step):
+        c = quantize_blocks(weight[start:start + step], fmt, block,
+                            tensor_scale=tensor_scale if f.kind == "nvfp4" else None)
+        part = c.codes.reshape(-1, cols).to(torch.uint8)
+        codes.append(pack_nibbles(part) if f.bits == 4 else pack_fp6(part) if f.bits == 6
+                     else part)
+        s = c.scales.reshape(-1, cols // block)
+        scales.append(s.float() if f.kind == "nf4" else s.view(torch.uint8))
+    out = {"codes": torch.cat(codes).contiguous(), "scales": torch.cat(scales).contiguous()}
+    if f.kind == "nvfp4":
+        out["tensor_scale"] = tensor_scale.detach().float().reshape(1).clone()
     return out

@@ -177,3 +177,19 @@ def test_property_frozen_equals_fake_quant(rows, groups, scheme, seed):
     fq = quantizer(scheme, w)
     fw = FrozenWeight.from_quantizer(fq, w)
     assert torch.equal(fw(), fq(w).detach())
+
+
+@pytest.mark.parametrize("scheme", [SCHEMES[8], SCHEMES[10], SCHEMES[12]],
+                         ids=["nf4", "nvfp4", "mxfp6"])
+def test_block_formats_encode_large_weights_in_row_chunks_with_the_same_bits(
+        scheme, monkeypatch):
+    from qcompile.runtime import frozen
+
+    w = weight(seed=4)
+    fq = quantizer(scheme, w)
+    whole = FrozenWeight.from_quantizer(fq, w)
+    monkeypatch.setattr(frozen, "_ENCODE_ELEMENTS", 300)  # a few rows at a time
+    chunked = FrozenWeight.from_quantizer(fq, w)
+    assert all(torch.equal(p, dict(whole.named_parameters())[n])
+               for n, p in chunked.named_parameters())
+    assert torch.equal(chunked(), fq(w).detach())
