@@ -10,7 +10,7 @@ as they are). An adapted layer:
   as its scheme's integers or block codes, dequantized on each call; the float parameter
   leaves the graph), or keeps a float weight, frozen, where no rule gave it a weight
   scheme; ``qat`` keeps the weight behind its fake-quantizer, frozen, with the observer
-  off (its scale stays what the weight gave);
+  off (its scale stays what the weight gave) and no cached copy (``reuse_weight`` off);
 - gains ``<layer>.lora_A`` (``Linear(in, r)``, no bias), ``<layer>.lora_B``
   (``Linear(r, out)``, zeros) and ``<layer>.lora_dropout``, and computes
   ``base + lora_B(lora_A(dropout(x))) * alpha / r`` where ``x`` is what the base op reads
@@ -255,6 +255,10 @@ def _freeze_base(gm: GraphModule, ctx: Context, layer: _Layer, a: AdapterSpec, i
         return None, None, None
     set_flag(fq, "observe", False)  # frozen: the scale is what the weight gave
     if a.base == "qat":
+        # no cached fake-quantized copy: for a weight that never changes it would stay, one
+        # float model more, for good; the forward quantizes it again (and the backward
+        # recomputes it), as the float step reads its weight
+        fq.reuse_weight = False
         return None, str(fq_node.target), scheme
     why = frozen_layout(fq, tuple(weight.shape))
     if why is not None:

@@ -286,8 +286,11 @@ class _Layout:
         return t
 
 
-def _layout(weight: torch.Tensor, use: Any, scheme: Scheme, where: str, field: str,
-            node: Node) -> _Layout:
+def weight_layout(weight: torch.Tensor, use: Any, scheme: Scheme, where: str, field: str,
+                  node: Node) -> _Layout:
+    """How the quantizer of ``weight`` (read by ``node`` as ``use`` says) sees it: the views
+    to its rows (scales per output channel and group, along dim 0) and back; ``qc.search``
+    quantizes weights the same way."""
     axis = use.axis % weight.dim()
     if use.experts:  # [experts, out, in] (axis 1) or [experts, in, out] (axis 2)
         e, a, b = weight.shape
@@ -347,7 +350,7 @@ def _weights(gm: GraphModule, ctx: Context, handled: set[Node]) -> None:
         where = f"{'parameter' if isinstance(weight, nn.Parameter) else 'tensor'} " \
                 f"{target!r} (node {node.name!r})"
         field = f"quant.rules[{qs.rule}].weight"
-        layout = _layout(weight, use, qs.weight, where, field, node)
+        layout = weight_layout(weight, use, qs.weight, where, field, node)
         rows = layout.apply(weight.detach())
         fq = build(qs.weight, ctx, role="weight", shape=tuple(rows.shape), dynamic=False,
                    where=where, field=field, channel_axis=layout.axis)

@@ -452,6 +452,11 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
     example inputs' shapes and then the graph's code; a build, compile or calibration batch
     that fails on one rank fails every rank with that rank's message, never a hang."""
     spec = as_spec(spec)
+    if spec.quant.search is not None:
+        raise QCompileError("quant.search: this spec describes a search, not one "
+                            "quantization; compile_once compiles the spec the search returns",
+                            fix="run qc.search(model, spec, batches) first and compile the "
+                            "spec it returns")
     if cache_dir is not None and not str(cache_dir).strip():
         raise QCompileError("compile_once: cache_dir is an empty string",
                             fix="pass cache_dir=None for no cache, or a folder path")

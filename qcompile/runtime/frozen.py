@@ -26,7 +26,7 @@ Example:
     >>> fq.observe_tensor(w)
     >>> fw = FrozenWeight.from_quantizer(fq, w)
     >>> torch.equal(fw(), fq(w)), fw.nbytes(), sorted(n for n, _ in fw.named_parameters())
-    (True, 384, ['codes', 'scale', 'zero_point'])
+    (True, 320, ['codes', 'scale'])
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from qcompile.runtime.block_formats import (
     quantize_blocks,
 )
 from qcompile.runtime.block_storage import pack_fp6, pack_nibbles, unpack_fp6, unpack_nibbles
-from qcompile.runtime.quant_math import FP8_DTYPES
+from qcompile.runtime.quant_math import FP8_DTYPES, symmetric_zero_point
 
 __all__ = ["FrozenWeight", "frozen_layout"]
 
@@ -83,20 +83,23 @@ class FrozenWeight(nn.Module):
 
     Integer schemes store ``codes`` (int8 / uint8 / int16 ``[out, in]``; two per byte,
     ``[out, in / 2]``, for 4 bits or fewer) with ``scale`` (float32 ``[out, groups]``,
-    ``[out, 1]`` per channel, ``[1, 1]`` per tensor) and ``zero_point`` (float32, the same
-    shape; absent when all zero): ``(codes - zero_point) * scale``. Block formats store
+    ``[out, 1]`` per channel, ``[1, 1]`` per tensor) and, for asymmetric schemes,
+    ``zero_point`` (float32, the same shape): ``(codes - zero_point) * scale``; a symmetric
+    scheme's zero point is one number fixed by its range (``offset``, moved by
+    ``-quant_min`` for packed unsigned nibbles), stored in no tensor. Block formats store
     their ``codes`` packed by row, ``scales`` (one per block; the scale's bytes for MX and
     NVFP4, float32 absmax for NF4) and NVFP4's ``tensor_scale``."""
 
     def __init__(self, storage: dict[str, torch.Tensor], *, shape: tuple[int, int],
                  dtype: torch.dtype = torch.float32, fmt: str | None = None,
-                 block: int | None = None, packed: bool = False) -> None:
+                 block: int | None = None, packed: bool = False, offset: float = 0.0) -> None:
         super().__init__()
         self.rows, self.cols = int(shape[0]), int(shape[1])
         self.out_dtype = dtype
         self.fmt = fmt  # a block format, or None for integers
         self.block = block  # the block (format) or group (integers) size; None otherwise
         self.packed = packed  # integers: two 4-bit codes per byte
+        self.offset = offset  # integers: the zero point of a symmetric scheme (no tensor)
         for name, t in storage.items():
             self.register_parameter(name, _frozen(t))
         if "zero_point" not in storage:
@@ -116,7 +119,7 @@ class FrozenWeight(nn.Module):
                                 fix="use base: qat for this layer, or another weight scheme")
         storage, packed = cls.encode(fq, weight.detach())
         return cls(storage, shape=shape, dtype=weight.dtype, fmt=fq.block_format,
-                   block=fq.group_size, packed=packed)
+                   block=fq.group_size, packed=packed, offset=_offset(fq, packed))
 
     @staticmethod
     @torch.no_grad()
@@ -152,7 +155,7 @@ class FrozenWeight(nn.Module):
                           if lo <= fq.quant_min and fq.quant_max <= hi), torch.int32)
             codes = q.to(dtype)
         storage = {"codes": codes.contiguous(), "scale": scale2.contiguous().clone()}
-        if _has_zero_point(fq, packed):
+        if not fq.symmetric:
             storage["zero_point"] = zp2.contiguous().clone()
         return storage, packed
 
@@ -182,9 +185,10 @@ class FrozenWeight(nn.Module):
         qshape = ((rows, cols // fq.group_size) if fq.granularity == "per_group"
                   else (rows, 1) if fq.granularity == "per_channel" else (1, 1))
         storage = {"codes": codes, "scale": torch.empty(qshape, dtype=torch.float32, **kw)}
-        if _has_zero_point(fq, packed):
+        if not fq.symmetric:
             storage["zero_point"] = torch.empty(qshape, dtype=torch.float32, **kw)
-        return cls(storage, shape=shape, dtype=dtype, block=fq.group_size, packed=packed)
+        return cls(storage, shape=shape, dtype=dtype, block=fq.group_size, packed=packed,
+                   offset=_offset(fq, packed))
 
     # -- reading -------------------------------------------------------------------------
     def integers(self) -> torch.Tensor:
@@ -223,7 +227,7 @@ class FrozenWeight(nn.Module):
             codes = unpack_fp6(self.codes) if f.bits == 6 else self.codes
             return ops.dequant_lut8(codes, _table(self.fmt, 256), scale, self.block)
         zp = self.zero_point
-        z = 0.0
+        z = self.offset
         if zp is not None:
             z = float(zp.reshape(-1)[0])
             if zp.numel() > 1 and not bool((zp == z).all()):
@@ -255,6 +259,8 @@ class FrozenWeight(nn.Module):
         w = q.to(torch.float32)
         if zp is not None:
             w = w.sub_(zp)
+        elif self.offset:
+            w = w.sub_(self.offset)
         return w.mul_(scale).reshape(self.rows, self.cols).to(self.out_dtype)
 
     def forward(self) -> torch.Tensor:
@@ -321,11 +327,14 @@ def _scale_table(kind: str) -> torch.Tensor:
     return b.to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
-def _has_zero_point(fq: nn.Module, packed: bool) -> bool:
-    """Whether a zero point is stored: decided by the scheme, never by the values (every
-    rank of a sharded weight stores the same tensors): signed symmetric integers have
-    zero points 0; unsigned, asymmetric or packed (offset) codes do not."""
-    return packed or not fq.symmetric or fq.quant_min >= 0
+def _offset(fq: nn.Module, packed: bool) -> float:
+    """The zero point a symmetric scheme fixes (0 for signed integers, the middle of the
+    range for unsigned ones), moved like the codes for packed nibbles; decided by the
+    scheme, never by the values (every rank of a sharded weight stores alike)."""
+    if not fq.symmetric or fq.block_format is not None:
+        return 0.0
+    return float(symmetric_zero_point(fq.quant_min, fq.quant_max)
+                 - (fq.quant_min if packed else 0))
 
 
 def _again(codes: torch.Tensor, module: FrozenWeight) -> torch.Tensor:

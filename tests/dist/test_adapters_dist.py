@@ -27,8 +27,9 @@ WORKER = Path(__file__).with_name("_adapters_worker.py")
 LAUNCH_DEADLINE = 120.0  # seconds for every case together (about 20 s normally)
 WORLD = 2
 ADAPTED = 12  # 2 blocks x (q, k, v, o, up, down)
-# stored tensors per frozen layer: int4 packed nibbles, scale, zero point; NF4 codes, scales
-STORED = {"int4": 3, "nf4": 2}
+# stored tensors per frozen layer: int4 packed nibbles, scale (symmetric: no zero point);
+# NF4 codes, scales
+STORED = {"int4": 2, "nf4": 2}
 TRAIN = ["ddp_int4", "fsdp2_nf4", "fsdp2_int4"]
 ONCE = ["compile_once_int4", "compile_once_nf4"]
 ORDER = TRAIN + ONCE

@@ -51,6 +51,9 @@ Subcommands:
   English text that ships with Python: validation perplexity of fp32, round-to-nearest PTQ,
   GPTQ and QAT for w8a8, 8da4w, int4 weight-only, MXFP4, NVFP4 and NF4, and the share of
   the PTQ loss QAT wins back.
+- ``adapters``: LoRA (r 16) on a frozen quantized base of a 109M-parameter decoder: qcompile
+  int8 / int4 g32 / NF4 / NVFP4 / MXFP4 frozen bases and an int4 QAT base next to peft (fp32)
+  and bitsandbytes NF4 + peft: resident memory, base bytes vs fp32, step time vs peft, loss.
 - ``cuda``: on a CUDA GPU (skipped without one): fake-quant forward + backward as a share
   of the device's copy bandwidth, eager and under ``torch.compile``, and the compiled
   training step of a ~340M-parameter Llama-style model with ``8da4w-qat`` relative to its

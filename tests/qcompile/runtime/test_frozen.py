@@ -79,9 +79,10 @@ def test_storage_size_is_the_formats():
     for s in (SCHEMES[0], SCHEMES[3], SCHEMES[8], SCHEMES[10], SCHEMES[11], SCHEMES[14]):
         fw = FrozenWeight.from_quantizer(quantizer(s, w), w)
         bits[s["dtype"] + str(s.get("group_size", ""))] = 8 * fw.nbytes() / w.numel()
-    # int8 + one float32 scale per row; int4 + a float32 scale and zero point per 16; blocks
+    # int8 + one float32 scale per row; int4 + a float32 scale per 16 (symmetric: no zero
+    # point stored); blocks
     assert bits["int8"] == pytest.approx(8 + 32 / 256)
-    assert bits["int416"] == pytest.approx(4 + 64 / 16)
+    assert bits["int416"] == pytest.approx(4 + 32 / 16)
     assert bits["nf4"] == pytest.approx(4.5)
     assert bits["nvfp4"] == pytest.approx(4.5 + 32 / w.numel())
     assert bits["mxfp4"] == pytest.approx(4.25)

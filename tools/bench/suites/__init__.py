@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from qcompile.tools.bench.suites.adapters import adapters_text, bench_adapters
 from qcompile.tools.bench.suites.algorithms import algorithms_text, bench_algorithms
 from qcompile.tools.bench.suites.compile import bench_compile, bench_memory, memory_text
 from qcompile.tools.bench.suites.convert import bench_convert
@@ -64,5 +65,6 @@ SUITES: dict[str, Suite] = {
     "torch-models": Suite(bench_torch_models, torch_models_text, threads=2),
     "moe": Suite(bench_moe, threads=2),
     "llm": Suite(bench_llm, llm_text, threads=2),
+    "adapters": Suite(bench_adapters, adapters_text, threads=2),
     "cuda": Suite(bench_cuda, cuda_text),
 }
