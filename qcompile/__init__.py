@@ -33,6 +33,8 @@ _LAZY = {
     "save_adapters": "qcompile.deploy.adapters",
     "merge_adapters": "qcompile.deploy.adapters",
     "sqnr": "qcompile.measure",
+    "search": "qcompile.mixed_precision",
+    "save_spec": "qcompile.specs",
     "Report": "qcompile.graph.records",
     "FakeQuantize": "qcompile.runtime.fake_quant",
     "Pass": "qcompile.graph.pipeline",

@@ -75,6 +75,11 @@ def qcompile(
         raise QCompileError(f"qcompile takes an nn.Module, got {type(model).__name__}",
                             fix="pass the model instance (not its class or a function)")
     spec = as_spec(spec)
+    if spec.quant.search is not None:
+        raise QCompileError(
+            "quant.search: this spec describes a search, not one quantization; qcompile "
+            "compiles the spec the search returns",
+            fix="run qc.search(model, spec, batches) first and compile the spec it returns")
     model, note = unwrap_compiled(model)
     refuse_compiled(model)
     refuse_wrapped(model)

@@ -16,7 +16,7 @@ from qcompile.specs.compile import (
     TraceSpec,
     TrainSpec,
 )
-from qcompile.specs.load import as_spec, dump_spec, load_spec, presets
+from qcompile.specs.load import as_spec, dump_spec, load_spec, presets, save_spec
 from qcompile.specs.quant import (
     ALGORITHM_KINDS,
     DATA_KINDS,
@@ -26,11 +26,14 @@ from qcompile.specs.quant import (
     AdaRound,
     Algorithm,
     BiasCorrection,
+    Budget,
+    Candidate,
     CrossLayerEqualization,
     Match,
     QuantSpec,
     Rule,
     Scheme,
+    SearchSpec,
     SmoothQuant,
 )
 
@@ -44,6 +47,8 @@ __all__ = [
     "AdapterSpec",
     "Algorithm",
     "BiasCorrection",
+    "Budget",
+    "Candidate",
     "CompileSpec",
     "CrossLayerEqualization",
     "DataParallelSpec",
@@ -53,6 +58,7 @@ __all__ = [
     "QuantSpec",
     "Rule",
     "Scheme",
+    "SearchSpec",
     "SmoothQuant",
     "StageSpec",
     "TraceSpec",
@@ -61,4 +67,5 @@ __all__ = [
     "dump_spec",
     "load_spec",
     "presets",
+    "save_spec",
 ]

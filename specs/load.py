@@ -243,6 +243,88 @@ def dump_spec(spec: CompileSpec, path: str | Path) -> None:
         p.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
+def _compact(spec: CompileSpec) -> dict[str, Any]:
+    """The fields the spec was given (what a hand-written file says), if they read back as
+    the same spec; else the full dump (a discriminator such as ``observer.kind`` left at
+    its default would otherwise be dropped)."""
+    data = spec.model_dump(mode="json", exclude_unset=True)
+    try:
+        if CompileSpec.model_validate(data) == spec:
+            return data
+    except ValueError:
+        pass
+    return spec.model_dump(mode="json")
+
+
+class _SpecDumper(yaml.SafeDumper):
+    """``yaml.SafeDumper`` writing lists of plain values on one line (``[Linear, Conv1D]``),
+    as hand-written specs do."""
+
+
+def _list(dumper: yaml.SafeDumper, value: list[Any]) -> yaml.Node:
+    flat = all(isinstance(v, (str, int, float, bool)) or v is None for v in value)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", value, flow_style=flat)
+
+
+_SpecDumper.add_representer(list, _list)
+
+
+def _yaml(value: Any, indent: int) -> str:
+    text = yaml.dump(value, Dumper=_SpecDumper, sort_keys=False, default_flow_style=False,
+                     width=100)
+    pad = " " * indent
+    return "".join(pad + line if line.strip() else line
+                   for line in text.splitlines(keepends=True))
+
+
+def _comment(text: str, indent: int) -> str:
+    return "".join(f"{' ' * indent}# {line}".rstrip() + "\n" for line in text.splitlines())
+
+
+def save_spec(spec: CompileSpec | dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write ``spec`` as YAML that ``load_spec(path)`` reads back to an equal spec (JSON
+    for a ``.json`` path). Only the fields the spec was given are written (a full dump
+    where that would not read back equal). A rule's ``note`` (``qc.search`` writes the
+    measured sensitivity per candidate there) is also written as comment lines above it.
+
+    Example:
+        >>> import tempfile, os
+        >>> from qcompile.specs import load_spec
+        >>> spec = load_spec("int8-qat")
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     save_spec(spec, os.path.join(d, "spec.yaml"))
+        ...     load_spec(os.path.join(d, "spec.yaml")) == spec
+        True
+    """
+    if isinstance(spec, dict):
+        spec = CompileSpec.model_validate(spec)
+    if not isinstance(spec, CompileSpec):
+        raise QCompileError(f"save_spec takes a CompileSpec (or a dict), got "
+                            f"{type(spec).__name__}",
+                            fix="pass the spec qc.search or qc.load_spec returned")
+    p = Path(path)
+    data = _compact(spec)
+    if p.suffix.lower() == ".json":
+        p.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        return
+    parts = []
+    for key, value in data.items():
+        if key != "quant" or not isinstance(value, dict) or not value.get("rules"):
+            parts.append(_yaml({key: value}, 0))
+            continue
+        parts.append("quant:\n")
+        for qkey, qvalue in value.items():
+            if qkey != "rules":
+                parts.append(_yaml({qkey: qvalue}, 2))
+                continue
+            parts.append("  rules:\n")
+            for rule in qvalue:
+                if rule.get("note"):
+                    parts.append(_comment(rule["note"], 4))
+                parts.append(_yaml([rule], 4))
+    p.write_text("".join(parts), encoding="utf-8")
+
+
 def as_spec(spec: Any) -> CompileSpec:
     """``spec`` as a ``CompileSpec``: one already, a dict, a file path or a preset name.
 

@@ -290,6 +290,10 @@ class Rule(Frozen):
         "output, or (weighted ops: linear, conv, matmul with a weight) the input it reads, "
         "as torchao's 8da4w and the block formats quantize the matmul's operand; dynamic "
         "mode always quantizes inputs")
+    note: str | None = Field(
+        None, description="what produced this rule; qc.search writes the measured "
+        "sensitivity per candidate (qc.save_spec writes it as comment lines above the "
+        "rule too)")
 
     @model_validator(mode="after")
     def _consistent(self) -> Rule:
@@ -395,6 +399,117 @@ InputsSpec = Annotated[Annotated[Scheme, Tag("scheme")] | Annotated[Literal["aut
                        Discriminator(_inputs_kind)]
 
 
+# -- quant.search: mixed precision under a budget --------------------------------------
+# qc.search(model, spec, batches) measures how sensitive each searched layer (each layer
+# whose rule gives a weight scheme) is to each candidate weight scheme, picks the assignment
+# with the least total predicted error within the budget, and returns the spec with
+# ``search`` removed and one explicit rule per chosen group; qc.qcompile refuses a spec that
+# still has ``search``.
+
+BUDGET_KINDS = ("avg_weight_bits", "weight_bytes", "max_loss_increase")
+
+
+class Candidate(Frozen):
+    """One weight scheme the search may give a layer."""
+
+    weight: Scheme
+
+    @model_validator(mode="before")
+    @classmethod
+    def _weight_only(cls, data: object) -> object:
+        if isinstance(data, dict) and "activation" in data:
+            raise ValueError(
+                "a candidate gives a weight scheme only: the activation scheme of a searched "
+                "layer is the one its rule in quant.rules gives; remove activation here")
+        return data
+
+    @model_validator(mode="after")
+    def _weight_scheme(self) -> Candidate:
+        if self.weight.granularity == "per_token":
+            raise ValueError("weight: per_token is for activations; use per_channel or "
+                             "per_group")
+        return self
+
+    def label(self) -> str:
+        """A short name: ``int4/per_group32``, ``int8/per_channel``, ``nvfp4``."""
+        w = self.weight
+        if w.is_block:
+            return w.dtype if w.dtype != "nf4" or w.group_size == 64 else \
+                f"nf4/{w.group_size}"
+        g = w.granularity + (str(w.group_size) if w.granularity == "per_group" else "")
+        return f"{w.dtype}/{g}" + ("" if w.symmetric else "/asym")
+
+
+class Budget(Frozen):
+    """Exactly one of: ``avg_weight_bits`` (bits per weight element of the searched
+    layers, weighted by parameter count), ``weight_bytes`` (their weights as stored) or
+    ``max_loss_increase`` (the least bits whose total predicted loss increase is at most
+    this; needs metric loss or fisher)."""
+
+    avg_weight_bits: float | None = Field(None, gt=0.0, le=64.0, strict=True)
+    weight_bytes: StrictInt | None = Field(None, ge=1)
+    max_loss_increase: float | None = Field(None, ge=0.0, strict=True)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Budget:
+        given = [k for k in BUDGET_KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            shown = ", ".join(given) if given else "none"
+            raise ValueError(f"budget takes exactly one of {', '.join(BUDGET_KINDS)}; "
+                             f"got {shown}")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in BUDGET_KINDS if getattr(self, k) is not None)
+
+    @property
+    def value(self) -> float:
+        return getattr(self, self.kind)
+
+
+class SearchSpec(Frozen):
+    """``quant.search``: candidates, budget, metric, granularity.
+
+    ``metric``: ``sqnr`` (each layer's output with its weight quantized, from the float
+    input it receives, against its float output: noise / signal energy), ``loss`` (the
+    loss increase with that one layer quantized, the rest in float) or ``fisher`` (the
+    loss increase predicted from squared gradients, one backward per batch:
+    ``0.5 * sum(g^2 * (Wq - W)^2)``). ``granularity``: ``layer`` (each searched layer on
+    its own) or ``block`` (the layers of each repeated block, e.g. ``layers.0``, share
+    one choice).
+
+    Example:
+        >>> from qcompile.specs import SearchSpec
+        >>> s = SearchSpec.model_validate({
+        ...     "candidates": [
+        ...         {"weight": {"dtype": "int4", "granularity": "per_group", "group_size": 32}},
+        ...         {"weight": {"dtype": "int8", "granularity": "per_channel"}}],
+        ...     "budget": {"avg_weight_bits": 4.5}})
+        >>> s.metric, s.granularity, s.budget.kind, s.budget.value
+        ('sqnr', 'layer', 'avg_weight_bits', 4.5)
+    """
+
+    candidates: list[Candidate] = Field(min_length=2)
+    budget: Budget
+    metric: Literal["sqnr", "loss", "fisher"] = "sqnr"
+    granularity: Literal["layer", "block"] = "layer"
+
+    @model_validator(mode="after")
+    def _fits(self) -> SearchSpec:
+        seen: dict[Scheme, int] = {}
+        for i, c in enumerate(self.candidates):
+            if c.weight in seen:
+                raise ValueError(f"candidates[{i}] repeats candidates[{seen[c.weight]}] "
+                                 f"({c.label()}); list each scheme once")
+            seen[c.weight] = i
+        if self.budget.kind == "max_loss_increase" and self.metric == "sqnr":
+            raise ValueError("budget max_loss_increase is in loss units, and metric sqnr "
+                             "measures output noise: use metric loss or fisher with it")
+        return self
+
+
+
 class QuantSpec(Frozen):
     """The ``quant`` section.
 
@@ -431,6 +546,10 @@ class QuantSpec(Frozen):
         "step (statistics of a whole optimizer step, reduced across data-parallel ranks and "
         "applied once after it: results do not depend on the world size or on gradient "
         "accumulation) | forward (every forward updates at once, from its own batch)")
+    search: SearchSpec | None = Field(
+        None, description="mixed precision under a budget: candidate weight schemes, the "
+        "budget, the metric; qc.search(model, spec, batches) returns the spec without it "
+        "and with one rule per chosen group, which qc.qcompile compiles")
 
     @model_validator(mode="after")
     def _mode_fits(self) -> QuantSpec:
@@ -453,6 +572,7 @@ class QuantSpec(Frozen):
                 "quantization, and mode none quantizes nothing; set quant.mode to static, "
                 "dynamic or qat, or remove quant.algorithms")
         self._algorithms_fit()
+        self._search_fits()
         # Without a mode nothing is quantized: rules or inputs would be ignored unsaid.
         if self.mode == "none" and (self.rules or self.inputs is not None):
             given = "rules" if self.rules else "inputs"
@@ -492,6 +612,21 @@ class QuantSpec(Frozen):
             raise ValueError(
                 f"quant.algorithms[{b}] ({kinds[b]}): quant.algorithms[{a}] ({kinds[a]}) "
                 "already chooses how every weight rounds; keep one of adaround and gptq")
+
+    def _search_fits(self) -> None:
+        """A search needs quantization, and each candidate must be a valid weight scheme
+        for the mode (the spec it returns holds them as rules)."""
+        if self.search is None:
+            return
+        if self.mode == "none":
+            raise ValueError("quant.search: quant.mode is none, so no layer is quantized and "
+                             "there is nothing to search; set quant.mode to static, dynamic or "
+                             "qat, with rules giving the searched layers a weight scheme")
+        for i, c in enumerate(self.search.candidates):
+            if c.weight.learnable and self.mode != "qat":
+                raise ValueError(
+                    f"quant.search.candidates[{i}].weight.learnable: learnable scales train "
+                    f"only in QAT; set mode: qat or learnable: false (mode is {self.mode})")
 
     @property
     def reduce_range(self) -> bool:

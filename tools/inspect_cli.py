@@ -13,13 +13,18 @@ stdout and diagnostics on stderr):
   and the report JSON; ``--diff`` shows what one pass added and removed.
 - ``sqnr SPEC --model REF ... [--calib FILE.pt | --random N]``: per-layer SQNR of the
   quantized graph against the float model, worst first.
+- ``search DETAILS.json [--measured FILE.json] [--plot FILE.svg|FILE.png]``: the Pareto
+  table of a ``qc.search(..., details=True)`` report (average weight bits, weight MB,
+  predicted error and, from ``--measured``, the metric measured after compiling), the
+  chosen candidate per group with its scores, and a plot of budget vs error (matplotlib).
 
 ``REF`` is ``package.module:factory`` or ``path/to/file.py:factory`` (a callable returning
 the model). ``--format json`` gives stable, documented JSON; ``--graph svg|html|dot``
 (``show``, ``sqnr``) writes a picture drawn by ``qcompile.tools.inspect_picture`` (no
-Graphviz needed; ``--layout``, ``--depth``, ``--focus`` shape it). Exit codes: 0 ok,
-1 invalid spec or model error (``explain`` too, after explaining, when a rule matches
-nothing), 2 usage (bad arguments or ``--calib`` data). ``--debug`` shows tracebacks.
+Graphviz needed; ``--layout``, ``--depth``, ``--focus`` shape it; ``--color bits`` fills
+each layer by its weight's bits, e.g. int4 vs int8 layers of a searched spec). Exit codes:
+0 ok, 1 invalid spec or model error (``explain`` too, after explaining, when a rule
+matches nothing), 2 usage (bad arguments or ``--calib`` data). ``--debug`` shows tracebacks.
 Measuring (``sqnr``) leaves the model as the factory built it.
 
 Example:
@@ -275,6 +280,7 @@ def write_picture(args: argparse.Namespace, rows: list[dict[str, Any]], gm: Any,
                             fix="create the folder first, or give --out a path in an "
                                 "existing folder")
     pg, depth = picture_graph(args, gm, sqnr)
+    colour = getattr(args, "color", None) or "auto"
     layout = args.layout
     if layout == "auto":  # Graphviz when installed (svg only), else the Python layout
         layout = "dot" if args.graph == "svg" and shutil.which("dot") else "python"
@@ -283,14 +289,15 @@ def write_picture(args: argparse.Namespace, rows: list[dict[str, Any]], gm: Any,
         layout = "python"
     written = []
     if args.graph == "dot":
-        write_atomically(out.with_suffix(".dot"), dot.to_dot(pg) + "\n")
+        write_atomically(out.with_suffix(".dot"), dot.to_dot(pg, colour) + "\n")
         written.append(str(out.with_suffix(".dot")))
         layout = None
     elif args.graph == "svg" and layout == "dot":
-        _svg_by_dot(dot.to_dot(pg) + "\n", out.with_suffix(".dot"), out.with_suffix(".svg"))
+        _svg_by_dot(dot.to_dot(pg, colour) + "\n", out.with_suffix(".dot"),
+                    out.with_suffix(".svg"))
         written += [str(out.with_suffix(".dot")), str(out.with_suffix(".svg"))]
     elif args.graph == "svg":
-        write_atomically(out.with_suffix(".svg"), svg.to_svg(pg))
+        write_atomically(out.with_suffix(".svg"), svg.to_svg(pg, colour=colour))
         written.append(str(out.with_suffix(".svg")))
     else:
         text = (f"mode {info['mode']} · traced by {info['trace_method']} · "
@@ -298,8 +305,9 @@ def write_picture(args: argparse.Namespace, rows: list[dict[str, Any]], gm: Any,
                 f"{len(info['stages']) or 'no'} pipeline stage(s) · depth "
                 f"{'full' if depth is None else depth}"
                 + (f" · focus {args.focus}" if getattr(args, "focus", None) else ""))
-        page = html.to_html(pg, svg.to_svg(pg), title=f"qcompile graph: {args.model}",
-                            info=text, rows=rows, columns=TABLE_COLUMNS)
+        page = html.to_html(pg, svg.to_svg(pg, colour=colour),
+                            title=f"qcompile graph: {args.model}", info=text, rows=rows,
+                            columns=TABLE_COLUMNS, colour=colour)
         write_atomically(out.with_suffix(".html"), page)
         written.append(str(out.with_suffix(".html")))
     for path in written:
@@ -307,7 +315,10 @@ def write_picture(args: argparse.Namespace, rows: list[dict[str, Any]], gm: Any,
     drawn = {"boxes": len(pg.nodes), "depth": "full" if depth is None else depth,
              "focus": getattr(args, "focus", None), "layout": layout,
              "clusters": len(pg.stages), "groups": len(pg.groups),
-             "cut_edges": sum(e.cut for e in pg.edges)}
+             "cut_edges": sum(e.cut for e in pg.edges),
+             "colour": svg.resolve_colour(colour, pg)}
+    if drawn["colour"] == "bits":
+        drawn["weight_dtypes"] = [label for label, _ in svg.legend(pg)]
     return written, drawn
 
 
@@ -576,6 +587,231 @@ def cmd_sqnr(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- search: the report of qc.search(..., details=True) ---------------------------------------
+PLOT_SUFFIXES = (".svg", ".png")
+SAME_BITS = 0.005  # a measured point within this many avg bits of a Pareto point is that point
+
+
+def load_search_details(path: str) -> Any:
+    """``SearchDetails`` from a JSON file (``details.model_dump_json()``); a missing file
+    is a usage error, a file that is not one a ``QCompileError`` naming the field."""
+    from pydantic import ValidationError
+
+    from qcompile.mixed_precision import SearchDetails
+
+    if not Path(path).is_file():
+        raise UsageError(f"{path}: no such file (the JSON of qc.search(..., details=True)[1])")
+    try:
+        return SearchDetails.model_validate_json(Path(path).read_text(encoding="utf-8"))
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(map(str, first["loc"])) or "(top level)"
+        raise QCompileError(f"{path}: not a search report: {where}: {first['msg']}",
+                            fix="write it with Path(p).write_text(details.model_dump_json()) "
+                            "from spec, details = qc.search(..., details=True)") from None
+
+
+def load_measured(path: str) -> tuple[str, dict[float, float]]:
+    """``--measured``: a JSON object mapping average weight bits to the measured metric
+    (``{"4.0": 6.12, "4.5": 5.80}``), or ``{"metric": NAME, "values": {...}}`` naming it
+    (``qcompile-bench search`` writes that form). Returns (metric name, bits -> value)."""
+    import json
+
+    fix = ('write {"metric": "perplexity", "values": {"4.0": 6.1, "8.0": 5.2}}: '
+           "average weight bits -> the metric measured at them")
+    if not Path(path).is_file():
+        raise UsageError(f"--measured {path}: no such file")
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise QCompileError(f"--measured {path}: not JSON ({e})", fix=fix) from None
+    name = "measured"
+    if isinstance(data, dict) and "values" in data:
+        name = str(data.get("metric") or name)
+        data = data["values"]
+    if not isinstance(data, dict) or not data:
+        raise QCompileError(f"--measured {path}: expected a non-empty JSON object", fix=fix)
+    values: dict[float, float] = {}
+    for key, value in data.items():
+        try:
+            bits = float(key)
+            values[bits] = float(value)
+        except (TypeError, ValueError):
+            raise QCompileError(f"--measured {path}: entry {key!r}: {value!r} is not "
+                                "average bits -> a number", fix=fix) from None
+    return name, values
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.4g}"
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None else f"{value:.4g}"
+
+
+def pareto_rows(details: Any, measured: dict[float, float]) -> list[dict[str, Any]]:
+    """The Pareto table: one row per distinct point the solver found (fewest bits first)
+    and the chosen point, the groups at each candidate, the measured metric where one was
+    measured at those bits (measured points matching no point get rows of their own,
+    predicted left empty)."""
+    rows: list[dict[str, Any]] = []
+    seen: set[tuple[float, int]] = set()
+    for p in sorted(details.pareto, key=lambda p: (p.avg_weight_bits, p.predicted_error)):
+        key = (round(p.avg_weight_bits, 6), p.weight_bytes)
+        if key in seen:  # budgets between two steps of the front give the same point
+            continue
+        seen.add(key)
+        counts = [sum(1 for c in p.chosen.values() if c == i)
+                  for i in range(len(details.candidates))]
+        rows.append({"avg_weight_bits": p.avg_weight_bits, "weight_bytes": p.weight_bytes,
+                     "predicted_error": p.predicted_error, "measured": None,
+                     "groups_per_candidate": counts,
+                     "chosen": abs(p.avg_weight_bits - details.avg_weight_bits) < 1e-9
+                     and p.weight_bytes == details.weight_bytes})
+    if not any(r["chosen"] for r in rows):  # the budget fell between the front's budgets
+        rows.append({"avg_weight_bits": details.avg_weight_bits,
+                     "weight_bytes": details.weight_bytes,
+                     "predicted_error": details.predicted_error, "measured": None,
+                     "groups_per_candidate": [
+                         sum(1 for c in details.chosen.values() if c == i)
+                         for i in range(len(details.candidates))], "chosen": True})
+    for bits, value in sorted(measured.items()):
+        row = min(rows, key=lambda r: abs(r["avg_weight_bits"] - bits), default=None)
+        if row is not None and abs(row["avg_weight_bits"] - bits) <= SAME_BITS \
+                and row["measured"] is None:
+            row["measured"] = value
+        else:
+            rows.append({"avg_weight_bits": bits, "weight_bytes": None, "predicted_error": None,
+                         "measured": value, "groups_per_candidate": None, "chosen": False})
+    rows.sort(key=lambda r: r["avg_weight_bits"])
+    return rows
+
+
+def group_rows(details: Any) -> list[dict[str, Any]]:
+    """One row per group: its layers, parameters, chosen candidate and score per candidate."""
+    rows = []
+    for g in details.groups:
+        i = details.chosen.get(g.name)
+        rows.append({"group": g.name, "layers": g.layers, "parameters": g.parameters,
+                     "chosen": details.candidates[i] if i is not None else None,
+                     "chosen_index": i, "scores": g.scores, "sqnr_db": g.sqnr_db})
+    return rows
+
+
+def plot_pareto(details: Any, rows: list[dict[str, Any]], measured_name: str,
+                path: Path) -> None:
+    """Budget (average weight bits) vs predicted error, and the measured metric on a second
+    axis; the chosen point starred. SVG or PNG by ``path``'s suffix, drawn with matplotlib's
+    object API (no pyplot, no global backend), written atomically."""
+    try:
+        from matplotlib import rc_context
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise QCompileError("--plot needs matplotlib, which is not installed",
+                            fix="pip install matplotlib (or leave out --plot: the table "
+                            "needs nothing)") from None
+    predicted = [r for r in rows if r["predicted_error"] is not None]
+    measured = [r for r in rows if r["measured"] is not None]
+    with rc_context({"svg.hashsalt": "qcompile", "svg.fonttype": "none"}):
+        fig = Figure(figsize=(6.4, 4.0))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        ax.plot([r["avg_weight_bits"] for r in predicted],
+                [r["predicted_error"] for r in predicted], "o-", color="#2563eb",
+                label=f"predicted ({details.metric})")
+        ax.plot([details.avg_weight_bits], [details.predicted_error], "*", color="#dc2626",
+                markersize=14, label="chosen")
+        ax.set_xlabel("average weight bits (budget)")
+        ax.set_ylabel(f"predicted error ({details.metric}, lower is better)")
+        ax.grid(True, alpha=0.3)
+        handles, labels = ax.get_legend_handles_labels()
+        if measured:
+            ax2 = ax.twinx()
+            ax2.plot([r["avg_weight_bits"] for r in measured], [r["measured"] for r in measured],
+                     "s--", color="#16a34a", label=f"measured ({measured_name})")
+            ax2.set_ylabel(f"measured {measured_name}")
+            h2, l2 = ax2.get_legend_handles_labels()
+            handles, labels = handles + h2, labels + l2
+        ax.legend(handles, labels, loc="upper right", fontsize=8)
+        budget = ", ".join(f"{k} {v}" for k, v in details.budget.items())
+        ax.set_title(f"qc.search Pareto front: {details.metric}, {details.granularity}, "
+                     f"budget {budget}", fontsize=10)
+        fig.tight_layout()
+        fmt = path.suffix.lstrip(".")
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format=fmt,
+                        metadata={"Date": None} if fmt == "svg" else {"Software": None})
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    details = load_search_details(args.details)
+    plot = Path(args.plot) if args.plot else None
+    if plot is not None:  # before any work
+        if plot.suffix.lower() not in PLOT_SUFFIXES:
+            raise UsageError(f"--plot {plot}: the suffix says the format: .svg or .png")
+        if not plot.parent.is_dir():
+            raise QCompileError(f"--plot {plot}: the folder {plot.parent} does not exist",
+                                fix="create the folder first, or give --plot a path in an "
+                                "existing folder")
+    measured_name, measured = (load_measured(args.measured) if args.measured
+                               else ("measured", {}))
+    rows = pareto_rows(details, measured)
+    groups = group_rows(details)
+    if plot is not None:
+        plot_pareto(details, rows, measured_name, plot)
+        note(f"wrote {plot}")
+    budget = ", ".join(f"{k} {v}" for k, v in details.budget.items())
+    data: dict[str, Any] = {
+        "details": args.details, "metric": details.metric,
+        "granularity": details.granularity, "budget": details.budget,
+        "candidates": [{"label": c, "bits": b} for c, b in zip(details.candidates,
+                                                                details.bits)],
+        "chosen": {"avg_weight_bits": details.avg_weight_bits,
+                   "weight_bytes": details.weight_bytes,
+                   "predicted_error": details.predicted_error},
+        "seconds": details.seconds, "batches": details.batches, "ranks": details.ranks,
+        "measured_metric": measured_name if measured else None,
+        "pareto": rows, "groups": groups, "files": [str(plot)] if plot else []}
+    cands = details.candidates
+    table_rows = []
+    for r in rows:
+        row = {"": "*" if r["chosen"] else "", "avg_bits": f"{r['avg_weight_bits']:.3f}",
+               "weight_MB": _mb(r["weight_bytes"]) if r["weight_bytes"] is not None else "",
+               "predicted": _num(r["predicted_error"]),
+               measured_name: _num(r["measured"])}
+        for c, n in zip(cands, r["groups_per_candidate"] or [None] * len(cands)):
+            row[c] = "" if n is None else str(n)
+        table_rows.append(row)
+    columns = ["", "avg_bits", "weight_MB", "predicted",
+               *([measured_name] if measured else []), *cands]
+    group_table = []
+    for g in groups:
+        row = {"group": g["group"], "params": str(g["parameters"]),
+               "chosen": g["chosen"] or ""}
+        for i, c in enumerate(cands):
+            row[c] = _num(g["scores"][i]) if i < len(g["scores"]) else ""
+            if g["sqnr_db"] is not None:
+                row[f"dB {c}"] = _num(g["sqnr_db"][i]) if i < len(g["sqnr_db"]) else ""
+        group_table.append(row)
+    gcols = ["group", "params", "chosen", *cands]
+    if any(g["sqnr_db"] is not None for g in groups):
+        gcols += [f"dB {c}" for c in cands]
+    seconds = ", ".join(f"{k} {v:.3g} s" for k, v in details.seconds.items())
+    text = [f"search: metric {details.metric}, granularity {details.granularity}, "
+            f"budget {budget}; {len(details.groups)} group(s), {details.batches} batch(es), "
+            f"{details.ranks} rank(s); {seconds}",
+            "candidates: " + ", ".join(f"{c} ({b:g} bits)" for c, b in zip(cands, details.bits)),
+            f"chosen: {details.avg_weight_bits:.3f} avg weight bits, "
+            f"{_mb(details.weight_bytes)} MB, predicted error {details.predicted_error:.4g}",
+            "", "Pareto front (budget vs error; groups per candidate; * the chosen point):",
+            table(table_rows, columns), "",
+            f"chosen candidate per group (scores: predicted error, {details.metric}):",
+            table(group_table, gcols)]
+    emit(args, data, "\n".join(text))
+    return 0
+
 # -- the command line ------------------------------------------------------------------------
 def _positive(text: str) -> int:
     """argparse type: an integer >= 1 (argparse turns the error into a usage message)."""
@@ -607,6 +843,9 @@ def _picture_args(p: argparse.ArgumentParser) -> None:
                    help="collapse modules deeper than N into boxes: N >= 1, full, or auto "
                    "(the most detail that keeps the picture under 60 boxes)")
     p.add_argument("--focus", help="expand one module subtree fully (e.g. layers.3)")
+    p.add_argument("--color", choices=["auto", "kind", "sqnr", "bits"], default="auto",
+                   help="fill nodes by kind, by SQNR (sqnr only), or by the weight's bits "
+                   "(bits: int4 vs int8 layers, with a legend); auto: SQNR when measured")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -646,6 +885,17 @@ def parser() -> argparse.ArgumentParser:
                      help="N random batches (default 4, at least 1)")
     _picture_args(p)
     p.set_defaults(fn=cmd_sqnr)
+    p = sub.add_parser("search", parents=[common],
+                       help="the Pareto table (and plot) of a qc.search report")
+    p.add_argument("details", help="JSON of qc.search(..., details=True)[1] "
+                   "(details.model_dump_json())")
+    p.add_argument("--measured", help="JSON mapping average weight bits to a measured "
+                   'metric, e.g. {"metric": "perplexity", "values": {"4.0": 6.1}}')
+    p.add_argument("--plot", help="draw budget vs predicted (and measured) error to "
+                   "FILE.svg or FILE.png (needs matplotlib)")
+    p.add_argument("--json", dest="format", action="store_const", const="json",
+                   help="print JSON (= --format json)")
+    p.set_defaults(fn=cmd_search)
     return root
 
 

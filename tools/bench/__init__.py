@@ -54,6 +54,10 @@ Subcommands:
 - ``adapters``: LoRA (r 16) on a frozen quantized base of a 109M-parameter decoder: qcompile
   int8 / int4 g32 / NF4 / NVFP4 / MXFP4 frozen bases and an int4 QAT base next to peft (fp32)
   and bitsandbytes NF4 + peft: resident memory, base bytes vs fp32, step time vs peft, loss.
+- ``search``: ``qc.search`` on the llm suite's dense LM and the digits CNN: uniform int4 /
+  int8 vs the searched mix at 4.5 and 5 bits (sqnr, fisher; loss on the CNN), measured after
+  compiling, the share of the int4->int8 gap closed, search time vs calibration, and files
+  for ``qcompile-inspect search --measured``.
 - ``cuda``: on a CUDA GPU (skipped without one): fake-quant forward + backward as a share
   of the device's copy bandwidth, eager and under ``torch.compile``, and the compiled
   training step of a ~340M-parameter Llama-style model with ``8da4w-qat`` relative to its

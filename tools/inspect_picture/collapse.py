@@ -4,7 +4,8 @@ At ``depth`` d every node owned by a module is drawn inside the box of the first
 of that module's path (``layers.3.mlp.up_proj`` at depth 2 is in ``layers.3``, ``norm`` in
 ``norm``); nodes the root owns (functional ops of the top-level forward) stay as they are,
 and a box holding a single node is drawn as that node. A box
-counts its nodes and quantizers and keeps the worst SQNR of what it holds. ``focus``
+counts its nodes and quantizers, keeps the worst SQNR of what it holds and the weight dtype
+of its weighted ops (``"mixed"`` when they differ, the dtypes listed in its details). ``focus``
 expands one module subtree completely, and around it shows the siblings of every
 ancestor as boxes, so the focused part is seen in its context. ``auto_depth`` picks the
 most detailed depth that keeps the picture under a box budget (default 60).
@@ -29,7 +30,13 @@ Example:
 from __future__ import annotations
 
 from qcompile.errors import QCompileError
-from qcompile.tools.inspect_picture.graph import PEdge, PictureGraph, PNode
+from qcompile.tools.inspect_picture.graph import (
+    MIXED_WEIGHT,
+    PEdge,
+    PictureGraph,
+    PNode,
+    dtype_bits,
+)
 
 DEFAULT_BUDGET = 60  # boxes a readable screen holds
 
@@ -130,6 +137,7 @@ def collapse(pg: PictureGraph, depth: int | None, focus: str | None = None,
     rep: dict[str, str] = {}
     boxes: dict[str, PNode] = {}
     worst: dict[str, float] = {}
+    dtypes: dict[str, dict[str, int]] = {}  # box -> weight dtype -> weighted ops holding it
     out: list[PNode] = []
     for n in pg.nodes:
         b = box_path(n.module, depth, focus)
@@ -148,6 +156,9 @@ def collapse(pg: PictureGraph, depth: int | None, focus: str | None = None,
         box.quantizers += n.quantizers
         if n.sqnr is not None:
             worst[bid] = min(worst.get(bid, n.sqnr), n.sqnr)
+        if n.weight_dtype is not None and n.kind != "quantizer":  # a layer counts once
+            held = dtypes.setdefault(bid, {})
+            held[n.weight_dtype] = held.get(n.weight_dtype, 0) + 1
         for key in ("rule", "scheme"):
             if key in n.details:
                 values = box.details.setdefault(key + "s", "")
@@ -161,6 +172,14 @@ def collapse(pg: PictureGraph, depth: int | None, focus: str | None = None,
         if bid in worst:
             box.sqnr = worst[bid]
             box.details["sqnr"] = f"{worst[bid]:.2f} dB (worst inside)"
+        if bid in dtypes:
+            held = dtypes[bid]
+            box.details["weight dtypes"] = ", ".join(f"{k} x{v}" for k, v in sorted(held.items()))
+            if len(held) == 1:
+                box.weight_dtype = next(iter(held))
+                box.bits = dtype_bits(box.weight_dtype)
+            else:
+                box.weight_dtype = MIXED_WEIGHT
     singles = {bid for bid, box in boxes.items() if box.members == 1}
     if singles:  # a box of one node: draw the node itself
         only = {rep[n.id]: n for n in pg.nodes if rep[n.id] in singles}

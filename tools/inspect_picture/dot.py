@@ -2,7 +2,9 @@
 
 The DOT text says what the SVG shows: stage clusters (``cluster_stage<i>``) labelled with
 device, cost, parameters and bytes, fusion groups as dashed clusters inside them, cut edges
-in red with their bytes, shapes on the other edges, each node named once.
+in red with their bytes, shapes on the other edges, each node named once; with
+``colour="bits"`` nodes are filled by their weight bits and ``cluster_legend`` names each
+weight dtype drawn.
 
 Example:
     >>> from qcompile.tools.inspect_picture.graph import PEdge, PNode, PictureGraph
@@ -23,7 +25,13 @@ Example:
 from __future__ import annotations
 
 from qcompile.tools.inspect_picture.graph import PictureGraph, PNode
-from qcompile.tools.inspect_picture.svg import KIND_FILL, STAGE_COLOURS, bytes_text
+from qcompile.tools.inspect_picture.svg import (
+    STAGE_COLOURS,
+    bytes_text,
+    legend,
+    node_fill,
+    resolve_colour,
+)
 
 
 def _q(text: str) -> str:
@@ -37,13 +45,16 @@ def _hex_heat(db: float) -> str:
     return f"#{min(255, r // 2 + 128):02x}{min(255, g // 2 + 128):02x}a0"
 
 
-def _node(n: PNode, indent: str) -> str:
+def _node(n: PNode, indent: str, colour: str) -> str:
     label = n.title + (f"\\n{n.sub}" if n.sub else "")
-    fill = _hex_heat(n.sqnr) if n.sqnr is not None else KIND_FILL[n.kind]
+    fill = (_hex_heat(n.sqnr) if colour == "sqnr" and n.sqnr is not None
+            else node_fill(n, colour))
     return f'{indent}{_q(n.id)} [label="{label.replace(chr(34), chr(39))}", fillcolor="{fill}"];'
 
 
-def to_dot(pg: PictureGraph) -> str:
+def to_dot(pg: PictureGraph, colour: str = "auto") -> str:
+    """The DOT text; ``colour`` as ``svg.to_svg``'s (``bits`` adds ``cluster_legend``)."""
+    colour = resolve_colour(colour, pg)
     lines = ["digraph qcompile {", '  node [shape=box, style="rounded,filled", '
              'fontname="Helvetica", fontsize=10];',
              '  edge [fontname="Helvetica", fontsize=9, color="#6b7280"];',
@@ -71,11 +82,11 @@ def to_dot(pg: PictureGraph) -> str:
                           f'{indent}  label={_q(g.label)}; style=dashed; color="#9333ea";']
                 for m in nodes:
                     if m.group == g.id:
-                        lines.append(_node(m, indent + "  "))
+                        lines.append(_node(m, indent + "  ", colour))
                         done.add(m.id)
                 lines.append(f"{indent}}}")
             else:
-                lines.append(_node(n, indent))
+                lines.append(_node(n, indent, colour))
                 done.add(n.id)
         if stage is not None:
             lines.append("  }")
@@ -86,5 +97,10 @@ def to_dot(pg: PictureGraph) -> str:
         else:
             lines.append(f"  {_q(e.src)} -> {_q(e.dst)}"
                          + (f" [label={_q(e.shape)}];" if e.shape else ";"))
+    if colour == "bits":
+        lines += ["  subgraph cluster_legend {", '    label="weight bits"; style=rounded;']
+        lines += [f'    {_q("legend:" + label)} [label={_q(label)}, fillcolor="{fill}"];'
+                  for label, fill in legend(pg)]
+        lines.append("  }")
     lines.append("}")
     return "\n".join(lines)

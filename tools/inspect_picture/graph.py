@@ -11,7 +11,10 @@
 - values crossing a pipeline cut become *cut edges* from the producing node in one stage to
   the consuming nodes in the next, carrying their bytes in fp32 and as transferred;
 - fusion groups (``node.meta[FUSION_KEY]``) and a weighted op with its weight and output
-  quantizers become groups, drawn as boxes.
+  quantizers become groups, drawn as boxes;
+- a weighted op and its weight quantizer carry the weight's dtype (``weight_dtype``: the
+  quantizer's dtype, or ``"float"`` for a weighted op left in float) and its storage bits
+  per element (``bits``: ``dtype_bits``), for ``--color bits``.
 
 Example:
     >>> import torch, qcompile as qc
@@ -25,6 +28,8 @@ Example:
      ('0.output_fake_quant', 'quantizer'), ('output', 'output')]
     >>> [g.label for g in pg.groups]
     ['fused linear+relu']
+    >>> [(n.title, n.weight_dtype, n.bits) for n in pg.nodes if n.weight_dtype]
+    [('0.weight_fake_quant', 'int8', 8.0), ('0', 'int8', 8.0)]
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ class PNode:
     sqnr: float | None = None
     quantizers: int = 0  # quantizer nodes it stands for
     members: int = 1  # graph nodes it stands for
+    weight_dtype: str | None = None  # a weighted op's weight dtype, "float", or "mixed" (a box)
+    bits: float | None = None  # storage bits per weight element (None: float or mixed)
 
 
 @dataclass
@@ -136,6 +143,29 @@ def _fmt(x: float) -> str:
 def _range(t: Any) -> str:
     lo, hi = float(t.min()), float(t.max())
     return _fmt(lo) if lo == hi else f"{_fmt(lo)}…{_fmt(hi)}"
+
+
+FLOAT_WEIGHT = "float"  # ``weight_dtype`` of a weighted op whose weight is not quantized
+MIXED_WEIGHT = "mixed"  # ``weight_dtype`` of a module box holding several weight dtypes
+
+
+def dtype_bits(dtype: str) -> float | None:
+    """Storage bits per element of a weight dtype: ``int4`` 4, ``fp8_e4m3`` 8, a block
+    format its element bits plus its shared scales (``nvfp4`` 4.5); None for float.
+
+    >>> dtype_bits("int4"), dtype_bits("uint8"), dtype_bits("fp8_e5m2"), dtype_bits("mxfp4")
+    (4.0, 8.0, 8.0, 4.25)
+    >>> dtype_bits("float") is None
+    True
+    """
+    from qcompile.runtime.block_formats import FORMATS, bits_per_element
+
+    if dtype in FORMATS:
+        return float(bits_per_element(dtype))
+    if dtype.startswith("fp8"):
+        return 8.0
+    digits = dtype.removeprefix("u").removeprefix("int")
+    return float(digits) if digits.isdigit() else None
 
 
 def _op_text(gm: Any, node: Any) -> str:
@@ -230,9 +260,11 @@ class _Reader:
             details["shape"] = shape_text(shape)
         if fq.scale.numel() and bool((fq.scale != 1).any()):  # observed: worth showing
             sub += f" · s {details['scale']}"
-        return PNode(id=self.nid(stage, node), title=target, sub=sub, kind="quantizer",
-                     module=self.module_of(g, node), stage=stage, details=details,
-                     quantizers=1)
+        pn = PNode(id=self.nid(stage, node), title=target, sub=sub, kind="quantizer",
+                   module=self.module_of(g, node), stage=stage, details=details, quantizers=1)
+        if role == "weight":
+            pn.weight_dtype, pn.bits = fq.dtype, dtype_bits(fq.dtype)
+        return pn
 
     @staticmethod
     def _qparams(details: dict[str, str], role: str, fq: Any) -> None:
@@ -253,12 +285,16 @@ class _Reader:
         if shape is not None:
             details["shape"] = shape_text(shape)
         params = []
+        weight_dtype = None
         for i in node.all_input_nodes:  # parameters, also those read through a quantizer
             if i.op == "get_attr":
                 params.append(str(i.target))
             elif self.is_fq(g, i) and i.args and getattr(i.args[0], "op", "") == "get_attr":
                 params.append(str(i.args[0].target))
                 self._qparams(details, "weight", g.get_submodule(str(i.target)))
+                weight_dtype = g.get_submodule(str(i.target)).dtype
+        if weight_dtype is None and self.weighted_float(g, node):
+            weight_dtype = FLOAT_WEIGHT
         if params:
             details["parameters"] = ", ".join(params)
         last, fusion = node, node.meta.get(FUSION_KEY)
@@ -276,8 +312,21 @@ class _Reader:
             details["scheme"] = ("skip" if qs.skip else
                                  f"weight {_scheme_text(qs.weight)}; "
                                  f"activation {_scheme_text(qs.activation)}")
+        if weight_dtype is not None:
+            bits = dtype_bits(weight_dtype)
+            details["weight bits"] = "float" if bits is None else f"{bits:g} ({weight_dtype})"
         return PNode(id=self.nid(stage, node), title=title, sub=sub, kind="op",
-                     module=self.module_of(g, node), stage=stage, details=details)
+                     module=self.module_of(g, node), stage=stage, details=details,
+                     weight_dtype=weight_dtype,
+                     bits=None if weight_dtype is None else dtype_bits(weight_dtype))
+
+    @staticmethod
+    def weighted_float(g: Any, node: Any) -> bool:
+        """A Linear / Conv / Embedding (module call or functional) reading its weight
+        straight from a parameter: a weighted op left in float."""
+        from qcompile.graph.matching import is_weighted_call, weighted_module_op
+
+        return weighted_module_op(g, node) is not None or is_weighted_call(node)
 
     def add_graph(self, g: Any, stage: int | None) -> None:
         """Nodes and edges of one graph (a stage's inputs are followed back across the cut

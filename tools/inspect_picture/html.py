@@ -8,7 +8,8 @@ node details as JSON): the page opens from a file with no network. It offers:
   (Enter goes to the next match);
 - a click on a node opens a details panel: its rule, scheme, qparams (scale / zero-point
   ranges of its quantizers), shape, parameters, stage and, after ``sqnr``, its SQNR;
-- with SQNR values the legend explains the red (low) to green (high) colouring;
+- with SQNR values the legend explains the red (low) to green (high) colouring; coloured
+  by weight bits (``colour="bits"``), it names the colour of each weight dtype drawn;
 - all nodes as a table, in a folded section below the picture.
 
 Example:
@@ -27,6 +28,8 @@ from html import escape
 from typing import Any
 
 from qcompile.tools.inspect_picture.graph import PictureGraph
+from qcompile.tools.inspect_picture.svg import legend as bits_legend
+from qcompile.tools.inspect_picture.svg import resolve_colour
 
 CSS = """
 *{box-sizing:border-box}html,body{margin:0;height:100%;font:13px Helvetica,Arial,sans-serif;
@@ -182,14 +185,20 @@ def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
 
 
 def to_html(pg: PictureGraph, svg: str, title: str = "qcompile graph", info: str = "",
-            rows: list[dict[str, Any]] | None = None, columns: list[str] | None = None) -> str:
-    """The page: ``svg`` (from ``svg.to_svg(pg)``) with search, pan/zoom, details."""
+            rows: list[dict[str, Any]] | None = None, columns: list[str] | None = None,
+            colour: str = "auto") -> str:
+    """The page: ``svg`` (from ``svg.to_svg(pg, colour=colour)``) with search, pan/zoom,
+    details; the legend follows ``colour``."""
+    colour = resolve_colour(colour, pg)
     legend = ['<span class="legend">',
               '<span class="chip" style="background:#fecaca"></span>quantizer',
               '<span class="chip" style="background:#e0e7ff"></span>module (collapsed)',
               '<span class="chip" style="border:2px dashed #9333ea"></span>fusion group',
               '<span class="chip" style="background:#dc2626"></span>pipeline cut']
-    if any(n.sqnr is not None for n in pg.nodes):
+    if colour == "bits":
+        legend += [f'<span class="chip" style="background:{fill}"></span>{escape(label)}'
+                   for label, fill in bits_legend(pg)]
+    elif colour == "sqnr":
         legend.append('<span class="chip" style="width:60px;background:linear-gradient(90deg,'
                       'hsl(0,75%,78%),hsl(60,75%,78%),hsl(120,75%,78%))"></span>'
                       "SQNR 10 dB → 40 dB")

@@ -37,6 +37,7 @@ from qcompile.tools.bench.suites.fakequant import bench_fakequant
 from qcompile.tools.bench.suites.llm import bench_llm, llm_text
 from qcompile.tools.bench.suites.moe import bench_moe
 from qcompile.tools.bench.suites.onnx import bench_onnx
+from qcompile.tools.bench.suites.search import bench_search, search_text
 from qcompile.tools.bench.suites.step import bench_step
 from qcompile.tools.bench.suites.torch_models import bench_torch_models, torch_models_text
 from qcompile.tools.output import records
@@ -66,5 +67,6 @@ SUITES: dict[str, Suite] = {
     "moe": Suite(bench_moe, threads=2),
     "llm": Suite(bench_llm, llm_text, threads=2),
     "adapters": Suite(bench_adapters, adapters_text, threads=2),
+    "search": Suite(bench_search, search_text, threads=2),
     "cuda": Suite(bench_cuda, cuda_text),
 }
