@@ -36,5 +36,6 @@ def test_docstring_examples(name: str) -> None:
 
 def test_package_lists_public_names() -> None:
     for name in ("qcompile", "report", "quantizers", "freeze", "calibrate", "FakeQuantize",
-                 "QCompileError", "load_spec", "CompileSpec", "save_adapters", "merge_adapters", "search", "save_spec"):
+                 "QCompileError", "load_spec", "CompileSpec", "save_adapters", "merge_adapters",
+                 "search", "save_spec"):
         assert hasattr(qcompile, name), name
