@@ -7,7 +7,7 @@ compile report and both test accuracies are printed.
 
 Example:
     >>> from qcompile.tools.quickstart import run
-    >>> result = run(epochs=1, finetune=1, echo=lambda *a: None)
+    >>> result = run(epochs=1, finetune=1, samples=256, echo=lambda *a: None)
     >>> 0.0 <= result["qat_accuracy"] <= 1.0
     True
 """
@@ -90,12 +90,16 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def run(*, spec: str = "int8-qat", epochs: int = 6, finetune: int = 2, seed: int = 0,
-        echo: Callable[..., Any] = print) -> dict[str, Any]:
+        samples: int | None = None, echo: Callable[..., Any] = print) -> dict[str, Any]:
     """The usual QAT workflow: train in fp32, compile the trained model, fine-tune it with
     fake-quant. An fp32 twin gets the same fine-tuning, so the two are trained the same
-    way. Returns accuracies, losses and the compile report."""
+    way. ``samples``: train on the first that many training digits (a quick look; None,
+    the default: all of them); the test digits are all used. Returns accuracies, losses
+    and the compile report."""
     torch.manual_seed(seed)
     x_train, y_train, x_test, y_test = load_digits(seed)
+    if samples is not None:
+        x_train, y_train = x_train[:samples], y_train[:samples]
     model = DigitsCNN()
     t0 = time.perf_counter()
     pre_losses = train(model, x_train, y_train, epochs=epochs, seed=seed)

@@ -31,7 +31,14 @@ def spawn_ranks(fn: Callable[..., Any], args: tuple[Any, ...], world: int, out: 
     """``torch.multiprocessing.spawn(fn, args, world)`` with glibc's
     ``MALLOC_MMAP_THRESHOLD_`` at ``threshold`` bytes in the ranks (None: glibc's default;
     the spawned ranks' glibc reads it at start), then each rank's ``out/rank<r>.json``."""
-    import json
+    spawn(fn, args, world, threshold)
+    return read_ranks(out, world)
+
+
+def spawn(fn: Callable[..., Any], args: tuple[Any, ...], world: int,
+          threshold: int | None = None) -> None:
+    """``torch.multiprocessing.spawn(fn, args, world)`` with ``MALLOC_MMAP_THRESHOLD_`` at
+    ``threshold`` bytes in the ranks (see ``spawn_ranks``)."""
     import os
 
     import torch
@@ -45,6 +52,13 @@ def spawn_ranks(fn: Callable[..., Any], args: tuple[Any, ...], world: int, out: 
         os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
         if saved is not None:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+
+
+def read_ranks(out: str, world: int) -> list[dict[str, Any]]:
+    """Each of ``world`` ranks' ``out/rank<r>.json``."""
+    import json
+    import os
+
     ranks = []
     for r in range(world):
         with open(os.path.join(out, f"rank{r}.json")) as f:

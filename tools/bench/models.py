@@ -5,9 +5,11 @@
 - ``big_model(blocks, width)``: ~400 MB of fp32 weights at the defaults, 12 repeated
   blocks of 2 x Linear(2048) (``compile-once``; ``BigBlock``, ``BigModel``);
 - ``transformer(layers)``: pre-norm encoder blocks (d 256, 4 heads, GELU MLP);
-- ``resnet_like()``: a ResNet-18-shaped CNN for 32x32 inputs;
+- ``resnet_like(width)``: a ResNet-18-shaped CNN for 32x32 inputs (64 channels in its
+  first stage by default);
 - ``workloads(quick)``: name -> (factory, example input) for the side-by-side suites
-  (MLP 4 x Linear(1024), the CNN, the 12-layer transformer; smaller with ``quick``).
+  (MLP 4 x Linear(1024), the CNN, the 12-layer transformer; with ``quick``, smoke-run
+  sizes: MLP 4 x Linear(256), the CNN at a quarter of the channels, 2 layers).
 
 Example:
     >>> from qcompile.tools.bench.models import deep_mlp, workloads
@@ -93,24 +95,36 @@ def basic_block(cin: int, cout: int, stride: int) -> nn.Module:
                          nn.BatchNorm2d(cout), nn.ReLU())
 
 
-def resnet_like() -> nn.Module:
-    """A ResNet-18-shaped CNN for 32x32 inputs (plain blocks; torch.fx traces it as is)."""
-    layers: list[nn.Module] = [nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64),
-                               nn.ReLU()]
-    cin = 64
-    for cout, stride in ((64, 1), (64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (512, 2),
-                         (512, 1)):
-        layers.append(basic_block(cin, cout, stride))
-        cin = cout
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 10)]
+def resnet_like(width: int = 64) -> nn.Module:
+    """A ResNet-18-shaped CNN for 32x32 inputs (plain blocks; torch.fx traces it as is):
+    ``width`` channels in the first stage, doubled at each of the next three (ResNet-18's
+    64 by default; the ``--quick`` runs use fewer, the same layers)."""
+    layers: list[nn.Module] = [nn.Conv2d(3, width, 3, 1, 1, bias=False),
+                               nn.BatchNorm2d(width), nn.ReLU()]
+    cin = width
+    for scale, stride in ((1, 1), (1, 1), (2, 2), (2, 1), (4, 2), (4, 1), (8, 2), (8, 1)):
+        layers.append(basic_block(cin, scale * width, stride))
+        cin = scale * width
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10)]
     return nn.Sequential(*layers)
+
+
+# ``--quick``: the same kinds of model, small enough for a smoke run (each contender's
+# code runs, the numbers are not measurements)
+QUICK_WIDTH = 256  # the MLP's width
+QUICK_CNN_WIDTH = 16  # the CNN's first-stage channels
 
 
 def workloads(quick: bool) -> dict[str, tuple[Callable[[], nn.Module], torch.Tensor]]:
     """name -> (model factory, example input) of the side-by-side suites."""
+    if quick:
+        return {
+            "mlp": (lambda: deep_mlp(4, QUICK_WIDTH), torch.randn(16, QUICK_WIDTH)),
+            "cnn": (lambda: resnet_like(QUICK_CNN_WIDTH), torch.randn(2, 3, 32, 32)),
+            "transformer": (lambda: transformer(2), torch.randn(2, 16, 256)),
+        }
     return {
         "mlp": (lambda: deep_mlp(4, 1024), torch.randn(64, 1024)),
-        "cnn": (resnet_like, torch.randn(8 if quick else 32, 3, 32, 32)),
-        "transformer": (lambda: transformer(4 if quick else 12),
-                        torch.randn(2 if quick else 8, 32 if quick else 128, 256)),
+        "cnn": (resnet_like, torch.randn(32, 3, 32, 32)),
+        "transformer": (lambda: transformer(12), torch.randn(8, 128, 256)),
     }

@@ -8,10 +8,12 @@ a JSON file the parent reads; none prints.
   more ways (``compile_once`` from a checkpoint, the same int8-static calibrated on 8
   batches per rank, ``compile_once`` streamed from rank 0, or naive: build,
   ``qc.qcompile``, ``wrap``): peak RSS over the post-import baseline, local parameter
-  bytes and RSS after each phase;
+  bytes and RSS after each phase (``compile_once_jobs_rank``: several world sizes in turn,
+  in one process);
 - ``observer_sync_rank``: collectives and bytes of ``qc.distributed.sync_observers``;
 - ``hybrid_rank``: one of 4 ranks training 2 stages x 2 replicas, 4 replicas or 4 stages:
-  collectives, gradient buckets and pipeline sends per step;
+  collectives, gradient buckets and pipeline sends per step (``hybrid_layouts_rank``: each
+  of several layouts in turn, in one process);
 - ``memory_worker``: peak RSS of compile + 2 QAT steps of the transformer, one way.
 
 Example:
@@ -213,6 +215,15 @@ def compile_once_rank(rank: int, world: int, store: str, variants: list[str], bl
     dist.destroy_process_group()
 
 
+def compile_once_jobs_rank(rank: int, jobs: list[tuple[Any, ...]]) -> None:
+    """``compile_once_rank`` for each of ``jobs`` (its arguments after ``rank``: world,
+    store, variants, blocks, width, checkpoint, out_dir) in turn, in this one process; a
+    rank beyond a job's world sits it out (``--quick``: one launch for every world size)."""
+    for job in jobs:
+        if rank < job[0]:
+            compile_once_rank(rank, *job)
+
+
 def observer_sync_rank(rank: int, store: str, quantized_layers: int, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -403,3 +414,13 @@ def hybrid_rank(rank: int, store: str, layout: str, steps: int, out_dir: str) ->
         json.dump(counts, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def hybrid_layouts_rank(rank: int, store: str, layouts: list[str], steps: int,
+                        out_dir: str) -> None:
+    """``hybrid_rank`` for each of ``layouts`` in turn in this one process, a fresh process
+    group each (store ``<store>-<layout>``): one launch of 4 ranks instead of one per
+    layout (``--quick``: the traffic is counted the same; the step times share a
+    process)."""
+    for layout in layouts:
+        hybrid_rank(rank, f"{store}-{layout}", layout, steps, out_dir)

@@ -487,9 +487,12 @@ def test_isa_variants_and_fallback_agree(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_build_failure_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch,
                                             tmp_path) -> None:
-    broken = tmp_path / "fake_quant.cpp"
-    broken.write_text("#error this source does not compile\n")
-    monkeypatch.setattr(kernels, "SOURCE", broken)
+    # every source a tiny broken file: the compiler fails at once on each (the real
+    # sources take seconds to compile, torch's headers included)
+    for attr in ("SOURCE", "BLOCK_SOURCE", "DEQUANT_SOURCE"):
+        broken = tmp_path / f"{attr.lower()}.cpp"
+        broken.write_text("#error this source does not compile\n")
+        monkeypatch.setattr(kernels, attr, broken)
     monkeypatch.setenv("QCOMPILE_EXT_DIR", str(tmp_path / "build"))
     monkeypatch.delenv("QCOMPILE_NO_EXT", raising=False)
     with warnings.catch_warnings(record=True) as caught:

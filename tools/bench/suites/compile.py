@@ -60,6 +60,8 @@ def bench_compile(quick: bool) -> dict[str, Any]:
     Each model's contenders run once untimed (warm-up), then in interleaved rounds, where
     each contender runs twice back to back and the second run is timed; medians of the
     rounds, and each ratio's range over the rounds (round by round, side by side).
+    ``quick`` (a smoke run of every contender, on smaller models): one round, each
+    contender once, timed, no warm-up.
     Models and specs are built outside the timings (``spec_load_s``: parsing the preset)."""
     rounds = 1 if quick else 5  # quick: a smoke run of every contender, not a measurement
     spec = qc.load_spec("int8-qat")
@@ -84,17 +86,19 @@ def bench_compile(quick: bool) -> dict[str, Any]:
         if has_torchao():  # optional competitor (Linear layers only)
             runs["torchao_qat"] = lambda m: torchao_qat(copy.deepcopy(m))
         times: dict[str, list[float]] = {k: [] for k in runs}
-        for r in range(rounds + 1):
+        warmup = 0 if quick else 1  # quick: each contender runs once, timed
+        for r in range(warmup + rounds):
             for key, fn in runs.items():
                 # each contender runs twice in a row and the second run is timed: it finds
                 # the caches and the garbage collector as its own work left them, not as
                 # the contender before it did (torch.export leaves much cyclic garbage, and
                 # the CNN's 7 ms symbolic_trace took 8.5-9 ms timed after other contenders)
-                fn(copy.deepcopy(model) if key == "qcompile_inplace" else model)
+                if not quick:
+                    fn(copy.deepcopy(model) if key == "qcompile_inplace" else model)
                 m = copy.deepcopy(model) if key == "qcompile_inplace" else model
                 t0 = time.perf_counter()
                 fn(m)
-                if r:  # round 0 warms up
+                if r >= warmup:  # round 0 warms up
                     times[key].append(time.perf_counter() - t0)
         t = {k: statistics.median(v) for k, v in times.items()}
         out[name] = {f"{k}_s": v for k, v in t.items()}

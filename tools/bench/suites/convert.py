@@ -27,7 +27,7 @@ import torch
 
 import qcompile as qc
 from qcompile.tools.bench.competitors import convert_fx
-from qcompile.tools.bench.models import deep_mlp, resnet_like
+from qcompile.tools.bench.models import QUICK_CNN_WIDTH, QUICK_WIDTH, deep_mlp, resnet_like
 
 
 def int8_spec() -> qc.CompileSpec:
@@ -44,9 +44,12 @@ def bench_convert(quick: bool) -> dict[str, Any]:
     """Inference latency of converted int8 graphs relative to fp32 eager: ``qc.convert``
     next to torch.ao ``prepare_fx`` + ``convert_fx`` (x86 default qconfig) on the same
     models, calibrated on the same batches."""
-    cases = {"mlp_b64": (lambda: deep_mlp(4, 1024), (64, 1024)),
-             "mlp_b1": (lambda: deep_mlp(4, 1024), (1, 1024)),
-             "cnn_b32": (resnet_like, (8 if quick else 32, 3, 32, 32))}
+    # quick: a smoke run at smaller widths (the same layers), under the same case names
+    width = QUICK_WIDTH if quick else 1024
+    cnn = (lambda: resnet_like(QUICK_CNN_WIDTH)) if quick else resnet_like
+    cases = {"mlp_b64": (lambda: deep_mlp(4, width), (64, width)),
+             "mlp_b1": (lambda: deep_mlp(4, width), (1, width)),
+             "cnn_b32": (cnn, (4 if quick else 32, 3, 32, 32))}
     out: dict[str, Any] = {}
     for name, (make, shape) in cases.items():
         torch.manual_seed(0)
@@ -69,7 +72,7 @@ def bench_convert(quick: bool) -> dict[str, Any]:
             # Rounds of back-to-back calls per contender (warm caches: the fp32 model's
             # 16 MB of weights would evict the int8 ones for whoever runs right after it),
             # contenders interleaved round by round.
-            for _ in range(5):
+            for _ in range(2 if quick else 5):
                 for label, m in contenders:
                     block = []
                     for _ in range(repeat):

@@ -9,11 +9,12 @@
   graph (8 batches per rank), ``compile_once`` streamed from rank 0, and the naive way
   (every rank builds and compiles the whole model), against the bound model/N + 2 blocks
   + 10%, with glibc's malloc defaults and with a 1 MB mmap threshold (``quick``: a ~2 MB
-  model on 1 and 2 ranks, defaults only);
+  model on 1 and 2 ranks, defaults only, one launch of 2 ranks);
 - ``observer-sync``: collectives and bytes per step keeping observers identical on 2 DDP
   ranks;
 - ``hybrid``: traffic per training step of one int8-QAT MLP on 4 ranks laid out as 2
-  stages x 2 DDP replicas, 4 DDP replicas, or 4 GPipe stages.
+  stages x 2 DDP replicas, 4 DDP replicas, or 4 GPipe stages (a fresh launch of the 4
+  ranks per layout; ``quick``: one launch runs the three in turn).
 
 Each has a ``run_*(quick)`` giving its result dict and a ``*_text(result)`` saying it in
 sentences.
@@ -36,11 +37,13 @@ import torch
 from torch import nn
 
 import qcompile as qc
-from qcompile.tools.bench.measure import median_seconds, spawn_ranks
+from qcompile.tools.bench.measure import median_seconds, read_ranks, spawn, spawn_ranks
 from qcompile.tools.bench.models import deep_mlp
 from qcompile.tools.bench.workers import (
     CALIBRATION_BATCHES,
+    compile_once_jobs_rank,
     compile_once_rank,
+    hybrid_layouts_rank,
     hybrid_rank,
     observer_sync_rank,
     pipeline_rank,
@@ -141,11 +144,12 @@ def bench_compile_once(blocks: int, width: int, worlds: tuple[int, ...],
     parameter MB, the most file-backed RSS it held (the memory-mapped checkpoint's pages)
     and its RSS after each phase; the checkpoint is written once beforehand.
     ``one_process_per_variant=False`` (quick) runs the variants one after another in the
-    same ranks, resetting the peak in between. Per ``mmap_thresholds`` entry the ranks run
-    with glibc's defaults (None) or with ``MALLOC_MMAP_THRESHOLD_`` fixed at that many
-    bytes, so that every large freed tensor goes back to the OS at once: the peak is then
-    what was live, not what the allocator kept (glibc raises its mmap threshold up to
-    32 MB after the first large free and keeps freed heap chunks)."""
+    same ranks, resetting the peak in between, and every world size in one launch. Per
+    ``mmap_thresholds`` entry the ranks run with glibc's defaults (None) or with
+    ``MALLOC_MMAP_THRESHOLD_`` fixed at that many bytes, so that every large freed tensor
+    goes back to the OS at once: the peak is then what was live, not what the allocator
+    kept (glibc raises its mmap threshold up to 32 MB after the first large free and keeps
+    freed heap chunks)."""
     from safetensors.torch import save_file
 
     from qcompile.tools.bench.models import big_model
@@ -162,12 +166,24 @@ def bench_compile_once(blocks: int, width: int, worlds: tuple[int, ...],
                   else [list(COMPILE_ONCE_VARIANTS)])
         runs = [(m, w, i, v) for m in mmap_thresholds for w in worlds
                 for i, v in enumerate(groups)]
+        if not one_process_per_variant:  # one launch per allocator setting: every world
+            # size in turn in the same ranks (starting ranks costs more than the work)
+            for m in mmap_thresholds:
+                jobs = [(w, os.path.join(tmp, f"m{m}-w{w}-{i}", "store"), v, blocks, width,
+                         ckpt, os.path.join(tmp, f"m{m}-w{w}-{i}"))
+                        for threshold, w, i, v in runs if threshold == m]
+                for job in jobs:
+                    os.makedirs(job[-1])
+                spawn(compile_once_jobs_rank, (jobs,), max(worlds), m)
         for threshold, world, i, variants in runs:
             out = os.path.join(tmp, f"m{threshold}-w{world}-{i}")
-            os.makedirs(out)
-            ranks = spawn_ranks(compile_once_rank,
-                                (world, os.path.join(out, "store"), variants, blocks, width,
-                                 ckpt, out), world, out, threshold)
+            if one_process_per_variant:
+                os.makedirs(out)
+                ranks = spawn_ranks(compile_once_rank,
+                                    (world, os.path.join(out, "store"), variants, blocks,
+                                     width, ckpt, out), world, out, threshold)
+            else:
+                ranks = read_ranks(out, world)
             bound = compile_once_bound(model_mb, block_mb, world)
             for v in variants:
                 peaks = [rank[v]["peak_mb"] for rank in ranks]
@@ -256,10 +272,16 @@ def run_hybrid(quick: bool) -> dict[str, Any]:
     steps = 3 if quick else 10
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for layout in HYBRID_LAYOUTS:
-            store = os.path.join(tmp, f"store-{layout}")
-            torch.multiprocessing.spawn(hybrid_rank, args=(store, layout, steps, tmp),
+        if quick:  # one launch of 4 ranks runs every layout (starting ranks dominates)
+            torch.multiprocessing.spawn(hybrid_layouts_rank,
+                                        args=(os.path.join(tmp, "store"),
+                                              list(HYBRID_LAYOUTS), steps, tmp),
                                         nprocs=4, join=True)
+        for layout in HYBRID_LAYOUTS:
+            if not quick:  # a fresh launch per layout
+                store = os.path.join(tmp, f"store-{layout}")
+                torch.multiprocessing.spawn(hybrid_rank, args=(store, layout, steps, tmp),
+                                            nprocs=4, join=True)
             ranks = []
             for r in range(4):
                 with open(os.path.join(tmp, f"{layout}-rank{r}.json")) as f:

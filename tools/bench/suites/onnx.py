@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import qcompile as qc
-from qcompile.tools.bench.models import deep_mlp, resnet_like
+from qcompile.tools.bench.models import QUICK_CNN_WIDTH, QUICK_WIDTH, deep_mlp, resnet_like
 from qcompile.tools.bench.suites.convert import int8_spec
 
 _INTEGER_OPS = ("QLinear", "QGemm", "MatMulInteger", "ConvInteger", "MatMulNBits",
@@ -45,13 +45,14 @@ def _session(ort: Any, path: Path, optimized: Path | None = None) -> Any:
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def _time_rounds(contenders: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
-    """Median seconds per call: rounds of back-to-back calls per contender, contenders
-    interleaved round by round (warm caches for each, drift shared by all)."""
+def _time_rounds(contenders: dict[str, Callable[[], Any]], repeat: int,
+                 rounds: int = 5) -> dict[str, float]:
+    """Median seconds per call: ``rounds`` rounds of back-to-back calls per contender,
+    contenders interleaved round by round (warm caches for each, drift shared by all)."""
     runs: dict[str, list[float]] = {k: [] for k in contenders}
     for fn in contenders.values():
         fn()  # warm-up
-    for _ in range(5):
+    for _ in range(rounds):
         for label, fn in contenders.items():
             block = []
             for _ in range(repeat):
@@ -95,7 +96,8 @@ def _case(ort: Any, onnx: Any, make: Callable[[], torch.nn.Module], shape: tuple
             times = _time_rounds({"fp32_onnx": lambda: f_sess.run(None, fp32_feed),  # noqa: B023
                                   "qdq_onnx": lambda: q_sess.run(None, feed),  # noqa: B023
                                   "qc_convert": lambda: ours(x),  # noqa: B023
-                                  "fp32_eager": lambda: model(x)}, repeat)  # noqa: B023
+                                  "fp32_eager": lambda: model(x)},  # noqa: B023
+                                 repeat, rounds=2 if quick else 5)
             dev = float((torch.from_numpy(q_sess.run(None, feed)[0]) - gm.eval()(x)).abs().max())
         rows[batch] = {**{f"{k}_ms": v * 1e3 for k, v in times.items()},
                        "qdq_vs_fp32_onnx": times["fp32_onnx"] / times["qdq_onnx"],
@@ -120,9 +122,11 @@ def bench_onnx(quick: bool) -> dict[str, Any]:
         importlib.import_module("onnxscript")
     except ImportError:
         return {"note": "the onnx extra is not installed: pip install qcompile[onnx]"}
-    width = 256 if quick else 1024  # quick: a smoke run, the exports dominate its time
+    # quick: a smoke run at smaller widths (the same layers), the exports dominate its time
+    width = QUICK_WIDTH if quick else 1024
+    cnn = (lambda: resnet_like(QUICK_CNN_WIDTH)) if quick else resnet_like
     models = {"mlp": (lambda: deep_mlp(4, width), (8, width), (64, 1)),
-              "cnn": (resnet_like, (4, 3, 32, 32), (4 if quick else 32,))}
+              "cnn": (cnn, (4, 3, 32, 32), (4 if quick else 32,))}
     out: dict[str, Any] = {}
     for name, (make, shape, batches) in models.items():
         with tempfile.TemporaryDirectory() as tmp:
