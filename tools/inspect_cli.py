@@ -555,10 +555,13 @@ def cmd_sqnr(args: argparse.Namespace) -> int:
         if inputs is None:
             raise UsageError("sqnr needs --input-shape (for --random) or --calib FILE.pt")
         gen = torch.Generator().manual_seed(1)
-        batches = [tuple(torch.randn(x.shape, generator=gen).to(x.dtype) for x in inputs)
+        batches = [tuple(torch.randn(x.shape, generator=gen).to(x.dtype)
+                         if x.dtype.is_floating_point  # integers (token ids): 0 or 1
+                         else torch.randint(0, 2, x.shape, generator=gen, dtype=x.dtype)
+                         for x in inputs)  # shaped as --input-shape's example inputs
                    for _ in range(args.random)]
     # Per-layer error does not depend on how stages split the graph: measure unsplit.
-    spec = spec.model_copy(update={"pipeline": None})
+    drawn_spec, spec = spec, spec.model_copy(update={"pipeline": None})
     try:
         gm = qc.qcompile(model, spec, inputs or batches[0])
     except QCompileError as e:
@@ -580,7 +583,10 @@ def cmd_sqnr(args: argparse.Namespace) -> int:
     text = table([{**r, "sqnr_db": f"{r['sqnr_db']:.2f}"} for r in rows], ["node", "sqnr_db"])
     data: dict[str, Any] = {"layers": rows, "batches": len(batches)}
     if args.graph:  # the picture, each measured layer coloured by its SQNR
-        files, drawn = write_picture(args, node_rows(gm, spec), gm, summary(gm),
+        shown = gm  # the stages the spec asks for, when it asks for some
+        if drawn_spec.pipeline is not None:
+            shown = qc.qcompile(model, drawn_spec, inputs or batches[0])
+        files, drawn = write_picture(args, node_rows(shown, drawn_spec), shown, summary(shown),
                                      sqnr={r["node"]: r["sqnr_db"] for r in rows})
         data.update(files=files, picture=drawn)
     emit(args, data, text if rows else "no quantized activations")

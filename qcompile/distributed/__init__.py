@@ -25,6 +25,7 @@ _LAZY = {
     "refuse_wrapped": "guards",
     "wrap": "data_parallel",
     "sync_observers": "data_parallel",
+    "keep_observers_in_sync": "data_parallel",
     "train_step": "data_parallel",
     "pipeline": "pipelining",
     "PipelineSchedule": "pipelining",

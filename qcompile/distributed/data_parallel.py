@@ -308,7 +308,8 @@ def keep_observers_in_sync(gm: nn.Module, spec: Any, group: Any = None) -> nn.Mo
     unsynchronised observers (they are synced, or local by the spec's choice)."""
     spec = as_spec(spec)
     _mark_synced(gm)
-    if spec.quant.sync_observers and initialised():
+    # once per graph: a second call (a Lightning setup() run again) adds no second hook
+    if spec.quant.sync_observers and initialised() and _SYNC_GROUP not in gm.__dict__:
         weights = spec.data_parallel.kind != "ddp"
         gm.__dict__[_SYNC_GROUP] = _Synced((group, weights))
         gm.register_forward_hook(_sync_after_forward(group, weights))

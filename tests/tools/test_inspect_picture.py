@@ -408,7 +408,10 @@ def test_cli_flags_and_errors(capsys: pytest.CaptureFixture[str], model_file: Pa
     assert data["picture"]["depth"] == 1 and data["picture"]["layout"] == "python"
     p = Parsed((tmp_path / "a.svg").read_text(encoding="utf-8"))
     assert {n["texts"][0] for n in p.nodes.values()} >= {"conv", "bn", "relu", "fc"}
-    assert p.nodes["mod:conv"]["texts"][1] == "Conv2d · 3 nodes · 2 quant"
+    # the fused conv-bn-relu's output quantizer is boxed with the relu it follows (in the
+    # conv's box it would draw an edge back up from the relu)
+    assert p.nodes["mod:conv"]["texts"][1] == "Conv2d · 2 nodes · 1 quant"
+    assert p.nodes["mod:relu"]["texts"][1] == "ReLU · 2 nodes · 1 quant"
     for flags, needle in ((["--depth", "0"], "--depth '0'"), (["--focus", "nope"],
                                                                "--focus 'nope'")):
         capsys.readouterr()

@@ -3,7 +3,9 @@
 At ``depth`` d every node owned by a module is drawn inside the box of the first d parts
 of that module's path (``layers.3.mlp.up_proj`` at depth 2 is in ``layers.3``, ``norm`` in
 ``norm``); nodes the root owns (functional ops of the top-level forward) stay as they are,
-and a box holding a single node is drawn as that node. A box
+and a box holding a single node is drawn as that node. A module box is split into calls:
+a module called twice (a ResNet block's ``relu``) is drawn once per call, and no box takes
+in a value that left it (the boxes form a DAG, drawn top to bottom). A box
 counts its nodes and quantizers, keeps the worst SQNR of what it holds and the weight dtype
 of its weighted ops (``"mixed"`` when they differ, the dtypes listed in its details). ``focus``
 expands one module subtree completely, and around it shows the siblings of every
@@ -105,11 +107,11 @@ def max_depth(pg: PictureGraph) -> int:
 
 
 def count_boxes(pg: PictureGraph, depth: int | None, focus: str | None = None) -> int:
-    keys = set()
-    for n in pg.nodes:
-        b = box_path(n.module, depth, focus)
-        keys.add(n.id if b is None else (n.stage, b))
-    return len(keys)
+    """How many boxes ``collapse(pg, depth, focus)`` draws (a module called twice: two)."""
+    if depth is None and focus is None:
+        return len(pg.nodes)
+    order, preds = _topological(pg)
+    return len(_calls(order, preds, _box_keys(pg, depth, focus))[1])
 
 
 def auto_depth(pg: PictureGraph, budget: int = DEFAULT_BUDGET) -> int | None:
@@ -123,10 +125,91 @@ def auto_depth(pg: PictureGraph, budget: int = DEFAULT_BUDGET) -> int | None:
     return 1
 
 
+def _topological(pg: PictureGraph) -> tuple[list[PNode], dict[str, list[str]]]:
+    """The nodes in a topological order (ties: the given order) and each node's inputs."""
+    import heapq
+
+    index = {n.id: i for i, n in enumerate(pg.nodes)}
+    preds: dict[str, list[str]] = {n.id: [] for n in pg.nodes}
+    succs: dict[str, list[str]] = {n.id: [] for n in pg.nodes}
+    for e in pg.edges:
+        if e.src != e.dst and e.src in index and e.dst in index:
+            preds[e.dst].append(e.src)
+            succs[e.src].append(e.dst)
+    waiting = {n: len(p) for n, p in preds.items()}
+    ready = [index[n] for n, k in waiting.items() if k == 0]
+    heapq.heapify(ready)
+    order: list[PNode] = []
+    while ready:
+        n = pg.nodes[heapq.heappop(ready)]
+        order.append(n)
+        for d in succs[n.id]:
+            waiting[d] -= 1
+            if waiting[d] == 0:
+                heapq.heappush(ready, index[d])
+    if len(order) < len(pg.nodes):  # a cycle (not from fx): the rest in the given order
+        done = {n.id for n in order}
+        order += [n for n in pg.nodes if n.id not in done]
+    return order, preds
+
+
+def _box_keys(pg: PictureGraph, depth: int | None, focus: str | None
+              ) -> dict[str, tuple[int | None, str] | None]:
+    """Node id -> the (stage, module path) box it is drawn in, None: drawn itself."""
+    keys: dict[str, tuple[int | None, str] | None] = {}
+    for n in pg.nodes:
+        b = box_path(n.module, depth, focus)
+        keys[n.id] = None if b is None else (n.stage, b)
+    return keys
+
+
+def _calls(order: list[PNode], preds: dict[str, list[str]],
+           keys: dict[str, tuple[int | None, str] | None]
+           ) -> tuple[dict[str, int], list[tuple[int | None, str] | None]]:
+    """Split each module box into calls: node id -> call index, and each call's box key.
+
+    A node joins the latest call of its box unless that would close a cycle between
+    boxes (a value leaving the box and coming back: the module's second call, or the
+    relu after a residual add), so every call is drawn once, as its own box, and the
+    boxes form a DAG (no back edges)."""
+    call: dict[str, int] = {}
+    box_of: list[tuple[int | None, str] | None] = []
+    above: list[int] = []  # call -> bit set of the calls it is reached from (itself too)
+    calls_of: dict[tuple[int | None, str], list[int]] = {}
+    for n in order:
+        key = keys[n.id]
+        inputs = [call[p] for p in preds[n.id] if p in call]
+        chosen = None
+        for c in reversed(calls_of.get(key, []) if key is not None else []):
+            # joining c adds the edges input -> c: a cycle when c already reaches an input
+            if not any(i != c and above[i] >> c & 1 for i in inputs):
+                chosen = c
+                break
+        reached = 0
+        for i in inputs:
+            reached |= above[i]
+        if chosen is None:
+            chosen = len(box_of)
+            box_of.append(key)
+            above.append(1 << chosen | reached)  # a new call: nothing is below it yet
+            if key is not None:
+                calls_of.setdefault(key, []).append(chosen)
+        elif reached & ~above[chosen]:  # new ancestors reach every call below this one
+            new, bit = reached & ~above[chosen], 1 << chosen
+            for c in range(len(above)):
+                if above[c] & bit:
+                    above[c] |= new
+        call[n.id] = chosen
+    return call, box_of
+
+
 def collapse(pg: PictureGraph, depth: int | None, focus: str | None = None,
              classes: dict[str, str] | None = None) -> PictureGraph:
-    """A new ``PictureGraph`` with module boxes; ``pg`` is not changed. ``classes`` maps
-    module paths to class names, shown on the boxes."""
+    """A new ``PictureGraph`` with module boxes, in a topological order; ``pg`` is not
+    changed. ``classes`` maps module paths to class names, shown on the boxes. A module
+    called twice is two boxes (ids ``mod:<path>`` and ``mod:<path>#2``, details ``call``:
+    ``"2 of 2"``); a module's own ops on both sides of its submodules' boxes are parts
+    (details ``part``)."""
     if depth is not None and depth < 1:
         raise QCompileError(f"--depth {depth} is not a module depth",
                             fix="use --depth 1 or more (1: top-level modules), --depth full "
@@ -134,23 +217,40 @@ def collapse(pg: PictureGraph, depth: int | None, focus: str | None = None,
     if focus is not None:
         check_focus(pg, focus)
     classes = classes or {}
+    order, preds = _topological(pg)
+    call, box_of = _calls(order, preds, _box_keys(pg, depth, focus))
+    number: dict[int, int] = {}  # call -> 1, 2, ... among the calls of its box
+    seen: dict[tuple[int | None, str], int] = {}
+    for c, key in enumerate(box_of):
+        if key is not None:
+            seen[key] = number[c] = seen.get(key, 0) + 1
+    # a box whose submodules are drawn apart holds the module's own ops (a block's residual
+    # adds): its pieces are parts of one call, not calls
+    parted = {box_of[call[n.id]] for n in order if box_of[call[n.id]] is not None}
+    parted = {key for key in parted if any(
+        n.module.startswith(key[1] + ".") and box_of[call[n.id]] != key
+        for n in pg.nodes if n.stage == key[0])}
     rep: dict[str, str] = {}
     boxes: dict[str, PNode] = {}
     worst: dict[str, float] = {}
     dtypes: dict[str, dict[str, int]] = {}  # box -> weight dtype -> weighted ops holding it
     out: list[PNode] = []
-    for n in pg.nodes:
-        b = box_path(n.module, depth, focus)
-        if b is None:
+    for n in order:
+        key = box_of[call[n.id]]
+        if key is None:
             rep[n.id] = n.id
             out.append(n)
             continue
-        bid = f"mod:{'' if n.stage is None else f's{n.stage}.'}{b}"
+        stage, b = key
+        k = number[call[n.id]]
+        bid = f"mod:{'' if stage is None else f's{stage}.'}{b}" + (f"#{k}" if k > 1 else "")
         rep[n.id] = bid
         box = boxes.get(bid)
         if box is None:
             box = boxes[bid] = PNode(id=bid, title=b, sub="", kind="module", module=b,
-                                     stage=n.stage, members=0)
+                                     stage=stage, members=0)
+            if seen[key] > 1:
+                box.details["part" if key in parted else "call"] = f"{k} of {seen[key]}"
             out.append(box)
         box.members += n.members
         box.quantizers += n.quantizers
@@ -159,14 +259,17 @@ def collapse(pg: PictureGraph, depth: int | None, focus: str | None = None,
         if n.weight_dtype is not None and n.kind != "quantizer":  # a layer counts once
             held = dtypes.setdefault(bid, {})
             held[n.weight_dtype] = held.get(n.weight_dtype, 0) + 1
-        for key in ("rule", "scheme"):
-            if key in n.details:
-                values = box.details.setdefault(key + "s", "")
-                if n.details[key] not in values.split("; "):
-                    box.details[key + "s"] = "; ".join(filter(None, [values, n.details[key]]))
+        for key_ in ("rule", "scheme"):
+            if key_ in n.details:
+                values = box.details.setdefault(key_ + "s", "")
+                if n.details[key_] not in values.split("; "):
+                    box.details[key_ + "s"] = "; ".join(filter(None, [values, n.details[key_]]))
     for bid, box in boxes.items():
         cls = classes.get(box.module)
-        box.sub = f"{cls + ' · ' if cls else ''}{box.members} nodes · {box.quantizers} quant"
+        again = "".join(f"{w} {box.details[w].split()[0]} · " for w in ("call", "part")
+                        if w in box.details)
+        box.sub = (f"{cls + ' · ' if cls else ''}{again}{box.members} nodes · "
+                   f"{box.quantizers} quant")
         box.details = {"module": box.module, "class": cls or "-", "nodes": str(box.members),
                        "quantizers": str(box.quantizers), **box.details}
         if bid in worst:
@@ -185,9 +288,11 @@ def collapse(pg: PictureGraph, depth: int | None, focus: str | None = None,
         only = {rep[n.id]: n for n in pg.nodes if rep[n.id] in singles}
         out = [only[n.id] if n.id in singles else n for n in out]
         rep = {k: only[v].id if v in singles else v for k, v in rep.items()}
-    return PictureGraph(nodes=out, edges=_merge_edges(pg.edges, rep),
-                        stages=pg.stages, transfer=pg.transfer,
-                        groups=[g for g in pg.groups if all(rep[m] == m for m in g.members)])
+    collapsed = PictureGraph(nodes=out, edges=_merge_edges(pg.edges, rep), stages=pg.stages,
+                             transfer=pg.transfer,
+                             groups=[g for g in pg.groups if all(rep[m] == m for m in g.members)])
+    collapsed.nodes = _topological(collapsed)[0]  # calls are convex: the boxes form a DAG
+    return collapsed
 
 
 def _merge_edges(edges: list[PEdge], rep: dict[str, str]) -> list[PEdge]:

@@ -2,7 +2,8 @@
 
 The DOT text says what the SVG shows: stage clusters (``cluster_stage<i>``) labelled with
 device, cost, parameters and bytes, fusion groups as dashed clusters inside them, cut edges
-in red with their bytes, shapes on the other edges, each node named once; with
+in red with their bytes, shapes on the other edges, each node named once (with its SQNR
+when measured); with
 ``colour="bits"`` nodes are filled by their weight bits and ``cluster_legend`` names each
 weight dtype drawn.
 
@@ -31,6 +32,7 @@ from qcompile.tools.inspect_picture.svg import (
     legend,
     node_fill,
     resolve_colour,
+    sqnr_text,
 )
 
 
@@ -46,7 +48,7 @@ def _hex_heat(db: float) -> str:
 
 
 def _node(n: PNode, indent: str, colour: str) -> str:
-    label = n.title + (f"\\n{n.sub}" if n.sub else "")
+    label = n.title + "".join(f"\\n{t}" for t in (n.sub, sqnr_text(n)) if t)
     fill = (_hex_heat(n.sqnr) if colour == "sqnr" and n.sqnr is not None
             else node_fill(n, colour))
     return f'{indent}{_q(n.id)} [label="{label.replace(chr(34), chr(39))}", fillcolor="{fill}"];'

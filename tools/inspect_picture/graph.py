@@ -7,7 +7,9 @@
   listed in the details of the op using them), and int8 transfer plumbing (``pack`` /
   ``unpack`` and the scale / zero-point slots) is folded into the cut edge it serves;
 - each node is named once (its layer for a module call, else its fx name), with a second
-  line saying what it is (op, or a quantizer's dtype, granularity and scale range);
+  line saying what it is (op, or a quantizer's dtype, granularity and scale range); an
+  output quantizer belongs (``module``, for collapsing) to the module computing the value
+  it quantizes, so a fused conv-bn-relu's output quantizer is boxed with the relu;
 - values crossing a pipeline cut become *cut edges* from the producing node in one stage to
   the consuming nodes in the next, carrying their bytes in fp32 and as transferred;
 - fusion groups (``node.meta[FUSION_KEY]``) and a weighted op with its weight and output
@@ -260,8 +262,15 @@ class _Reader:
             details["shape"] = shape_text(shape)
         if fq.scale.numel() and bool((fq.scale != 1).any()):  # observed: worth showing
             sub += f" · s {details['scale']}"
+        module = self.module_of(g, node)
+        src = node.args[0] if node.args else None
+        if role == "activation" and getattr(src, "op", "placeholder") not in (
+                "placeholder", "get_attr"):
+            # an output quantizer is drawn with the value it quantizes: a fused
+            # conv-bn-relu's output quantizer (named after the conv) follows the relu
+            module = self.module_of(g, src)
         pn = PNode(id=self.nid(stage, node), title=target, sub=sub, kind="quantizer",
-                   module=self.module_of(g, node), stage=stage, details=details, quantizers=1)
+                   module=module, stage=stage, details=details, quantizers=1)
         if role == "weight":
             pn.weight_dtype, pn.bits = fq.dtype, dtype_bits(fq.dtype)
         return pn

@@ -6,12 +6,15 @@ the nodes were given in, which is the graph's topological order):
 1. **Layers**: longest path from the sources, in bands (all nodes of pipeline stage s are
    below every node of stage s-1, so stage clusters never overlap); sources that feed
    something further down (weight quantizers) move down next to their first consumer.
-2. **Crossing reduction**: edges spanning several layers get dummy points, then
+2. **Crossing reduction**: edges spanning several layers get dummy points (shared by the
+   edges of one value, so a value used far below is one line until it splits), then
    barycenter sweeps down and up reorder each layer.
 3. **Coordinates**: each layer is packed left to right, then nodes are pulled towards
    the mean of their neighbours (down and up passes), keeping order and spacing.
-4. **Wrapping**: a long chain of layers (a 32-block transformer) is cut into columns,
-   read left to right, so the picture keeps a screen's aspect ratio.
+4. **Wrapping**: a long, narrow chain of layers (a 32-block transformer) is cut into
+   columns, read left to right, so the picture keeps a screen's aspect ratio; the edges
+   into the next column are the only ones going up (``Layout.kinds``: ``wrap``). Shorter
+   or wider pictures stay one column, read top to bottom.
 
 Only plain data goes in and out (ids, sizes, edges; boxes and polylines), so the SVG and
 HTML writers, and the tests, need nothing else.
@@ -41,13 +44,16 @@ CLUSTER_TOP = 44.0  # above its first layer: padding and a two-line label
 DUMMY_WIDTH = 6.0  # a long edge's waypoint takes this much room in its layer
 SWEEPS = 4
 WRAP_MIN_LAYERS = 14  # shorter pictures are never wrapped
+WRAP_ASPECT = 0.15  # nor those wider than that for their height (read top to bottom)
 ASPECT = 1.6  # width / height a wrapped picture aims at
 
 
 @dataclass
 class Layout:
     """Boxes (``x, y, w, h``, top-left corner), one polyline per edge (in the edge order
-    given), stage clusters (one rectangle per column they span) and the canvas size."""
+    given), stage clusters (one rectangle per column they span) and the canvas size.
+    Every edge runs down the page except those ``kinds`` marks: ``back`` (against the
+    given order: a cycle) and ``wrap`` (into the next column of a wrapped picture)."""
 
     boxes: dict[str, tuple[float, float, float, float]]
     routes: list[list[tuple[float, float]]]
@@ -55,6 +61,7 @@ class Layout:
     width: float = 0.0
     height: float = 0.0
     columns: int = 1
+    kinds: list[str] = field(default_factory=list)  # per edge: "", "back" or "wrap"
 
 
 def _layers(ids: list[str], edges: list[tuple[str, str]], band: dict[str, float],
@@ -153,17 +160,21 @@ def layout(ids: list[str], sizes: dict[str, tuple[float, float]], edges: list[tu
     up: dict[str, list[str]] = {}
     down: dict[str, list[str]] = {}
     chains: list[list[str]] = []
-    for k, (s, d) in enumerate(flow):
+    linked: set[tuple[str, str]] = set()
+    for s, d in flow:
         chain = [s]
         for lay in range(layer[s] + 1, layer[d]):
-            dummy = f"\0{k}:{lay}"
-            w[dummy], h[dummy] = DUMMY_WIDTH, 0.0
-            rows[lay].append(dummy)
+            dummy = f"\0{s}:{lay}"  # one value's edges share their way down (a bundle)
+            if dummy not in w:
+                w[dummy], h[dummy] = DUMMY_WIDTH, 0.0
+                rows[lay].append(dummy)
             chain.append(dummy)
         chain.append(d)
         for a, b in itertools.pairwise(chain):
-            down.setdefault(a, []).append(b)
-            up.setdefault(b, []).append(a)
+            if (a, b) not in linked:
+                linked.add((a, b))
+                down.setdefault(a, []).append(b)
+                up.setdefault(b, []).append(a)
         chains.append(chain)
     rows = _order(rows, up, down)
     row_of = {n: r for r, row in enumerate(rows) for n in row}  # dummies included
@@ -211,8 +222,10 @@ def layout(ids: list[str], sizes: dict[str, tuple[float, float]], edges: list[tu
         for n in row:  # centre x, top y
             pos[n] = (col_x[col_of[r]] + x[n], row_y[r] + (row_height[r] - h[n]) / 2)
     boxes = {n: (pos[n][0] - w[n] / 2, pos[n][1], w[n], h[n]) for n in ids}
-    routes = []
+    routes, kinds = [], []
     for (s, _), chain in zip(edges, chains):
+        wraps = len({col_of[row_of[n]] for n in chain}) > 1
+        kinds.append("back" if chain[0] != s else "wrap" if wraps else "")
         if len(chain) == 2 and chain[0] == chain[1]:
             routes.append([])  # a self-loop: not drawn
             continue
@@ -245,14 +258,15 @@ def layout(ids: list[str], sizes: dict[str, tuple[float, float]], edges: list[tu
                     for st, rects in clusters.items()}
         height += dy
     return Layout(boxes=boxes, routes=routes, clusters=clusters, width=round(width, 1),
-                  height=round(height, 1), columns=len(cols))
+                  height=round(height, 1), columns=len(cols), kinds=kinds)
 
 
 def _columns(row_width: list[float], row_height: list[float], row_band: list[float]
              ) -> list[list[int]]:
     n = len(row_width)
-    if n <= WRAP_MIN_LAYERS:
-        return [list(range(n))]
+    tall = sum(h + LAYER_GAP for h in row_height)
+    if n <= WRAP_MIN_LAYERS or max(row_width, default=0.0) >= WRAP_ASPECT * tall:
+        return [list(range(n))]  # short, or wide enough: one column, every edge goes down
     best, best_cols = math.inf, [list(range(n))]
     changes = [r for r in range(1, n) if row_band[r] != row_band[r - 1]]
     for c in range(1, max(2, n // 4) + 1):
