@@ -363,5 +363,5 @@ def _output_steps(gm: nn.Module) -> list[float | None]:
         m = gm.get_submodule(str(node.target)) if getattr(node, "op", "") == "call_module" \
             else None
         ok = isinstance(m, FakeQuantize) and m.granularity == "per_tensor" and not m.dynamic
-        steps.append(float(m.scale[0]) if ok else None)
+        steps.append(float(m.scale[0].detach()) if ok else None)
     return steps

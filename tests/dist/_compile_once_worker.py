@@ -474,7 +474,7 @@ def case_cache() -> dict[str, Any]:
 
 # -- 8. calibration at 1/N per rank, default allocator ---------------------------------------
 # 3 blocks of 2 x Linear(2048), 32 MiB each, 96 MiB in all; a block's all-gather buffer is
-# then above glibc's largest mmap threshold (32 MiB): see the README on smaller blocks
+# then above glibc's largest mmap threshold (32 MiB): see docs/benchmarks.md on smaller blocks
 MEM_BLOCKS, MEM_WIDTH = 3, 2048
 MEM_BATCHES = 2  # per rank (the first batch already showed the growth)
 

@@ -1,7 +1,7 @@
 """On the digits, quantized models stay within the accuracy targets (fixed seeds).
 
 The settings are the accuracy tool's defaults (``qcompile.tools.accuracy.Settings()``), so
-the numbers asserted here are the qcompile columns of its README table.
+the numbers asserted here are the qcompile columns of its table in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def test_targets_in_images_follow_the_resolution() -> None:
 
 @pytest.mark.slow
 def test_torch_ao_runs_the_same_recipe(fp32_models: dict[str, nn.Module]) -> None:
-    # torch.ao's numbers are compared in the README, not asserted against the targets
+    # torch.ao's numbers are compared in docs/benchmarks.md, not asserted against the targets
     fake, converted = acc.torch_ao_method("static int8", fp32_models["MLP"], SETTINGS)
     assert fake is not None
     for m in (fake, converted):

@@ -261,8 +261,8 @@ def test_model_not_mutated(built: Built, gm_none: torch.fx.GraphModule,
 
 def test_state_dict_keys_stay_as_they_were(request: pytest.FixtureRequest, built: Built,
                                            gm_none: torch.fx.GraphModule) -> None:
-    """README: parameter names (and so state_dict keys) stay as they were, so a checkpoint
-    moves between the model and the compiled graph with strict loading."""
+    """docs/concepts/passes.md: parameter names (and so state_dict keys) stay as they were,
+    so a checkpoint moves between the model and the compiled graph with strict loading."""
     ours = gm_none.state_dict()
     for k, v in ours.items():  # values shared with the model are equal in any case
         if k in built.state:

@@ -25,7 +25,7 @@ from torch import nn
 import qcompile as qc
 
 # the presets as shipped, and int8-qat with the language-model head kept in float (the
-# README's advice for a head whose output range keeps growing while training)
+# advice of docs/concepts/spec.md for a head whose output range keeps growing while training)
 PRESETS = ("int8-qat", "int8-qat_float_head", "w4a8-qat")
 
 
