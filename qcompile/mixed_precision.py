@@ -74,11 +74,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -519,6 +520,18 @@ class _Swap:
         self.saved.clear()
 
 
+@contextlib.contextmanager
+def _swapped(model: nn.Module, values: dict[str, torch.Tensor]) -> Iterator[None]:
+    """``model`` with ``values`` in place of its weights (by target) inside the block."""
+    swap = _Swap(model)
+    try:
+        for target, q in values.items():
+            swap.put(target, q)
+        yield
+    finally:
+        swap.restore()
+
+
 def _quantized(w: torch.Tensor, info: _Weight, scheme: Scheme, target: str
                ) -> tuple[torch.Tensor | None, str | None, tuple[int, ...] | None]:
     """(the fake-quantized weight, None, rows shape) or (None, why it does not fit, None)."""
@@ -632,13 +645,8 @@ class _Scorer:
                     qs = self.quantized[i][c]
                     if not isinstance(qs, dict):
                         continue
-                    swap = _Swap(self.model)
-                    try:
-                        for target, q in qs.items():
-                            swap.put(target, q)
+                    with _swapped(self.model, qs):
                         out = _outputs(module.forward(*args, **kwargs))
-                    finally:
-                        swap.restore()
                     for o, r in zip(out, ref):
                         noise[i, c] += (o.double() - r).square().sum()
             return fn
@@ -703,13 +711,8 @@ class _Scorer:
                         qs = self.quantized[i][c]
                         if not isinstance(qs, dict):
                             continue
-                        swap = _Swap(self.model)
-                        try:
-                            for target, q in qs.items():
-                                swap.put(target, q)
+                        with _swapped(self.model, qs):
                             loss = _loss(self._forward(batch), batch, self.loss_fn)
-                        finally:
-                            swap.restore()
                         sums[i, c] += loss.double() - float_loss
         # the loss increase: each quantized loss minus the float one, summed over batches
         return np.concatenate([sums.reshape(-1).cpu().numpy(), np.zeros(n_l), [len(batches)]])

@@ -17,7 +17,10 @@ The working directory reads like the repository root (``.venv``, ``examples``, `
 temporary directory. Pages run in this process (a subprocess per page would cost an
 interpreter and a torch import each); what a page can change globally (threads, default
 dtype, quantized engine, RNG, environment, a process group it started) is restored after
-it. A page whose code imports a missing optional extra (``OPTIONAL``) is skipped.
+it. A page that shards with FSDP2 runs in a process of its own: ``fully_shard`` leaves
+process-wide state no test can undo (torch keeps the classes it makes, and qcompile's weight
+cache stays off in a process where it was used). A page whose code imports a missing
+optional extra (``OPTIONAL``) is skipped.
 
 The fences are read by the small parser below rather than with ``mktestdocs`` (it joins a
 page's blocks into one string, so a failure's line number is not the page's, and its
@@ -134,12 +137,28 @@ def _restore_process_group(had_group: bool) -> None:
         dist.destroy_process_group()
 
 
+# code that leaves process-wide state behind: such a page runs in a process of its own
+_OWN_PROCESS = re.compile(r"\bfully_shard\b|\bcompile_once\b|kind\W+fsdp2")
+
+
+def _runnable(page: Path) -> list[Block]:
+    return [b for b in blocks(page.read_text(encoding="utf-8"))
+            if (b.lang == "python" and "no-run" not in b.flags)
+            or (b.lang == "bash" and "run" in b.flags)]
+
+
 @pytest.mark.parametrize("page", pages(), ids=_id)
 def test_page_runs(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    runnable = [b for b in blocks(page.read_text(encoding="utf-8"))
-                if (b.lang == "python" and "no-run" not in b.flags)
-                or (b.lang == "bash" and "run" in b.flags)]
+    runnable = _runnable(page)
     if not runnable:
+        return
+    if any(b.lang == "python" and _OWN_PROCESS.search(b.code) for b in runnable) \
+            and os.environ.get("QCOMPILE_DOCS_PAGE") != str(page):
+        env = dict(os.environ, QCOMPILE_DOCS_PAGE=str(page))
+        node = f"{Path(__file__)}::test_page_runs[{_id(page)}]"
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               node], env=env, cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
         return
     cwd = _workdir(tmp_path)
     monkeypatch.chdir(cwd)
