@@ -36,7 +36,8 @@ class AdapterSpec(Frozen):
     """One ``adapters`` entry: LoRA on the Linear layers ``match`` selects."""
 
     kind: Literal["lora"] = "lora"
-    match: Match
+    match: Match = Field(description="which Linear layers get an adapter (module class "
+                         "names, name globs)")
     rank: StrictInt = Field(8, ge=1, description="LoRA rank r: lora_A is [r, in], lora_B [out, r]")
     alpha: float = Field(8.0, gt=0.0, strict=True,
                          description="the update is scaled by alpha / rank (peft's lora_alpha)")

@@ -55,19 +55,24 @@ class DataParallelSpec(Frozen):
 class StageSpec(Frozen):
     """One explicit pipeline stage: the modules (qualified-name globs) it holds."""
 
-    modules: list[str] = Field(min_length=1)
-    device: Device | None = None
+    modules: list[str] = Field(min_length=1, description="qualified-name globs of the "
+                               "modules the stage holds")
+    device: Device | None = Field(None, description="where the stage runs")
 
 
 class PipelineSpec(Frozen):
     """Pipeline placement: ``stages`` is a count (cost-balanced) or an explicit list."""
 
-    stages: StrictInt | list[StageSpec] = Field(1)
-    devices: list[Device] | None = None
-    balance: Literal["params", "flops", "time"] = "params"
-    microbatches: StrictInt = Field(1, ge=1)
-    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "gpipe"
-    transfer: Literal["fp32", "int8"] = "fp32"
+    stages: StrictInt | list[StageSpec] = Field(
+        1, description="a count (cost-balanced stages) or a list of explicit stages")
+    devices: list[Device] | None = Field(None, description="one device per stage")
+    balance: Literal["params", "flops", "time"] = Field(
+        "params", description="the cost model that balances a count of stages")
+    microbatches: StrictInt = Field(1, ge=1, description="micro-batches per step")
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "gpipe", description="the torch.distributed.pipelining schedule")
+    transfer: Literal["fp32", "int8"] = Field(
+        "fp32", description="what crosses a cut: float values, or int8 (forward only)")
     allow_tied: bool = Field(True, description="parameters shared between stages are allowed")
 
     @field_validator("stages")
@@ -96,8 +101,9 @@ class PipelineSpec(Frozen):
 class InputSpec(Frozen):
     """An example input described by shape and dtype (zeros are fed when tracing)."""
 
-    shape: list[StrictInt] = Field(min_length=0)
-    dtype: Literal[TORCH_DTYPES] = "float32"  # type: ignore[valid-type]
+    shape: list[StrictInt] = Field(min_length=0, description="the input's shape")
+    dtype: Literal[TORCH_DTYPES] = Field(  # type: ignore[valid-type]
+        "float32", description="the input's dtype")
 
     @field_validator("shape")
     @classmethod
@@ -110,9 +116,9 @@ class InputSpec(Frozen):
 class DynamicDim(Frozen):
     """A named dynamic dimension with optional bounds (``{name: seq, max: 512}``)."""
 
-    name: str
-    min: StrictInt | None = Field(None, ge=0)
-    max: StrictInt | None = Field(None, ge=1)
+    name: str = Field(description="dims with the same name are equal")
+    min: StrictInt | None = Field(None, ge=0, description="the smallest size allowed")
+    max: StrictInt | None = Field(None, ge=1, description="the largest size allowed")
 
     @model_validator(mode="after")
     def _ordered(self) -> DynamicDim:
@@ -124,14 +130,19 @@ class DynamicDim(Frozen):
 class TraceSpec(Frozen):
     """How the model is captured as a graph."""
 
-    method: Literal["auto", "symbolic", "export"] = "auto"
+    method: Literal["auto", "symbolic", "export"] = Field(
+        "auto", description="symbolic: torch.fx symbolic tracing; export: torch.export; "
+        "auto: symbolic, then export if it fails")
     leaf_modules: list[str] = Field(
         default_factory=list,
         description="modules kept as single nodes: class names, dotted class paths or "
         "qualified-name globs",
     )
-    concrete_args: dict[str, bool | int | float | str | None] = Field(default_factory=dict)
-    inputs: list[InputSpec] | None = None
+    concrete_args: dict[str, bool | int | float | str | None] = Field(
+        default_factory=dict, description="forward() arguments fixed to constants while "
+        "tracing, e.g. {use_cache: false}")
+    inputs: list[InputSpec] | None = Field(None, description="example inputs by shape and "
+                                           "dtype (zeros) when none are passed")
     dynamic_dims: dict[str, dict[int, str | DynamicDim]] = Field(
         default_factory=dict,
         description="export: forward() argument -> {dim index: name or {name, min, max}}; "
@@ -184,14 +195,17 @@ class TrainSpec(Frozen):
 class CompileSpec(Frozen):
     """Everything ``qcompile`` needs to know besides the model."""
 
-    version: Literal[1] = 1
-    quant: QuantSpec = Field(default_factory=QuantSpec)
-    data_parallel: DataParallelSpec = Field(default_factory=DataParallelSpec)
-    pipeline: PipelineSpec | None = None
+    version: Literal[1] = Field(1, description="the spec format's version")
+    quant: QuantSpec = Field(default_factory=QuantSpec, description="how to quantize")
+    data_parallel: DataParallelSpec = Field(default_factory=DataParallelSpec,
+                                            description="how ranks replicate the graph")
+    pipeline: PipelineSpec | None = Field(None, description="pipeline stages and their "
+                                          "devices; null for none")
     cache_dir: str | None = Field(None, description="folder for compile_once's cache; null "
                                   "for no cache")
-    trace: TraceSpec = Field(default_factory=TraceSpec)
-    train: TrainSpec = Field(default_factory=TrainSpec)
+    trace: TraceSpec = Field(default_factory=TraceSpec, description="how the model is "
+                             "captured as a graph")
+    train: TrainSpec = Field(default_factory=TrainSpec, description="how training steps run")
     adapters: list[AdapterSpec] = Field(
         default_factory=list, description="trainable adapters (LoRA) on matched Linear "
         "layers, their base weights frozen (qcompile.specs.adapters)")

@@ -108,14 +108,16 @@ class HistogramObserver(Frozen):
     """Histogram of values; the range minimising L2 quantization error is chosen."""
 
     kind: Literal["histogram"] = "histogram"
-    bins: int = Field(2048, ge=16, le=65536, strict=True)
+    bins: int = Field(2048, ge=16, le=65536, strict=True,
+                      description="histogram bins over the observed range")
 
 
 class PercentileObserver(Frozen):
     """Range clipped to the given percentile of |x| (or of x at each end, asymmetric)."""
 
     kind: Literal["percentile"] = "percentile"
-    percentile: float = Field(99.99, gt=50.0, le=100.0, strict=True)
+    percentile: float = Field(99.99, gt=50.0, le=100.0, strict=True,
+                              description="the range covers this percentile of |x|")
 
 
 class MseObserver(Frozen):
@@ -145,9 +147,13 @@ class Scheme(Frozen):
     (16, 'per_group')
     """
 
-    dtype: QDtype = "int8"
-    symmetric: bool = True
-    granularity: Granularity = "per_tensor"
+    dtype: QDtype = Field("int8", description="integer (int2..int16, uint2..uint16), fp8 or "
+                          "block-scaled format the values take")
+    symmetric: bool = Field(True, description="zero point fixed at the middle of the range "
+                            "(0 for signed dtypes); false: affine, a zero point per scale")
+    granularity: Granularity = Field(
+        "per_tensor", description="how many scales: one per tensor, per channel (along axis), "
+        "per group of group_size along the rows, or per token (each row, from each batch)")
     axis: StrictInt | None = Field(
         None,
         description="per_channel only: the channel dimension "
@@ -155,7 +161,9 @@ class Scheme(Frozen):
     )
     group_size: StrictInt | None = Field(None, ge=1,
                                          description="per_group only: elements per group")
-    observer: ObserverSpec = Field(default_factory=MinMaxObserver)
+    observer: ObserverSpec = Field(default_factory=MinMaxObserver,
+                                   description="how the range is observed: a kind name or "
+                                   "{kind: ..., <params>}")
     learnable: bool = Field(False, description="LSQ: the scale is a trained parameter (QAT)")
 
     @field_validator("observer", mode="before")
@@ -258,10 +266,14 @@ class Match(Frozen):
     ``grouped_mm`` / ``bmm`` / ``einsum``), not products of two activations.
     """
 
-    module: list[str] | None = None
-    name: list[str] | None = None
-    op: list[str] | None = None
-    reads_weight: bool = False
+    module: list[str] | None = Field(None, description="class names or dotted class paths of "
+                                     "an owning module (fnmatch globs)")
+    name: list[str] | None = Field(None, description="fnmatch globs on an owning module's "
+                                   "whole qualified name")
+    op: list[str] | None = Field(None, description="functional ops and tensor methods "
+                                 "(add, matmul, cat, linear, ...)")
+    reads_weight: bool = Field(False, description="only nodes that read a parameter or buffer "
+                               "as their weight")
 
     @field_validator("module", "name", "op", mode="before")
     @classmethod
@@ -278,10 +290,12 @@ class Match(Frozen):
 class Rule(Frozen):
     """One quantization rule: nodes it matches get its weight/activation schemes."""
 
-    match: Match
+    match: Match = Field(description="which nodes the rule selects")
     skip: bool = Field(False, description="matched nodes stay in float, whatever other rules say")
-    weight: Scheme | None = None
-    activation: Scheme | None = None
+    weight: Scheme | None = Field(None, description="the scheme of the weights the matched "
+                                  "nodes read")
+    activation: Scheme | None = Field(None, description="the scheme of the matched nodes' "
+                                      "outputs (or inputs, with activation_at: input)")
     optional: bool = Field(
         False, description="allow this rule to match nothing (otherwise that is an error)"
     )
@@ -412,7 +426,7 @@ BUDGET_KINDS = ("avg_weight_bits", "weight_bytes", "max_loss_increase")
 class Candidate(Frozen):
     """One weight scheme the search may give a layer."""
 
-    weight: Scheme
+    weight: Scheme = Field(description="a weight scheme the search may give a layer")
 
     @model_validator(mode="before")
     @classmethod
@@ -446,9 +460,14 @@ class Budget(Frozen):
     ``max_loss_increase`` (the least bits whose total predicted loss increase is at most
     this; needs metric loss or fisher)."""
 
-    avg_weight_bits: float | None = Field(None, gt=0.0, le=64.0, strict=True)
-    weight_bytes: StrictInt | None = Field(None, ge=1)
-    max_loss_increase: float | None = Field(None, ge=0.0, strict=True)
+    avg_weight_bits: float | None = Field(None, gt=0.0, le=64.0, strict=True,
+                                          description="element bits per weight, averaged "
+                                          "over the searched parameters")
+    weight_bytes: StrictInt | None = Field(None, ge=1, description="bytes the searched "
+                                           "weights take as qc.convert stores them")
+    max_loss_increase: float | None = Field(None, ge=0.0, strict=True,
+                                            description="the fewest bits whose predicted "
+                                            "loss increase stays within this")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Budget:
@@ -490,10 +509,15 @@ class SearchSpec(Frozen):
         ('sqnr', 'layer', 'avg_weight_bits', 4.5)
     """
 
-    candidates: list[Candidate] = Field(min_length=2)
-    budget: Budget
-    metric: Literal["sqnr", "loss", "fisher"] = "sqnr"
-    granularity: Literal["layer", "block"] = "layer"
+    candidates: list[Candidate] = Field(min_length=2, description="the weight schemes to "
+                                        "choose from")
+    budget: Budget = Field(description="exactly one of avg_weight_bits, weight_bytes, "
+                           "max_loss_increase")
+    metric: Literal["sqnr", "loss", "fisher"] = Field(
+        "sqnr", description="how sensitivity is measured: output SQNR, loss increase, or "
+        "the loss increase squared gradients predict")
+    granularity: Literal["layer", "block"] = Field(
+        "layer", description="one choice per layer, or per repeated block")
 
     @model_validator(mode="after")
     def _fits(self) -> SearchSpec:
@@ -524,11 +548,13 @@ class QuantSpec(Frozen):
     when the deployment CPU is known. Weights, fp8 and other bit widths are never reduced.
     """
 
-    mode: Mode = "none"
+    mode: Mode = Field("none", description="none (float), dynamic, static (PTQ with "
+                       "calibration) or qat")
     target: Target = Field(
         "x86", description="whose integer kernels: x86 (7-bit activations, correct on every "
         "x86 CPU) | qnnpack | onednn_vnni (needs VNNI) | generic (no kernel constraints)")
-    rules: list[Rule] = Field(default_factory=list)
+    rules: list[Rule] = Field(default_factory=list, description="the first matching rule "
+                              "wins (a skip rule always wins for its nodes)")
     inputs: InputsSpec | None = Field(
         None, description="quantize the model's float inputs: a scheme quantizes every float "
         "input with it; auto quantizes only those a quantized Linear / Conv reads (through "
@@ -539,8 +565,10 @@ class QuantSpec(Frozen):
         description="PTQ algorithms, in this order: cross_layer_equalization and "
         "smoothquant rewrite the graph when compiling; bias_correction, adaround and gptq "
         "run on the calibration batches in qc.calibrate")
-    fold_bn: bool = True
-    sync_observers: bool = True
+    fold_bn: bool = Field(True, description="fold BatchNorm into the conv / linear before "
+                          "it (PTQ); QAT keeps BatchNorm training exactly")
+    sync_observers: bool = Field(True, description="reduce observer statistics across "
+                                 "data-parallel ranks")
     observer_update: Literal["step", "forward"] = Field(
         "step", description="when activation observers change their qparams in training: "
         "step (statistics of a whole optimizer step, reduced across data-parallel ranks and "
