@@ -54,6 +54,7 @@ from __future__ import annotations
 import math
 import operator
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -160,10 +161,10 @@ def _describe(a: AdapterSpec) -> str:
                      for k, v in (("module", m.module), ("name", m.name)) if v)
 
 
-def choose(gm: GraphModule, entries: list[AdapterSpec]) -> dict[str, tuple[int, _Layer]]:
-    """Layer -> (index of the entry that adapts it, layer); a non-optional entry that
-    matches no layer is an error."""
-    layers = linear_layers(gm)
+def choose(gm: GraphModule, entries: list[AdapterSpec], layers: dict[str, _Layer]
+           ) -> dict[str, tuple[int, _Layer]]:
+    """Layer -> (index of the entry that adapts it, layer), of ``layers``
+    (``linear_layers(gm)``); a non-optional entry that matches no layer is an error."""
     chosen: dict[str, tuple[int, _Layer]] = {}
     hits = [0] * len(entries)
     for name, layer in layers.items():
@@ -232,9 +233,12 @@ def _add_lora(gm: GraphModule, layer: _Layer, a: AdapterSpec, weight: torch.Tens
         node.replace_all_uses_with(total, delete_user_cb=lambda u, t=total: u is not t)
 
 
-def _freeze_base(gm: GraphModule, ctx: Context, layer: _Layer, a: AdapterSpec, i: int
+def _freeze_base(gm: GraphModule, ctx: Context, layer: _Layer, a: AdapterSpec, i: int,
+                 reads: Counter[str], removed: set[str]
                  ) -> tuple[str | None, str | None, object]:
-    """Freeze the layer's weight as ``a.base`` says: (storage name, quantizer name, scheme)."""
+    """Freeze the layer's weight as ``a.base`` says: (storage name, quantizer name, scheme).
+    ``reads`` counts the graph's ``get_attr`` nodes per target (kept up to date here);
+    quantizers this removes join ``removed``."""
     weight = attr(gm, layer.weight)
     srcs = [_weight_source(gm, n) for n in layer.nodes]
     fq_node = srcs[0][1]
@@ -275,31 +279,39 @@ def _freeze_base(gm: GraphModule, ctx: Context, layer: _Layer, a: AdapterSpec, i
     with g.inserting_before(fq_node):
         call = g.create_node("call_module", name, ())
     call.meta.update({k: v for k, v in fq_node.meta.items() if k == NN_MODULE_STACK})
-    for _, q in srcs:
-        q.replace_all_uses_with(call)
-    for get, q in srcs:
+    # only this layer's ops read the storage: another op reading the same (tied) weight
+    # keeps its float weight and quantizer, and its gradient
+    for node, (_, q) in zip(layer.nodes, srcs):
+        node.replace_input_with(q, call)
+    gone = set()
+    for get, q in dict.fromkeys(srcs):  # a layer called twice reads one quantizer
         if q is not None and not q.users:
             g.erase_node(q)
-        if get is not None and not get.users:
-            g.erase_node(get)
-    if fq_node.target not in {str(n.target) for n in g.nodes if n.op == "call_module"}:
-        parent, _, leaf = str(fq_node.target).rpartition(".")
+            gone.add(str(q.target))  # one call per quantizer: the module goes too
+            if get is not None and not get.users:
+                g.erase_node(get)
+                reads[str(get.target)] -= 1
+    for target in gone:
+        parent, _, leaf = target.rpartition(".")
         delattr(gm.get_submodule(parent) if parent else gm, leaf)
-    if not any(n.op == "get_attr" and n.target == layer.weight for n in g.nodes):
+    removed |= gone
+    if reads[layer.weight] <= 0:
         parent, _, leaf = layer.weight.rpartition(".")
         delattr(gm.get_submodule(parent), leaf)  # the float weight leaves the graph
     else:
         ctx.note(f"{layer.weight} is also read elsewhere in the graph: its float copy stays "
                  f"next to the frozen {name}")
-    ctx.quantizers[:] = [q for q in ctx.quantizers if q.name != str(fq_node.target)]
     return name, str(fq_node.target), scheme
 
 
 @graph_pass(requires=("graph",), provides=("adapters",))
 def insert_adapters(gm: GraphModule, ctx: Context) -> GraphModule:
     entries = ctx.spec.adapters
-    total = len(linear_layers(gm))
-    chosen = choose(gm, entries)
+    layers = linear_layers(gm)
+    chosen = choose(gm, entries, layers)
+    # one scan of the graph for what every layer's clean-up needs (never one per layer)
+    reads = Counter(str(n.target) for n in gm.graph.nodes if n.op == "get_attr")
+    removed: set[str] = set()
     records: dict[str, AdapterLayer] = {}
     for name, (i, layer) in chosen.items():
         a = entries[i]
@@ -312,7 +324,7 @@ def insert_adapters(gm: GraphModule, ctx: Context) -> GraphModule:
             bias.requires_grad_(False)
         else:
             bias_name = None
-        storage, quantizer, scheme = _freeze_base(gm, ctx, layer, a, i)
+        storage, quantizer, scheme = _freeze_base(gm, ctx, layer, a, i, reads, removed)
         _add_lora(gm, layer, a, weight)
         after = (gm.get_submodule(storage).nbytes() if storage is not None else before)
         records[name] = AdapterLayer(
@@ -325,6 +337,7 @@ def insert_adapters(gm: GraphModule, ctx: Context) -> GraphModule:
             stored=getattr(scheme, "dtype", None) if storage is not None else None,
             base_bytes_before=before, base_bytes_after=after,
             adapter_parameters=a.rank * (in_f + out_f)))
+    ctx.quantizers[:] = [q for q in ctx.quantizers if q.name not in removed]
     gm.meta[ADAPTERS_KEY] = records
-    ctx.note(f"{len(records)} layer(s) adapted (lora) of {total} linear")
+    ctx.note(f"{len(records)} layer(s) adapted (lora) of {len(layers)} linear")
     return gm

@@ -88,7 +88,7 @@ _PARTS = ("lora_dropout", "lora_A", "lora_B")
 
 
 # -- finding the graph and its adapters ----------------------------------------------------
-def _unwrap(gm: nn.Module) -> nn.Module:
+def unwrap(gm: nn.Module) -> nn.Module:
     """The compiled graph inside wrappers that keep it as ``.module`` (DDP); a
     ``fully_shard``-ed graph is the graph itself."""
     inner = gm
@@ -99,7 +99,7 @@ def _unwrap(gm: nn.Module) -> nn.Module:
 
 
 def _graph(gm: nn.Module, where: str) -> GraphModule:
-    inner = _unwrap(gm)
+    inner = unwrap(gm)
     meta = getattr(inner, "meta", None)
     if not isinstance(inner, GraphModule) or not isinstance(meta, dict) \
             or REPORT_KEY not in meta:
@@ -133,7 +133,7 @@ def refuse_adapters(gm: nn.Module, where: str) -> None:
         ...                  "optional": True}]})
         >>> refuse_adapters(gm, "convert")  # the entry matched nothing: no adapters
     """
-    inner = _unwrap(gm)
+    inner = unwrap(gm)
     meta = getattr(inner, "meta", None)
     layers = meta.get(ADAPTERS_KEY) if isinstance(meta, dict) else None
     if layers:

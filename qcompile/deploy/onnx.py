@@ -89,7 +89,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from qcompile.deploy.adapters import refuse_adapters
+from qcompile.deploy.adapters import refuse_adapters, unwrap
 from qcompile.errors import QCompileError
 from qcompile.files import write_atomically
 from qcompile.graph.algorithms import refuse_pending
@@ -726,10 +726,7 @@ def _compiled(gm: nn.Module) -> nn.Module:
     """The graph ``qcompile`` returned, looking through wrappers that keep it as
     ``.module`` (DDP); a model qcompile never compiled is refused (its quantizers, if any,
     were never placed or observed by qcompile)."""
-    inner = gm
-    while REPORT_KEY not in getattr(inner, "meta", {}) and isinstance(
-            getattr(inner, "module", None), nn.Module):
-        inner = inner.module
+    inner = unwrap(gm)
     meta = getattr(inner, "meta", None)
     if not isinstance(inner, GraphModule) or not isinstance(meta, dict) \
             or REPORT_KEY not in meta:

@@ -221,29 +221,36 @@ class FrozenWeight(nn.Module):
         ops = torch.ops.qcompile
         if self.fmt is not None:
             f = FORMATS[self.fmt]
+            table = self._constant("_element_table", lambda: _table(self.fmt, 1 << f.bits))
             scale = _block_scale(self)
             if f.bits == 4:
-                return ops.dequant_lut4(self.codes, _table(self.fmt, 16), scale, self.block)
+                return ops.dequant_lut4(self.codes, table, scale, self.block)
             codes = unpack_fp6(self.codes) if f.bits == 6 else self.codes
-            return ops.dequant_lut8(codes, _table(self.fmt, 256), scale, self.block)
+            return ops.dequant_lut8(codes, _padded(table), scale, self.block)
         zp = self.zero_point
-        z = self.offset
-        if zp is not None:
+        if zp is None:  # a symmetric scheme: its zero point is fixed, so is the table
+            lut = self._constant("_int_table", lambda: _int_table(self, self.offset))
+        else:  # one zero point for every scale, or no table
             z = float(zp.reshape(-1)[0])
             if zp.numel() > 1 and not bool((zp == z).all()):
                 return None
+            lut = _int_table(self, z)
+        if lut is None:
+            return None
         block = self.block or self.cols
         scale = self.scale if self.scale.shape[0] == self.rows else self.scale.expand(
             self.rows, 1)
-        if self.packed and block % 2 == 0:
-            lut = torch.arange(16, dtype=torch.float32).sub_(z)
+        if self.packed:
             return ops.dequant_lut4(self.codes, lut, scale, block)
-        if self.codes.dtype in (torch.int8, torch.uint8):
-            lut = torch.arange(256, dtype=torch.float32)
-            if self.codes.dtype == torch.int8:  # the table is indexed by the byte
-                lut = torch.arange(256, dtype=torch.uint8).view(torch.int8).float()
-            return ops.dequant_lut8(self.codes.view(torch.uint8), lut.sub_(z), scale, block)
-        return None
+        return ops.dequant_lut8(self.codes.view(torch.uint8), lut, scale, block)
+
+    def _constant(self, name: str, make: Callable[[], torch.Tensor | None]
+                  ) -> torch.Tensor | None:
+        """A table fixed by this storage's format, made on first use and kept on the module
+        (a few hundred bytes; the forward and the backward read it at every step)."""
+        if name not in self.__dict__:
+            self.__dict__[name] = make()
+        return self.__dict__[name]
 
     def dequantize_eager(self) -> torch.Tensor:
         """``dequantize`` in torch operations (any device)."""
@@ -300,10 +307,30 @@ class FrozenWeight(nn.Module):
 def _table(fmt: str, size: int) -> torch.Tensor:
     """The float32 value of every element code of a block format (``size`` codes)."""
     f = FORMATS[fmt]
-    codes = torch.arange(size, dtype=torch.int32).clamp_(max=(1 << f.bits) - 1)
     if f.kind == "nf4":
         return torch.tensor(NF4_LEVELS, dtype=torch.float32)
-    return _element_values(codes.to(torch.uint8), f)
+    return _element_values(torch.arange(size, dtype=torch.uint8), f)
+
+
+def _padded(table: torch.Tensor) -> torch.Tensor:
+    """A table over fewer than 256 codes (FP6) as the 256 entries ``dequant_lut8`` reads."""
+    return table if table.numel() == 256 else torch.cat(
+        [table, table.new_zeros(256 - table.numel())])
+
+
+def _int_table(fw: FrozenWeight, zero_point: float) -> torch.Tensor | None:
+    """``code - zero_point`` for every code the table kernels index (the 16 nibbles of
+    packed codes, the 256 bytes of 8-bit ones), or None for wider codes (and packed codes
+    whose groups are odd)."""
+    if fw.packed:
+        if (fw.block or fw.cols) % 2:
+            return None
+        return torch.arange(16, dtype=torch.float32).sub_(zero_point)
+    if fw.codes.dtype == torch.uint8:
+        return torch.arange(256, dtype=torch.float32).sub_(zero_point)
+    if fw.codes.dtype == torch.int8:  # indexed by the byte: 128..255 are -128..-1
+        return torch.arange(256, dtype=torch.uint8).view(torch.int8).float().sub_(zero_point)
+    return None
 
 
 def _block_scale(fw: FrozenWeight) -> torch.Tensor:
@@ -313,8 +340,8 @@ def _block_scale(fw: FrozenWeight) -> torch.Tensor:
     if f.kind == "nf4":
         amax = fw.scales.float()
         return torch.where(torch.isfinite(amax), amax, torch.full((), math.nan))
-    return _scale_table(f.kind)[fw.scales.long()] * (
-        fw.tensor_scale.float() if f.kind == "nvfp4" else 1.0)
+    table = fw._constant("_scale_table", lambda: _scale_table(f.kind))
+    return table[fw.scales.long()] * (fw.tensor_scale.float() if f.kind == "nvfp4" else 1.0)
 
 
 def _scale_table(kind: str) -> torch.Tensor:

@@ -230,3 +230,35 @@ def test_errors_name_the_entry_and_the_fix():
     with pytest.raises(ValidationError, match="gptq"):
         qc.CompileSpec.model_validate({"quant": {"mode": "static", "algorithms": [
             {"kind": "gptq"}]}, "adapters": [{"match": {"name": "x"}}]})
+
+
+
+class Twice(nn.Module):
+    """One Linear called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.fc(torch.relu(self.fc(x))))
+
+
+def test_a_layer_called_twice_reads_one_storage():
+    model = Twice()
+    rules = {"quant": {"mode": "qat", "rules": [{"match": {"module": "Linear"},
+                                                  "weight": INT4}]}}
+    plain = qc.qcompile(model, rules, example_inputs=(X,))
+    gm = qc.qcompile(model, {**rules, "adapters": [{"match": {"name": "fc"}, "rank": 2}]},
+                     example_inputs=(X,))
+    gm.graph.lint()
+    calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "fc.weight_frozen"]
+    assert len(calls) == 1 and len(calls[0].users) == 2  # both calls of fc read it
+    assert not hasattr(gm.get_submodule("fc"), "weight_fake_quant")
+    assert not hasattr(gm.get_submodule("fc"), "weight")
+    assert [q.name for q in qc.report(gm).quantizers] == ["out.weight_fake_quant"]
+    assert torch.equal(gm(X), plain(X))
+    gm(X).sum().backward()
+    assert gm.get_submodule("fc").lora_A.weight.grad is not None
