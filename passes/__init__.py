@@ -24,6 +24,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from qcompile.errors import QCompileError
+from qcompile.graph import finite
 from qcompile.graph.algorithms import Applier
 from qcompile.graph.context import Context
 from qcompile.graph.meta import COMPILED_KEY, REPORT_KEY, SPEC_KEY, SYNC_OBSERVERS_KEY
@@ -152,12 +153,14 @@ def compile_model(model: nn.Module, spec: CompileSpec, example_inputs: Any = Non
         rule_matches=ctx.rule_matches,
         parameters_quantized=(None if ctx.parameters_quantized is None else round(
             ctx.parameters_quantized[0] / max(ctx.parameters_quantized[1], 1), 4)),
+        weights_quantized=ctx.weights_quantized,
         stages=ctx.stages,
         balance=ctx.balance,
         balance_ratio=_balance_ratio(ctx),
         adapters=ctx.adapters,
         trainable_parameters=sum(p.numel() for p in gm.parameters() if p.requires_grad),
         parameters=parameter_count(gm),
+        trainable=insert_adapters.trainable_records(gm),
         total_seconds=time.perf_counter() - t0,
     )
     gm.meta[SYNC_OBSERVERS_KEY] = spec.quant.sync_observers
@@ -172,6 +175,8 @@ def compile_model(model: nn.Module, spec: CompileSpec, example_inputs: Any = Non
         for m in gm.modules():
             if isinstance(m, GraphModule):
                 recompute.install(m)
+    if spec.quant.mode != "none":
+        finite.install(gm, spec.train.check_finite)  # NaN / inf in the first steps: an error
     keep_whole(gm)  # torch.save(gm) saves the whole graph (qc.qcompile's and compile_once's)
     for inst in instruments:
         inst.finish(report, gm)

@@ -20,9 +20,9 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from qcompile.errors import QCompileError
 from qcompile.graph.context import Context
@@ -35,6 +35,7 @@ from qcompile.graph.matching import (
     module_output,
     op_name,
     owners,
+    sensitive_values,
     weighted_module_op,
 )
 from qcompile.graph.meta import QSCHEME_KEY
@@ -64,6 +65,9 @@ class Assignment:
     matched: dict[int, int]
     modules_seen: frozenset[str]
     ops_seen: frozenset[str]
+    # op-only rules' nodes left in float because they feed a sensitive op, by that op
+    spared: dict[str, list[str]] = field(default_factory=dict)
+    spared_by: dict[int, int] = field(default_factory=dict)  # the same, counted per rule
 
 
 def assign_rules(gm: GraphModule, rules: list[Rule]) -> Assignment:
@@ -74,6 +78,10 @@ def assign_rules(gm: GraphModule, rules: list[Rule]) -> Assignment:
     ops_seen: set[str] = set()
     # (rule, owner) pairs whose module computes its weighted op in a node of its own
     weighted: set[tuple[int, str]] = set()
+    # what feeds rsqrt / a division / exp / softmax: op-only rules leave its output float
+    sensitive = sensitive_values(gm) if any(_op_only(r) for r in rules) else {}
+    spared: dict[str, list[str]] = {}
+    spared_by: dict[int, int] = {}  # rule -> nodes it matched but leaves float
     for node in gm.graph.nodes:
         if node.op not in ("call_module", "call_function", "call_method"):
             continue
@@ -88,6 +96,15 @@ def assign_rules(gm: GraphModule, rules: list[Rule]) -> Assignment:
         hits = [(i, hit) for i, rule in enumerate(rules)
                 if (by_op if rule.match.op is not None else by_module)
                 and (hit := match_node(rule.match, node, own)) is not None]
+        why = sensitive.get(node)
+        if why is not None and hits:
+            kept = [(i, h) for i, h in hits if not _spares(rules[i], node)]
+            if len(kept) < len(hits):
+                spared.setdefault(why, []).append(node.name)
+                for pair in hits:
+                    if pair not in kept:
+                        spared_by[pair[0]] = spared_by.get(pair[0], 0) + 1
+            hits = kept
         if not hits:
             continue
         for i, _ in hits:
@@ -95,6 +112,8 @@ def assign_rules(gm: GraphModule, rules: list[Rule]) -> Assignment:
         i, hit = next(((i, h) for i, h in hits if rules[i].skip), hits[0])
         rule = rules[i]
         activation, weight = rule.activation, rule.weight
+        if why is not None and _op_only(rule) and rule.activation_at == "output":
+            activation = None  # the weight of a weighted op is quantized, not its output
         if rule.match.op is None and not module_output(node):
             # A module rule quantizes what the module returns; an op inside it that only
             # consumes the weight (GPT-2 Conv1D's addmm, before its view) gets the weight
@@ -108,7 +127,22 @@ def assign_rules(gm: GraphModule, rules: list[Rule]) -> Assignment:
             rule=i, skip=rule.skip, weight=weight, activation=activation, matched=hit
         )
         won[i].append(node.name)
-    return Assignment(won, matched, frozenset(modules_seen), frozenset(ops_seen))
+    return Assignment(won, matched, frozenset(modules_seen), frozenset(ops_seen), spared,
+                      spared_by)
+
+
+def _op_only(rule: Rule) -> bool:
+    """A rule selecting by op alone (no module, no name): it names no particular value."""
+    m = rule.match
+    return m.op is not None and m.module is None and m.name is None and not rule.skip
+
+
+def _spares(rule: Rule, node: Node) -> bool:
+    """Whether an op-only rule passes over a sensitive ``node`` altogether: it would only
+    quantize the node's output (a rule with a weight scheme still quantizes a weighted
+    op's weight, its output stays float)."""
+    return (_op_only(rule) and rule.activation_at == "output"
+            and (rule.weight is None or not is_weighted_call(node)))
 
 
 @graph_pass(requires=("graph", "fusion_groups"), provides=("annotations",),
@@ -123,6 +157,14 @@ def annotate(gm: GraphModule, ctx: Context) -> GraphModule:
     for i, rule in enumerate(rules):
         if won[i] or rule.optional:
             continue
+        if result.spared_by.get(i):
+            raise QCompileError(
+                f"quant.rules[{i}] ({_describe(rule)}) selects nothing: the "
+                f"{result.spared_by[i]} node(s) it matches all feed a numerically sensitive "
+                "op (rsqrt, a division, exp, log, softmax), which rules selecting by op alone "
+                "leave in float",
+                fix="name the nodes' module in the rule (match.name) to quantize them "
+                    "anyway, set optional: true, or remove the rule")
         if matched[i]:
             raise QCompileError(
                 f"quant.rules[{i}] ({_describe(rule)}) selects nothing: the {matched[i]} "
@@ -144,6 +186,11 @@ def annotate(gm: GraphModule, ctx: Context) -> GraphModule:
                     "; embedding tables are quantized by the w8-weight-only preset"
                     if modules_seen & {"Embedding", "EmbeddingBag"} else ""))
     ctx.rule_matches = {i: names for i, names in won.items() if names}
+    for why, names in sorted(result.spared.items()):
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        ctx.note(f"{len(names)} node(s) feeding {why} stay in float under op rules (a value "
+                 f"rounded there becomes an infinity or a large error): {shown}; a rule "
+                 "naming them (match.name) quantizes them")
     for i, names in won.items():
         if rules[i].skip:
             ctx.note(f"rule {i} keeps {len(names)} node(s) in float")

@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from qcompile.specs.adapters import AdapterSpec
+from qcompile.specs.adapters import AdapterList
 from qcompile.specs.quant import Frozen, QuantSpec
 
 # Device strings are checked for form here (torch-free); whether the device exists on this
@@ -190,6 +190,12 @@ class TrainSpec(Frozen):
         "recomputes the copy in backward: a QAT step holds what a float step holds (under "
         "FSDP2, no unsharded weight outlives its layer); false keeps the copies (one weight "
         "per layer more, no recomputation)")
+    check_finite: StrictInt = Field(
+        10, ge=0, description="optimizer steps, from the first training forward, in which "
+        "every quantizer's input is checked for NaN and infinity: the first one is an error "
+        "naming the quantizer, its node and the op upstream that made it (a division, root, "
+        "exp or log), not a NaN loss later; costs one pass over each quantized tensor in "
+        "those steps; 0 turns the check off")
 
 
 class CompileSpec(Frozen):
@@ -206,9 +212,10 @@ class CompileSpec(Frozen):
     trace: TraceSpec = Field(default_factory=TraceSpec, description="how the model is "
                              "captured as a graph")
     train: TrainSpec = Field(default_factory=TrainSpec, description="how training steps run")
-    adapters: list[AdapterSpec] = Field(
+    adapters: AdapterList = Field(
         default_factory=list, description="trainable adapters (LoRA) on matched Linear "
-        "layers, their base weights frozen (qcompile.specs.adapters)")
+        "layers, their base weights frozen, and modules trained in full next to them (kind: "
+        "full); everything else stops training (qcompile.specs.adapters)")
 
     @field_validator("version", mode="before")
     @classmethod
@@ -221,7 +228,8 @@ class CompileSpec(Frozen):
     @model_validator(mode="after")
     def _adapters_fit(self) -> CompileSpec:
         data = [a.kind for a in self.quant.algorithms if a.kind in ("adaround", "gptq")]
-        frozen = [i for i, a in enumerate(self.adapters) if a.base == "frozen" and not a.skip]
+        frozen = [i for i, a in enumerate(self.adapters)
+                  if a.kind == "lora" and a.base == "frozen" and not a.skip]
         if data and frozen:
             raise ValueError(
                 f"adapters[{frozen[0]}] stores its base frozen when compiling, and "

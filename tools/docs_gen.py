@@ -273,8 +273,8 @@ def spec_models() -> list[tuple[type, list[str]]]:
     def paths(model: type) -> list[str]:
         if model is CompileSpec:
             return [""]
-        return [f"{p}.{step}" if p else step for parent, step in edges[model]
-                for p in paths(parent)]
+        return list(dict.fromkeys(f"{p}.{step}" if p else step for parent, step in edges[model]
+                                  for p in paths(parent)))  # two kinds of one list: one path
 
     return [(m, [] if m is CompileSpec else paths(m)) for m in order]
 
@@ -586,10 +586,66 @@ def svg_stamp(svg: Path) -> str | None:
 
 
 # -- generating and checking -------------------------------------------------------------------
+# -- the architecture sweep --------------------------------------------------------------------
+SWEEP_DATA = REFERENCE / "architectures.json"
+
+
+def _sweep_cell(row: dict[str, Any]) -> str:
+    """A family under a preset: the share of its linear weights behind a quantizer, and
+    every check that did not hold (nothing more when all held)."""
+    if "error" in row:
+        return f"error: {_cell(row['error'])}"
+    failed = [what for what, ok in (("loss not finite", row.get("finite")),
+                                    ("convert", row.get("converted")),
+                                    ("compile_once", row.get("once_equal")))
+              if ok is False or (what == "compile_once" and "once_error" in row)]
+    share = f"{100 * row['share']:.1f}%".replace("100.0%", "100%")
+    return share + (f" ({', '.join(failed)})" if failed else " ✓")
+
+
+def render_architectures(docs: Path = DOCS) -> str:
+    """``docs/reference/architectures.md``: the table of ``qcompile-bench architectures``,
+    from its JSON output kept in ``docs/reference/architectures.json``."""
+    data = json.loads((docs / SWEEP_DATA).read_text())
+    presets = data["presets"]
+    rows: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in data["rows"]:
+        rows.setdefault(row["arch"], {})[row["preset"]] = row
+    out = ["# Architectures", "",
+           GENERATED_NOTE.format(source="docs/reference/architectures.json, the output of "
+                                 "qcompile-bench architectures --json"), "",
+           "Every model family below is built with transformers' own classes from a tiny "
+           "config (two layers, 64-wide, random weights; `qcompile.tools.architectures`) and "
+           "run under each preset as a user runs it: compiled with a pad token in the batch "
+           "(its embedding row zero, as transformers initialises it), three AdamW steps "
+           "(`int8-static`: calibrated on two batches), converted to integer or block storage "
+           "(`qlora-nf4`: after `qc.merge_adapters`), and compiled once for two ranks with "
+           "`qc.distributed.compile_once` under FSDP2 from a safetensors checkpoint.", "",
+           "A cell gives the share of the weights that linear layers read (attention, MLP, "
+           "experts, routers; embeddings and norms aside) behind a weight quantizer, counted "
+           "from the model, with what a preset's skip rule keeps float on purpose (the "
+           "language-model head in `qlora-nf4`) left out. ✓: every loss finite, the "
+           "converted graph within 5% of the fake-quant graph's largest output, and the "
+           "two-rank `compile_once` graph's output equal to one process's to 1e-4 relative; "
+           "otherwise the check that failed is named.", "",
+           f"Measured: {data.get('measured', 'unknown machine')}.", "",
+           "| family | " + " | ".join(f"`{p}`" for p in presets) + " |",
+           "|---|" + "---|" * len(presets)]
+    for arch, by_preset in rows.items():
+        cells = [_sweep_cell(by_preset[p]) if p in by_preset else "-" for p in presets]
+        out.append(f"| {arch} | " + " | ".join(cells) + " |")
+    out += ["", "Run it again with `qcompile-bench architectures` (about five minutes on two "
+            "cores; `--quick` takes five families), or one family and preset from Python:",
+            "", "```python", "from qcompile.tools.bench.suites.architectures import sweep_case",
+            "", "print(sweep_case(\"falcon\", \"qlora-nf4\"))", "```"]
+    return "\n".join(out) + "\n"
+
+
 PAGES: dict[Path, Callable[[], str]] = {
     REFERENCE / "spec.md": render_spec,
     REFERENCE / "cli.md": render_cli,
     REFERENCE / "api.md": render_api,
+    REFERENCE / "architectures.md": render_architectures,
 }
 
 

@@ -68,11 +68,13 @@ from qcompile.graph.matching import (
     module_output,
     op_name,
     owners,
+    product_weights,
     weight_use,
     weighted_module_op,
 )
 from qcompile.graph.meta import FUSION_KEY, MODULE_KEY, NN_MODULE_STACK, QSCHEME_KEY, TENSOR_META
 from qcompile.graph.pipeline import graph_pass
+from qcompile.graph.records import WeightCoverage
 from qcompile.passes.insert_quant.common import (
     add_quantizer,
     attr,
@@ -515,6 +517,7 @@ def _check_named_weights(gm: GraphModule, ctx: Context) -> None:
                 fix=(f"skip {module} with a rule (match: {{name: {module!r}}}, skip: true), "
                      "or match the op that reads it") if module else
                     "drop the weight scheme from that rule, or match the op that reads it")
+    _cover_products(gm, ctx, quantized, skipped)
     counted: dict[int, torch.Tensor] = {}
     for name, p in gm.named_parameters():
         if not isinstance(_owner_module(gm, name), FakeQuantize):
@@ -523,6 +526,38 @@ def _check_named_weights(gm: GraphModule, ctx: Context) -> None:
     total = sum(p.numel() for p in counted.values())
     ctx.parameters_quantized = (sum(p.numel() for k, p in counted.items() if k in behind),
                                 total)
+
+
+def _cover_products(gm: GraphModule, ctx: Context, quantized: set[str],
+                    skipped: set[str]) -> None:
+    """``Report.weights_quantized``: the weights linear ops and products read
+    (``product_weights``), how many elements a quantizer reads, how many a skip rule keeps
+    float; those left float by no rule are named in a note (a weight-sized parameter read
+    in a way no rule recognises, or matched by none)."""
+    reads = product_weights(gm, through=(FakeQuantize,))
+    behind = {id(attr(gm, t)) for t in quantized}
+    seen: set[int] = set()
+    read = done = kept = 0
+    left: list[str] = []
+    for target, op in sorted(reads.items()):
+        t = attr(gm, target)
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        read += t.numel()
+        qs = op.meta.get(QSCHEME_KEY)
+        if id(t) in behind:
+            done += t.numel()
+        elif (qs is not None and qs.skip) or any(o.name in skipped
+                                                 for o in owners(op, gm) if o.name):
+            kept += t.numel()
+        else:
+            left.append(target)
+    ctx.weights_quantized = WeightCoverage(read=read, quantized=done, skipped=kept, float=left)
+    if left:
+        shown = ", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else "")
+        ctx.note(f"{len(left)} weight(s) read by a linear op or matrix product stay in float, "
+                 f"no rule quantizes them: {shown}")
 
 
 def _owner_module(gm: GraphModule, name: str) -> nn.Module:

@@ -34,7 +34,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -46,6 +48,7 @@ from qcompile.graph.context import Context
 from qcompile.graph.meta import COMPILED_KEY, REPORT_KEY, ROOT_CLASS_KEY
 from qcompile.graph.pipeline import graph_pass, mark_compiled
 from qcompile.passes.trace import capture_export, capture_symbolic, forward_effects
+from qcompile.passes.trace.linearize import linearize
 from qcompile.passes.trace.model_copy import copy_model
 from qcompile.passes.trace.shape_prop import propagate_shapes
 from qcompile.runtime.fake_quant import FakeQuantize
@@ -205,6 +208,49 @@ def trace(gm: GraphModule | None, ctx: Context) -> GraphModule:
                             fix="use the names of forward()'s parameters")
     _refuse_meta_weights(model, ctx)
     _refuse_uncapturable(model)
+    with _cache_off(model, ctx):
+        return _capture(model, ctx)
+
+
+def _configs(model: nn.Module) -> list[Any]:
+    """The model's Hugging Face config and the configs nested in it (a text config)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return []
+    nested = [v for v in vars(config).values() if hasattr(v, "to_dict") and v is not config]
+    return [config, *nested]
+
+
+@contextlib.contextmanager
+def _cache_off(model: nn.Module, ctx: Context) -> Iterator[None]:
+    """A Hugging Face model whose config has ``use_cache`` on (transformers' default) is
+    captured with it off, and the report says so: a training graph keeps no key/value
+    cache, and a cache object is not a tensor output either front end can capture. The
+    flag is set back when the capture ends, so the model is left as it was (the graph's own
+    copy keeps ``use_cache=False``). Asking for the cache in ``example_kwargs`` is refused."""
+    if (ctx.example_kwargs or {}).get("use_cache") is True:
+        raise QCompileError(
+            "example_kwargs asks for use_cache=True: a compiled graph is a training graph and "
+            "keeps no key/value cache (a cache object is not a tensor output torch.export or "
+            "torch.fx can capture)",
+            fix="pass use_cache=False in example_kwargs, or leave it out (qcompile then "
+                "compiles with the cache off); generate with the float model, or export the "
+                "trained model (qc.export_onnx) for inference")
+    on = [c for c in _configs(model) if getattr(c, "use_cache", None) is True]
+    for c in on:
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c in on:
+            c.use_cache = True
+    if on:
+        ctx.note("config.use_cache is on in the model: compiled with use_cache=False (a "
+                 "training graph keeps no key/value cache; the model's config is unchanged)")
+
+
+def _capture(model: nn.Module, ctx: Context) -> GraphModule:
+    """The front end(s) ``trace.method`` names, on ``model`` (see ``trace``)."""
     method = ctx.spec.trace.method
     failure: capture_symbolic.TraceFailure | None = None
     if method in ("auto", "symbolic"):
@@ -224,6 +270,8 @@ def trace(gm: GraphModule | None, ctx: Context) -> GraphModule:
             else:
                 ctx.note("no example inputs: shapes unknown (pass example_inputs or "
                          "trace.inputs)")
+            if _linearized(gm, ctx):
+                gm.recompile()
             if not ctx.code_may_wait:
                 mark_compiled(gm, ctx)  # GraphModule() generated the code of this very graph
             return gm
@@ -234,5 +282,20 @@ def trace(gm: GraphModule | None, ctx: Context) -> GraphModule:
     ctx.shapes = "torch.export"
     if failure is not None:
         ctx.note(f"captured with torch.export: {failure.reason}")
+    if _linearized(gm, ctx):
+        gm.recompile()
     mark_compiled(gm, ctx)
     return gm
+
+
+def _linearized(gm: GraphModule, ctx: Context) -> bool:
+    """When quantizing or adapting: ``x @ W.T`` products become ``linear`` (``linearize``),
+    with a note; whether any did."""
+    if ctx.spec.quant.mode == "none" and not ctx.spec.adapters:
+        return False
+    done = linearize(gm)
+    if done:
+        shown = ", ".join(done[:4]) + (f" and {len(done) - 4} more" if len(done) > 4 else "")
+        ctx.note(f"{len(done)} product(s) of an input and a transposed [out, in] parameter "
+                 f"(x @ W.T) read as linear layers: {shown}")
+    return bool(done)

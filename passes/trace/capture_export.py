@@ -312,6 +312,89 @@ def _stack_traces(record: bool) -> Iterator[None]:
         config.do_not_emit_stack_traces = before
 
 
+#: the zero-element buffer whose device a graph exported on the meta device computes on
+DEVICE_ANCHOR = "_qcompile_device"
+
+
+def follow_graph_device(gm: GraphModule) -> int:
+    """Make a graph exported on the meta device run wherever its tensors are put.
+
+    Export bakes the device it traced on into the graph: ``arange(n, device=meta)`` for
+    positions and causal masks, ``to(inv_freq, meta)`` for a rotary table moved to its
+    input's device, ``_assert_tensor_metadata(x, device=meta)`` after each ``.to()``. No
+    tensor is ever on meta when the graph runs, so each ``meta`` literal becomes the device
+    of a zero-element, non-persistent buffer, ``_qcompile_device``: ``to_empty``, ``to``,
+    ``cuda()`` and ``fully_shard`` move it with the rest of the graph (a pipeline stage
+    gets its own, on the stage's device), so the literal always names the device the
+    graph's tensors are on. The asserts keep their dtype and layout checks and drop the
+    device check (it held when traced; a device move is what ``.to()`` is for). Literals of
+    a real device (a graph exported on the CPU) stay as export wrote them, and so does the
+    whole graph. Returns the number of rewritten nodes; the caller recompiles.
+
+    Example:
+        >>> import torch
+        >>> class M(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         return x + torch.arange(x.shape[-1], device=x.device)
+        >>> x = torch.ones(2, 3, device="meta")
+        >>> gm, _ = export_graph(M(), (x,), {}, {})
+        >>> gm.to_empty(device="cpu")(torch.ones(2, 3)).tolist()
+        [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]
+    """
+    def is_meta(v: Any) -> bool:
+        return (isinstance(v, torch.device) and v.type == "meta") or (
+            isinstance(v, str) and v == "meta")
+
+    traced = [n.meta.get(VAL) for n in gm.graph.nodes if n.op == "placeholder"]
+    if not any(isinstance(v, torch.Tensor) and v.is_meta for v in traced):
+        return 0  # not exported on meta
+    # Code that branches on the device took the non-CPU branch on meta; the one such
+    # branch export keeps as an op: ``histc`` of integers (transformers' MoE routing counts
+    # tokens per expert in int, CPU kernels count floats only). Floats count the same
+    # integer values (exact below 2**24) on every device.
+    casts = 0
+    for node in list(gm.graph.nodes):
+        val = node.args[0].meta.get(VAL) if (node.op == "call_function" and node.target is
+                                             aten.histc.default) else None
+        if isinstance(val, torch.Tensor) and not val.is_floating_point():
+            with gm.graph.inserting_before(node):
+                cast = gm.graph.call_function(aten._to_copy.default, (node.args[0],),
+                                              {"dtype": torch.float32})
+            cast.meta[VAL] = val.float()
+            cast.meta[TENSOR_META] = _extract_tensor_metadata(cast.meta[VAL])
+            node.args = (cast, *node.args[1:])
+            casts += 1
+    users = [n for n in gm.graph.nodes if n.op == "call_function" and any(
+        is_meta(v) for v in (*n.args, *n.kwargs.values()))]
+    if not users:
+        return casts
+    if DEVICE_ANCHOR not in gm._buffers:
+        gm.register_buffer(DEVICE_ANCHOR, torch.empty(0, device="meta"), persistent=False)
+    anchor = gm.get_buffer(DEVICE_ANCHOR)
+    for node in users:
+        if node.target is aten._assert_tensor_metadata.default:
+            node.kwargs = {k: (None if k == "device" else v) for k, v in node.kwargs.items()}
+            continue
+        # one device value per use, made right before it: the value floats with its user
+        # (computed from a buffer alone), so a pipeline never passes it between stages
+        with gm.graph.inserting_before(node):
+            held = gm.graph.get_attr(DEVICE_ANCHOR)
+            held.meta[VAL] = anchor
+            held.meta[TENSOR_META] = _extract_tensor_metadata(anchor)
+            device = gm.graph.call_function(getattr, (held, "device"))
+        node.args = tuple(device if is_meta(v) else v for v in node.args)
+        node.kwargs = {k: (device if is_meta(v) else v) for k, v in node.kwargs.items()}
+    return casts + len(users)
+
+
+def quiet_export(model: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """``torch.export.export(model, args, kwargs, strict=False)`` with torch's export
+    loggers quiet (``_quiet_torch_logs``) and no per-node stack traces: the
+    ``ExportedProgram``, for callers that want export's own result (its constants)."""
+    with _quiet_torch_logs(), _stack_traces(False):
+        return torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+
+
 def export_graph(model: nn.Module, args: tuple, kwargs: dict,
                  dims: dict[str, dict[int, Any]], *, inplace: bool = False,
                  stack_traces: bool = False) -> tuple[GraphModule, list[str]]:
@@ -355,6 +438,8 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict,
         val = node.meta.get(VAL)
         if isinstance(val, torch.Tensor):
             node.meta[TENSOR_META] = _extract_tensor_metadata(val)
+    if follow_graph_device(gm):
+        gm.recompile()
     return gm, notes
 
 

@@ -20,7 +20,9 @@ classes of the modules the graph holds, not the class of the model it was traced
 
 The override is set on the graph's own class (torch gives every GraphModule a private
 subclass, which is where ``recompile`` puts ``forward``), and a deep-copy hook sets it
-on copies (``qc.convert`` works on a deep copy).
+on copies (``qc.convert`` works on a deep copy). So is a ``recompile`` that keeps writing
+there when FSDP2's ``fully_shard`` has subclassed that class (torch's writes onto the
+subclass, whose ``__call__`` then recurses without end).
 
 Example:
     >>> import io, torch
@@ -86,9 +88,26 @@ def _keep(m: GraphModule) -> None:
     if not cls.__qualname__.endswith(".GraphModuleImpl"):
         return
     cls.__reduce__ = _reduce_whole  # type: ignore[method-assign]
+    cls.recompile = _recompile_own_class  # type: ignore[method-assign]
     hooks = m.__dict__.get("_deepcopy_hooks")
     if isinstance(hooks, list) and _keep_copy not in hooks:
         hooks.append(_keep_copy)
+
+
+def _recompile_own_class(self: GraphModule) -> Any:
+    """``GraphModule.recompile``, writing ``forward`` and ``__call__`` onto the graph's own
+    class. torch writes them onto ``type(self)``; once a wrapper has subclassed the graph's
+    class (FSDP2's ``fully_shard`` makes ``FSDP<class>``), that subclass's ``__call__``
+    would then call itself without end (a RecursionError on the next forward)."""
+    cls = type(self)
+    own = next((c for c in cls.__mro__ if c.__qualname__.endswith(".GraphModuleImpl")), cls)
+    if own is cls:
+        return GraphModule.recompile(self)
+    self.__class__ = own
+    try:
+        return GraphModule.recompile(self)
+    finally:
+        self.__class__ = cls
 
 
 def _keep_copy(copy: GraphModule) -> None:

@@ -11,21 +11,32 @@ a frozen base (``qcompile.passes.insert_adapters``). Two ways out:
   ``alpha_pattern``; peft has one ``lora_dropout``, the one most layers use (dropout only
   acts in training). The float model peft loads onto computes what the graph computes
   when its adapted weights are the graph's base: for a frozen quantized base, the
-  dequantized weight (``<layer>.weight_frozen.dequantize()``).
+  dequantized weight (``<layer>.weight_frozen.dequantize()``; transposed for a layer that
+  stores its weight ``[in, out]``, GPT-2's ``Conv1D``, for which the config sets peft's
+  ``fan_in_fan_out``). Modules an entry of
+  ``kind: full`` trains are written whole (``base_model.model.<module>.<key>`` for each
+  key of the module's state dict in the model, as peft writes a ``modules_to_save``
+  module) and listed in ``modules_to_save``; so are the modules peft's rule for that list
+  also selects (a name ending with a listed one), with the graph's values.
 - ``merge_adapters(gm)`` returns a new graph whose adapted weights are
   ``W + alpha / rank * (B @ A)`` (float32 arithmetic; ``W`` the dequantized frozen base,
-  or the float weight of a ``qat`` or float base), quantized again as the spec says: a
+  or the float weight of a ``qat`` or float base; ``(B @ A)^T`` for a weight stored
+  ``[in, out]``), quantized again as the spec says (read as ``insert_quant`` reads such a
+  weight, ``weight_layout``: an ``[in, out]`` weight's groups along its inputs): a
   layer whose rule gives its weight a scheme reads it through a fake-quantizer that
   observed the merged weight (a frozen base's storage becomes ``<layer>.weight`` behind
   ``<layer>.weight_fake_quant`` again, as ``insert_quant`` made it; a ``qat`` base's
   quantizer observes the merged weight). The adapter modules and nodes are gone, so
   ``qc.convert`` and ``qc.export_onnx`` take the result; they refuse a graph that still
-  holds adapters (``refuse_adapters``), naming ``qc.merge_adapters``.
+  holds adapters (``refuse_adapters``), naming ``qc.merge_adapters``. The modules trained
+  in full keep their trained values, and every parameter the ``adapters`` section froze
+  or unfroze gets back the flag the model gave it.
 
 Both accept the graph or a DDP wrapper around it (its ``.module``) and pipeline-placed
 graphs (``stage_<i>`` children; the names written are the model's). Under FSDP2
-(``fully_shard``) the adapter weights are sharded DTensors: ``save_adapters`` gathers each
-one (``full_tensor()``, a collective), so every rank must call it; only rank 0 writes.
+(``fully_shard``) the adapter weights and the trained modules' parameters are sharded
+DTensors: ``save_adapters`` gathers each one (``full_tensor()``, a collective), so every
+rank must call it; only rank 0 writes.
 ``merge_adapters`` refuses a sharded graph (merge an unsharded copy).
 
 Example:
@@ -63,6 +74,7 @@ from torch.fx import GraphModule, Node
 
 from qcompile.errors import QCompileError
 from qcompile.files import atomic_path, write_atomically
+from qcompile.graph.matching import WeightUse
 from qcompile.graph.meta import (
     ADAPTERS_KEY,
     FIXED_GRID_KEY,
@@ -70,9 +82,11 @@ from qcompile.graph.meta import (
     QSCHEME_KEY,
     REPORT_KEY,
     SPEC_KEY,
+    TRAINING_KEY,
 )
 from qcompile.passes import parameter_count
-from qcompile.passes.insert_adapters import AdapterLayer
+from qcompile.passes.insert_adapters import AdapterLayer, FullModule, trainable_records
+from qcompile.passes.insert_quant import weight_layout
 from qcompile.passes.insert_quant.common import move_to, quantizer_record, set_flag
 from qcompile.runtime.fake_quant import FakeQuantize
 
@@ -227,12 +241,13 @@ def _target_modules(names: list[str], model: set[str]) -> list[str] | str:
     return "(" + "|".join(re.escape(n) for n in sorted(names)) + ")"
 
 
-def adapter_config(layers: dict[str, AdapterLayer], model_names: set[str] | None = None
-                   ) -> dict[str, Any]:
+def adapter_config(layers: dict[str, AdapterLayer], model_names: set[str] | None = None,
+                   modules_to_save: list[str] | None = None) -> dict[str, Any]:
     """The ``adapter_config.json`` for ``layers`` (``gm.meta[ADAPTERS_KEY]``): peft's LoRA
     config with the rank, alpha and dropout most layers use, ``rank_pattern`` /
-    ``alpha_pattern`` for the others. ``model_names`` (the model's module names) decides
-    whether plain names can be ``target_modules`` (see ``_target_modules``).
+    ``alpha_pattern`` for the others, and ``modules_to_save`` (the modules trained in full;
+    null for none). ``model_names`` (the model's module names) decides whether plain names
+    can be ``target_modules`` (see ``_target_modules``).
 
     Example:
         >>> from qcompile.passes.insert_adapters import AdapterLayer
@@ -264,17 +279,71 @@ def adapter_config(layers: dict[str, AdapterLayer], model_names: set[str] | None
         "lora_dropout": common([float(a.dropout) for a in recs]),
         "target_modules": _target_modules(names, model_names or set(names)),
         "bias": "none",
-        "fan_in_fan_out": False,
+        # peft's flag for layers storing their weight [in, out] (GPT-2's Conv1D); it sets
+        # each layer's own from its class, warning where the config disagrees
+        "fan_in_fan_out": common([a.fan_in_fan_out for a in recs]),
         "init_lora_weights": True,
         "use_rslora": False,
         "use_dora": False,
-        "modules_to_save": None,
+        "modules_to_save": sorted(modules_to_save) if modules_to_save else None,
         "layers_to_transform": None,
         "layers_pattern": None,
         "rank_pattern": {keys[a.layer]: a.rank for a in recs if a.rank != r},
         "alpha_pattern": {keys[a.layer]: _number(a.alpha) for a in recs
                           if float(a.alpha) != alpha},
     }
+
+
+def _caught(training: Any, layers: dict[str, AdapterLayer]) -> list[FullModule]:
+    """The modules peft's ``modules_to_save`` rule selects besides the trained ones (their
+    names end with a trained module's name): written with the graph's values, so peft's
+    copy of each computes what the graph computes. One that holds or is an adapted layer,
+    or nests with a trained module, is refused (peft would wrap it and lose its adapter)."""
+    if training is None:
+        return []
+    full = [m.name for m in training.full]
+    for m in training.caught:
+        f = next(f for f in full if m.name.endswith(f))
+        clash = next((n for n in [*layers, *full] if n != m.name and (
+            n.startswith(m.name + ".") or m.name.startswith(n + "."))), None)
+        if m.name in layers or clash is not None:
+            raise QCompileError(
+                f"save_adapters: peft selects modules_to_save by name suffix, so "
+                f"{f!r} (trained in full) also selects {m.name!r}, which "
+                + ("is a LoRA-adapted layer" if m.name in layers else
+                   f"nests with {clash!r}") + ": peft would replace it by a plain copy",
+                fix=f"train {m.name!r} in full too (if it holds no adapter), or rename "
+                    f"the module {f!r} in the model so that no other module's name ends "
+                    "with it")
+    return list(training.caught)
+
+
+def _module_of(graph: GraphModule, m: FullModule) -> nn.Module:
+    """The graph's module ``m.name``: in the graph, or in the pipeline stage holding it."""
+    for _, owner in _owners(graph):
+        try:
+            return owner.get_submodule(m.name)
+        except AttributeError:
+            continue
+    raise QCompileError(
+        f"save_adapters: module {m.name!r} trains in full, but the graph has no module of "
+        "that name (the graph was edited after qc.qcompile)",
+        fix="pass the graph qc.qcompile returned (torch.load of a saved one keeps it)")
+
+
+def _tensor_of(module: nn.Module, m: FullModule, key: str) -> torch.Tensor:
+    parent, _, leaf = key.rpartition(".")
+    try:
+        t = getattr(module.get_submodule(parent) if parent else module, leaf)
+    except AttributeError:
+        t = None
+    if not isinstance(t, torch.Tensor):
+        raise QCompileError(
+            f"save_adapters: peft loads {m.name}.{key} from the adapter, but the graph "
+            "holds no such tensor (the forward never reads it)",
+            fix=f"keep {m.name!r} in the graph (a module the forward calls), or rename the "
+                "trained modules so that peft's name-suffix rule selects no other module")
+    return t
 
 
 def save_adapters(gm: nn.Module, directory: str | os.PathLike[str]) -> Path:
@@ -284,9 +353,12 @@ def save_adapters(gm: nn.Module, directory: str | os.PathLike[str]) -> Path:
 
     ``peft.PeftModel.from_pretrained(float_model, directory)`` then computes what ``gm``
     computes, where ``float_model``'s adapted layers hold ``gm``'s base weights (a frozen
-    quantized base: its dequantized values). ``gm`` may be wrapped in DDP. Under FSDP2 every
-    rank must call it (the sharded adapter weights are gathered, a collective); only rank 0
-    writes. A graph without adapters is refused.
+    quantized base: its dequantized values). The modules trained in full (``kind: full``)
+    are written whole as peft's ``modules_to_save``: their float values (a weight the graph
+    reads through a fake-quantizer is written as the float weight it trains). ``gm`` may be
+    wrapped in DDP. Under FSDP2 every rank must call it (the sharded weights are gathered,
+    a collective); only rank 0 writes. A graph without adapters is refused, and so is one
+    where peft's ``modules_to_save`` rule would also select an adapted layer.
 
     Example:
         >>> import json, os, tempfile, torch, qcompile as qc
@@ -300,6 +372,9 @@ def save_adapters(gm: nn.Module, directory: str | os.PathLike[str]) -> Path:
     """
     graph = _graph(gm, "save_adapters")
     layers = _layers(graph, "save_adapters")
+    training = graph.meta.get(TRAINING_KEY)
+    full = list(training.full) if training is not None else []
+    whole = sorted([*full, *_caught(training, layers)], key=lambda m: m.name)
     target = Path(directory)
     tensors: dict[str, torch.Tensor] = {}
     with torch.no_grad():  # every rank gathers (collectives), in the same order
@@ -309,6 +384,11 @@ def save_adapters(gm: nn.Module, directory: str | os.PathLike[str]) -> Path:
                 key = f"{name}.{part}.weight"
                 tensors[_PREFIX + key] = _full(owner.get_submodule(f"{name}.{part}").weight,
                                                key)
+        for m in whole:
+            module = _module_of(graph, m)
+            for key in m.tensors:
+                tensors[_PREFIX + f"{m.name}.{key}"] = _full(
+                    _tensor_of(module, m, key), f"{m.name}.{key}")
     if _rank() != 0:
         return target
     if target.exists() and not target.is_dir():
@@ -321,7 +401,7 @@ def save_adapters(gm: nn.Module, directory: str | os.PathLike[str]) -> Path:
                             fix="write somewhere this process can create folders") from None
     from safetensors.torch import save_file
 
-    config = adapter_config(layers, _model_names(graph))
+    config = adapter_config(layers, _model_names(graph), [m.name for m in full])
     with atomic_path(target / WEIGHTS_NAME) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     write_atomically(target / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -369,7 +449,9 @@ def _tied(owner: GraphModule, param: torch.Tensor, path: str) -> list[str]:
 
 
 def _merged_weight(owner: GraphModule, rec: AdapterLayer) -> torch.Tensor:
-    """``W + scaling * (B @ A)`` in float32, in the base weight's dtype and device."""
+    """``W + scaling * (B @ A)`` in float32, in the base weight's dtype and device, laid
+    out as the weight is stored (``[in, out]``, ``+ scaling * (B @ A)^T``, for a layer
+    with ``fan_in_fan_out``; a frozen base's storage holds the ``[out, in]`` rows)."""
     if rec.storage is not None:
         if rec.weight is not None:
             raise QCompileError(
@@ -380,6 +462,8 @@ def _merged_weight(owner: GraphModule, rec: AdapterLayer) -> torch.Tensor:
         storage = owner.get_submodule(rec.storage)
         base, dtype, device = storage.dequantize().float(), storage.out_dtype, \
             storage.codes.device
+        if rec.fan_in_fan_out:
+            base = base.t()
     else:
         w = _weight_param(owner, rec.weight)
         others = _tied(owner, w, rec.weight)
@@ -393,7 +477,18 @@ def _merged_weight(owner: GraphModule, rec: AdapterLayer) -> torch.Tensor:
     a = owner.get_submodule(f"{rec.layer}.lora_A").weight.detach().float()
     b = owner.get_submodule(f"{rec.layer}.lora_B").weight.detach().float()
     delta = (b @ a).mul_(rec.scaling).to(base.device)
-    return (base + delta).to(device=device, dtype=dtype)
+    if rec.fan_in_fan_out:
+        delta = delta.t()
+    return (base + delta).to(device=device, dtype=dtype).contiguous()
+
+
+def _layout(rec: AdapterLayer, weight: torch.Tensor, node: Node) -> Any:
+    """How the layer's weight quantizer reads ``weight`` (``insert_quant``'s
+    ``weight_layout``: an ``[in, out]`` weight quantized per group is read as its
+    transpose, so that groups run along the inputs)."""
+    use = WeightUse(node, node, 1 if rec.fan_in_fan_out else 0)
+    return weight_layout(weight, use, rec.scheme, f"merge_adapters: layer {rec.layer!r}",
+                         "weight", node)
 
 
 def _observe_flag(fq: FakeQuantize, mode: str | None) -> None:
@@ -428,11 +523,15 @@ def _merge_layer(owner: GraphModule, rec: AdapterLayer, spec: Any, mode: str | N
     if rec.storage is not None:  # back to get_attr(weight) -> weight_fake_quant -> the op
         module.register_parameter("weight", weight)
         path = f"{rec.layer}.weight"
+        reads = [n for n in g.nodes if n.op == "call_module" and n.target == rec.storage]
+        layout = _layout(rec, merged, reads[0])
+        rows = layout.apply(merged)
         target = getattr(getattr(spec, "quant", None), "target", "generic")
-        fq = FakeQuantize.from_scheme(rec.scheme, role="weight",
-                                      shape=(rec.out_features, rec.in_features), target=target)
+        fq = FakeQuantize.from_scheme(rec.scheme, role="weight", shape=tuple(rows.shape),
+                                      target=target, channel_axis=layout.axis)
         move_to(fq, merged.device)
-        fq.observe_tensor(merged)
+        fq.observe_tensor(rows)
+        del rows
         _observe_flag(fq, mode)
         try:
             owner.get_submodule(rec.quantizer)
@@ -443,19 +542,27 @@ def _merge_layer(owner: GraphModule, rec: AdapterLayer, spec: Any, mode: str | N
                                 "already, where the merged weight's quantizer goes",
                                 fix="merge the graph qc.qcompile returned")
         owner.add_submodule(rec.quantizer, fq)
-        reads = [n for n in g.nodes if n.op == "call_module" and n.target == rec.storage]
-        with g.inserting_before(reads[0]):
-            get = g.create_node("get_attr", path)
-            q = g.create_node("call_module", rec.quantizer, (get,))
         stack = {k: v for k, v in reads[0].meta.items() if k == NN_MODULE_STACK}
-        get.meta.update(stack)
-        q.meta.update(stack)
+        with g.inserting_before(reads[0]):  # as insert_quant reads it: views, quantizer, back
+            made = [g.create_node("get_attr", path)]
+            for fn, args in layout.to_rows:
+                made.append(g.call_function(fn, (made[-1], *args)))
+            made.append(g.create_node("call_module", rec.quantizer, (made[-1],)))
+            for fn, args in layout.back:
+                made.append(g.call_function(fn, (made[-1], *args)))
+        for n in made:
+            n.meta.update(stack)
         rule = None
         for n in reads:
-            for user in n.users:
-                qs = user.meta.get(QSCHEME_KEY)
-                rule = getattr(qs, "rule", None) if rule is None else rule
-            n.replace_all_uses_with(q)
+            # the storage's rows, transposed back where the weight is stored [in, out]
+            ends = list(n.users) if rec.fan_in_fan_out else [n]
+            for end in ends:
+                for user in end.users:
+                    qs = user.meta.get(QSCHEME_KEY)
+                    rule = getattr(qs, "rule", None) if rule is None else rule
+                end.replace_all_uses_with(made[-1])
+                if end is not n:
+                    g.erase_node(end)
             g.erase_node(n)
         owner.delete_submodule(rec.storage)
         added.append((prefix + rec.quantizer, fq, prefix + path, rule))
@@ -465,10 +572,25 @@ def _merge_layer(owner: GraphModule, rec: AdapterLayer, spec: Any, mode: str | N
         if rec.quantizer is not None:  # qat: the quantizer observes the merged weight
             fq = owner.get_submodule(rec.quantizer)
             fq.reset_parameters()
-            fq.observe_tensor(merged)
+            fq.observe_tensor(_layout(rec, merged, calls[0][2]).apply(merged))
             _observe_flag(fq, mode)
             observed = prefix + rec.quantizer
     return observed
+
+
+def _restore_flags(out: GraphModule) -> None:
+    """Give every parameter the ``adapters`` section froze (or, under a module trained in
+    full, unfroze) the ``requires_grad`` the model gave it: the merged graph trains as one
+    compiled without adapters. Names are the model's (a stage's prefix left out)."""
+    training = out.meta.pop(TRAINING_KEY, None)
+    if training is None:
+        return
+    flags = {**{n: True for n in training.frozen}, **{n: False for n in training.unfrozen}}
+    for name, p in out.named_parameters(remove_duplicate=False):
+        head, _, rest = name.partition(".")
+        flag = flags.get(rest if head.startswith("stage_") and rest else name)
+        if flag is not None:
+            p.requires_grad_(flag)
 
 
 def merge_adapters(gm: nn.Module) -> GraphModule:
@@ -481,8 +603,10 @@ def merge_adapters(gm: nn.Module) -> GraphModule:
     by that weight read through a new ``<layer>.weight_fake_quant`` built from the layer's
     weight scheme (observing the merged weight; in QAT it keeps tracking it, as compiled
     weights do); a ``qat`` base's quantizer observes the merged weight afresh; a float base
-    stays float. The result holds no adapters (``gm.meta[ADAPTERS_KEY]`` is empty, its
-    report lists none), so ``qc.convert`` and ``qc.export_onnx`` take it. A graph without
+    stays float. The modules trained in full keep their values; every other parameter gets
+    back the ``requires_grad`` the model gave it. The result holds no adapters
+    (``gm.meta[ADAPTERS_KEY]`` is empty, its report lists none), so ``qc.convert`` and
+    ``qc.export_onnx`` take it. A graph without
     adapters, a sharded (FSDP2) graph and a layer whose weight is tied to another module
     are refused.
 
@@ -528,6 +652,7 @@ def merge_adapters(gm: nn.Module) -> GraphModule:
         if owner is not out:
             owner.meta.pop(ADAPTERS_KEY, None)
     out.meta[ADAPTERS_KEY] = {}
+    _restore_flags(out)
     if FIXED_GRID_KEY in out.meta:  # the merged weights are no longer on an algorithm's grid
         out.meta[FIXED_GRID_KEY] = [n for n in out.meta[FIXED_GRID_KEY] if n not in observed]
     if spec is not None and getattr(spec, "adapters", None):
@@ -539,6 +664,7 @@ def merge_adapters(gm: nn.Module) -> GraphModule:
                            for name, fq, path, rule in added]
         new.trainable_parameters = sum(p.numel() for p in out.parameters() if p.requires_grad)
         new.parameters = parameter_count(out)
+        new.trainable = trainable_records(out)
         out.meta[REPORT_KEY] = new
     return out
 

@@ -59,6 +59,7 @@ class Checkpoint:
         self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}
         self._stack = contextlib.ExitStack()
         self.entries: dict[str, tuple[tuple[int, ...], torch.dtype, Path]] = {}
+        self.aliases: dict[str, str] = {}  # a tied name -> the name it is saved under
         for file, names in self.files.items():
             handle = self._handle(file)
             held = set(handle.keys())
@@ -125,9 +126,19 @@ class Checkpoint:
 
     def check(self, model: nn.Module) -> None:
         """Refuse a checkpoint that does not fit ``model`` (built on the meta device is
-        fine): a missing, extra, misshaped or retyped tensor, named."""
-        want = model.state_dict()
-        missing = sorted(set(want) - set(self.entries))
+        fine): a missing, extra, misshaped or retyped tensor, named. A tensor the model
+        holds under several names (tied input and output embeddings) may be saved under
+        any one of them, as ``save_pretrained`` and ``safetensors.torch.save_model`` save
+        it; reading the others reads that one."""
+        want = model.state_dict(keep_vars=True)
+        names: dict[int, list[str]] = {}
+        for name, t in want.items():
+            names.setdefault(id(t), []).append(name)
+        for tied in names.values():
+            saved = [n for n in tied if n in self.entries]
+            if saved:
+                self.aliases.update({n: saved[0] for n in tied if n not in self.entries})
+        missing = sorted(set(want) - set(self.entries) - set(self.aliases))
         extra = sorted(set(self.entries) - set(want))
         if missing:
             raise QCompileError(f"checkpoint {str(self.path)!r} lacks tensor {missing[0]!r} "
@@ -138,7 +149,7 @@ class Checkpoint:
                                 f"({len(extra)} extra) that {type(model).__name__} does not",
                                 fix=_FIX_CKPT + "; or remove the extra tensors")
         for name, t in want.items():
-            shape, dtype, _ = self.entries[name]
+            shape, dtype, _ = self.entries[self.aliases.get(name, name)]
             if shape != tuple(t.shape):
                 raise QCompileError(f"checkpoint tensor {name!r} has shape {list(shape)}, the "
                                     f"model's is {list(t.shape)}", fix=_FIX_CKPT)
@@ -163,6 +174,7 @@ class Checkpoint:
         CPU tensor of the entry's dtype and the rows' shape: one ``readinto`` of one byte
         range, no memory map and no temporary (a rank's resident memory is its shard, not
         also the file's pages). False when ``out`` does not qualify: use ``read``."""
+        name = self.aliases.get(name, name)
         shape, dtype, file = self.entries[name]
         if (out.device.type != "cpu" or out.dtype != dtype or not out.is_contiguous()
                 or out.numel() == 0 or not shape):
@@ -188,12 +200,23 @@ class Checkpoint:
         return True
 
     def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
-        """Tensor ``name`` (rows ``rows`` of its first dimension only, when given)."""
-        shape, _, file = self.entries[name]
-        piece = self._handle(file).get_slice(name)
+        """Tensor ``name`` (rows ``rows`` of its first dimension only, when given), in a
+        new tensor of this process's own memory (``read_into``): the file's pages are
+        never mapped, so what a rank read does not stay resident as the file's until
+        ``close``, on top of what it made of it (a frozen base's codes)."""
+        name = self.aliases.get(name, name)
+        shape, dtype, file = self.entries[name]
+        if shape:
+            n = shape[0] if rows is None else len(range(*rows.indices(shape[0])))
+            out = torch.empty((n, *shape[1:]), dtype=dtype)
+            whole = rows if rows is None else slice(*rows.indices(shape[0])[:2])
+            if (rows is None or rows.step in (None, 1)) and self.read_into(name, whole, out):
+                return out
+            del out
+        piece = self._handle(file).get_slice(name)  # a scalar, or rows with a step
         if rows is None or not shape:
-            return piece[:] if shape else self._handle(file).get_tensor(name)
-        return piece[rows]
+            return piece[:].clone() if shape else self._handle(file).get_tensor(name).clone()
+        return piece[rows].clone()
 
     def content_hash(self) -> str:
         """SHA-256 over every file's bytes (in name order): what a cache entry is keyed on."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,9 +31,14 @@ from qcompile.distributed.agree import agree, digest
 from qcompile.distributed.devices import collective_device, staged
 from qcompile.distributed.guards import refuse_wrapped
 from qcompile.errors import QCompileError
-from qcompile.graph.meta import SHARDED_KEY, SYNC_OBSERVERS_KEY
+from qcompile.graph.meta import SHARDED_KEY, STEPS_SEEN_KEY, SYNC_OBSERVERS_KEY
 from qcompile.runtime import weight_cache
-from qcompile.runtime.fake_quant import FakeQuantize
+from qcompile.runtime.fake_quant import (
+    PENDING_IN_STEP,
+    PENDING_NONE,
+    PENDING_STEP_ENDED,
+    FakeQuantize,
+)
 from qcompile.runtime.frozen import FrozenWeight
 from qcompile.runtime.observers import MovingAverageObserver
 from qcompile.specs import as_spec
@@ -92,6 +98,11 @@ def watch_observer_sync(gm: nn.Module) -> nn.Module:
     meta = getattr(gm, "meta", None)
     if _apply_after_step not in gm._forward_pre_hooks.values():
         gm.register_forward_pre_hook(_apply_after_step)
+    # the step a state dict's pending statistics belong to goes with them (see _StepsSeen)
+    if _save_steps_seen not in gm._state_dict_hooks.values():
+        gm.register_state_dict_post_hook(_save_steps_seen)
+    if _load_steps_seen not in gm._load_state_dict_post_hooks.values():
+        gm.register_load_state_dict_post_hook(_load_steps_seen)
     # GraphModule.__deepcopy__ rebuilds the module and keeps no forward hooks (only its
     # state-dict and deepcopy hooks): without this, a deep copy's step-update observers
     # would never apply. torch.fx's own (private) deepcopy hook list re-installs them.
@@ -246,15 +257,22 @@ def sum_across_ranks(tensors: list[torch.Tensor], group: Any = None) -> None:
                 t.copy_(staged_t)
 
 
-def _sync_after_forward(group: Any, weights: bool) -> Any:
-    def hook(module: nn.Module, args: Any, out: Any) -> None:
-        _mark_synced(module)
-        _reduce_observed(module, group, weights=weights)
-    return hook
+def _sync_after_forward(module: nn.Module, args: Any, out: Any) -> None:
+    """Forward hook ``keep_observers_in_sync`` registers: reduce what this forward observed
+    across the group it registered. A module-level function (the graph still pickles);
+    a loaded graph has forgotten its group (``_Synced``) and does nothing until wrapped
+    again."""
+    synced = module.__dict__.get(_SYNC_GROUP)
+    if synced is None:
+        return
+    group, weights = synced
+    _mark_synced(module)
+    _reduce_observed(module, group, weights=weights)
 
 
 # The attribute of a compiled graph saying how its observers are kept in sync, once
-# ``wrap`` (or compile_once) does (a ``_Synced``); absent: step updates apply locally.
+# ``wrap`` (or compile_once) does (a ``_Synced``); absent or None (a loaded graph): step
+# updates apply locally.
 _SYNC_GROUP = "_qc_sync_group"
 
 
@@ -272,8 +290,46 @@ class _Synced(tuple):
 
 def _forgotten() -> None:
     return None
-# ... and the optimizer step count its last forward saw
-_STEPS_SEEN = "_qc_steps_seen"
+
+
+
+
+@dataclass(frozen=True)
+class _StepsSeen:
+    """The optimizer step count (``weight_cache.optimizer_steps()``) at a graph's last
+    forward: the next forward after it changed applies the pending statistics.
+
+    A deep copy shares it (the count is the process's, and the copy has seen what the
+    original has). A pickle keeps only whether a step came after that forward (the count
+    means nothing in another process): loaded, such a graph applies its pending
+    statistics at its next forward, any other counts from the load on."""
+
+    counter: object  # the step counter (None: a step came, count unknown)
+    count: int
+
+    def step_since(self) -> bool:
+        counter, count = weight_cache.optimizer_steps()
+        return self.counter is not counter or self.count != count
+
+    def __deepcopy__(self, memo: dict) -> _StepsSeen:
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (_loaded_steps_seen, (self.step_since(),))
+
+
+_STEP_ENDED = _StepsSeen(None, -1)  # never the current count: the next forward applies
+
+
+def _loaded_steps_seen(step_ended: bool) -> _StepsSeen:
+    return _STEP_ENDED if step_ended else _StepsSeen(*weight_cache.optimizer_steps())
+
+
+def _seen_store(module: nn.Module) -> dict:
+    """Where ``module`` keeps its _StepsSeen: ``meta`` (a GraphModule's), else its
+    ``__dict__``."""
+    meta = module.__dict__.get("meta")
+    return meta if type(meta) is dict else module.__dict__
 
 
 def _apply_after_step(module: nn.Module, args: Any) -> None:
@@ -282,13 +338,50 @@ def _apply_after_step(module: nn.Module, args: Any) -> None:
     (across the group ``wrap`` registered, else locally). One comparison otherwise."""
     if torch.compiler.is_compiling():
         return
-    steps = weight_cache.optimizer_steps()
-    seen = module.__dict__.get(_STEPS_SEEN)
-    module.__dict__[_STEPS_SEEN] = steps
-    if seen is None or seen == steps:
+    counter, count = weight_cache.optimizer_steps()
+    store = module.__dict__.get("meta")  # _seen_store, inlined: this runs every forward
+    if type(store) is not dict:
+        store = module.__dict__
+    seen = store.get(STEPS_SEEN_KEY)
+    if seen is not None and seen.counter is counter and seen.count == count:
+        return
+    store[STEPS_SEEN_KEY] = _StepsSeen(counter, count)
+    if seen is None:
         return
     group = module.__dict__.get(_SYNC_GROUP)
     apply_pending(module, group[0] if group is not None else None, sync=group is not None)
+
+
+def _save_steps_seen(module: nn.Module, state_dict: dict, prefix: str, _: Any) -> None:
+    """State-dict post-hook of a compiled graph: when an optimizer step came after the
+    forwards that gathered its pending statistics, their entries say so
+    (``PENDING_STEP_ENDED``), so that a graph loading them applies them at its next
+    forward, as this one will."""
+    seen = _seen_store(module).get(STEPS_SEEN_KEY)
+    if seen is None or not seen.step_since():
+        return
+    # by identity, not by name: a pipeline graph's own hook renames its entries to the
+    # model's names (FakeQuantize.get_extra_state returns the quantizer's own tensor)
+    entries = {id(v): v for v in state_dict.values() if isinstance(v, torch.Tensor)}
+    for q in module.modules():
+        if isinstance(q, FakeQuantize) and q.pending_stats() is not None:
+            entry = entries.get(id(q.extra_state_entry()))
+            if entry is not None and entry.numel() > 2 and entry.device.type != "meta" and (
+                    float(entry[1]) == PENDING_IN_STEP):
+                entry[1] = PENDING_STEP_ENDED
+
+
+def _load_steps_seen(module: nn.Module, incompatible_keys: Any) -> None:
+    """Load-state-dict post-hook of a compiled graph: pending statistics loaded from a
+    state dict are applied when the graph that saved them would have: at the next forward
+    if an optimizer step came after them, else at the first forward after the next
+    optimizer step."""
+    loaded = [q.loaded_pending() for q in module.modules() if isinstance(q, FakeQuantize)]
+    if all(code == PENDING_NONE for code in loaded):
+        return
+    _seen_store(module)[STEPS_SEEN_KEY] = (
+        _STEP_ENDED if PENDING_STEP_ENDED in loaded
+        else _StepsSeen(*weight_cache.optimizer_steps()))
 
 
 def apply_registered(gm: nn.Module) -> dict[str, int]:
@@ -309,10 +402,11 @@ def keep_observers_in_sync(gm: nn.Module, spec: Any, group: Any = None) -> nn.Mo
     spec = as_spec(spec)
     _mark_synced(gm)
     # once per graph: a second call (a Lightning setup() run again) adds no second hook
-    if spec.quant.sync_observers and initialised() and _SYNC_GROUP not in gm.__dict__:
+    if spec.quant.sync_observers and initialised() and gm.__dict__.get(_SYNC_GROUP) is None:
         weights = spec.data_parallel.kind != "ddp"
         gm.__dict__[_SYNC_GROUP] = _Synced((group, weights))
-        gm.register_forward_hook(_sync_after_forward(group, weights))
+        if _sync_after_forward not in gm._forward_hooks.values():  # (a loaded graph has it)
+            gm.register_forward_hook(_sync_after_forward)
     return gm
 
 
@@ -430,5 +524,5 @@ def train_step(model: nn.Module, optimizer: Any, inputs: Any, target: Any, loss_
     for m in model.modules():
         if isinstance(m, GraphModule) and _apply_after_step in m._forward_pre_hooks.values():
             apply_registered(m)
-            m.__dict__[_STEPS_SEEN] = weight_cache.optimizer_steps()
+            _seen_store(m)[STEPS_SEEN_KEY] = _StepsSeen(*weight_cache.optimizer_steps())
     return total

@@ -1,20 +1,33 @@
 """Quantize once and share the result with every rank (``qc.distributed.compile_once``).
 
-Three ways, by the spec and the arguments:
+Every rank first builds the model with its parameters on the meta device and its buffers
+computed by the model's own code (``_parameters_on_meta``: rotary tables, masks, position
+ids are real; weights cost nothing), and compiles it on meta. Three ways, by the spec and
+the arguments:
 
 - **Sharded** (``data_parallel.kind: fsdp2`` under a process group, no pipeline): no rank
-  ever holds the whole model. Every rank builds the model on the meta device and compiles
-  that; the graph is split into one child per repeated block (``blocks``: the layers of a
-  transformer, the stages of a ResNet; what comes before the first block joins it, what
-  comes after joins the last) and each child is ``fully_shard``-ed, so a block's weights,
-  including those the graph reads directly, are one FSDP2 group; then the graph is
-  allocated (``to_empty``) and each rank loads only its rows of every parameter: from the
-  ``checkpoint`` (safetensors, read slice by slice), or streamed from rank 0, which builds
-  the real model and broadcasts it one tensor at a time (freeing each tensor once sent).
+  ever holds the whole model. The graph is split into one child per repeated block
+  (``blocks``: the layers of a transformer, the stages of a ResNet; what comes before the
+  first block joins it, what comes after joins the last) and each child is
+  ``fully_shard``-ed, so a block's weights, including those the graph reads directly, are
+  one FSDP2 group (the blocks sharing a parameter, tied embeddings, are one); then the
+  graph is allocated (``to_empty``; a tensor several blocks read stays one tensor) and
+  each rank loads only its rows of every parameter: from the ``checkpoint``
+  (safetensors, read slice by slice into the rank's own memory), or streamed from rank 0,
+  which builds the real model and broadcasts it one tensor at a time (freeing each tensor
+  once sent). Gathers on CPU ranks go straight into FSDP2's buffer (``GatherInPlace``).
 - **Replicated from a checkpoint** (``ddp``/``none`` with ``checkpoint``): every rank
-  compiles the meta model and reads the whole checkpoint into its replica: one copy each.
-- **Replicated from rank 0** (``ddp``/``none``, no checkpoint): rank 0 builds and compiles
-  the real model in place; the other ranks compile it on meta and receive every tensor.
+  allocates one replica and reads the whole checkpoint into it.
+- **Replicated from rank 0** (``ddp``/``none``, no checkpoint): every rank allocates one
+  replica; rank 0 builds the real model and streams it as above. With ``quant.algorithms``
+  (they rewrite the real weights while compiling) rank 0 compiles the real model in place
+  instead and the others receive every tensor.
+
+Non-persistent buffers (no checkpoint holds them) take rank 0's values: its real model
+when it streams, else its build; a tensor nothing can fill (a buffer computed from a
+parameter, a constant ``torch.export`` captured on meta) is an error naming it, before
+anything is read. A graph exported on meta keeps no ``meta`` device literal
+(``capture_export.follow_graph_device``).
 
 Then every rank calibrates on its own ``calibration`` batches; with
 ``quant.sync_observers`` the observer statistics are reduced across ranks, so the qparams
@@ -87,6 +100,7 @@ from qcompile.specs import CompileSpec, PipelineSpec, as_spec
 from qcompile.specs.quant import DATA_KINDS
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+_ENCODE_CHUNK = 1 << 16  # elements of a frozen base encoded at once (NF4: 8 MB of temporaries)
 _FIXES = {
     "cache_dir": "pass the same cache_dir on every rank (or on none): rank 0 reads and "
                  "writes the cache for every rank and tells the others what it found",
@@ -126,15 +140,65 @@ def _to_meta(v: Any) -> Any:
     return v.to("meta") if isinstance(v, torch.Tensor) else v
 
 
-def _build_meta(build_model: Any) -> tuple[nn.Module, str | None, bool]:
-    """``build_model()`` under ``torch.device("meta")`` (no memory), as every rank runs it
-    first: ``(meta model, torch.compile note, shared)``. A model already wrapped for data
-    parallelism is refused here, on every rank alike (a wrapper built on meta fails inside
-    its own constructor: that is recognised too). ``shared``: the factory returned a model
-    that already existed (its tensors are not on meta, e.g. ``lambda: model``); then the
-    meta model is a structural copy, so nothing compile_once does reaches the user's."""
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[set[int]]:
+    """Inside, every parameter a module registers is replaced by a meta tensor as it is
+    registered, while everything else the model's ``__init__`` computes (its buffers:
+    rotary tables, causal masks, position ids) is computed for real: the model's own code
+    gives its buffers their values, and its weights cost nothing. This is accelerate's
+    ``init_empty_weights(include_buffers=False)``, done with torch's public registration
+    hooks (``register_module_parameter_registration_hook``; process-wide while inside,
+    removed on leaving) instead of replacing ``nn.Module.register_parameter``. A
+    parameter's value is made before it is registered (uninitialised memory for
+    ``torch.empty``, never written: one tensor at a time); its initialisation then runs on
+    meta. Yields the ids of the parameters and buffers registered inside (a model that
+    existed before has other tensors)."""
+    from torch.nn.modules.module import (
+        register_module_buffer_registration_hook,
+        register_module_parameter_registration_hook,
+    )
+
+    made: set[int] = set()
+
+    def on_parameter(module: nn.Module, name: str, param: Any) -> Any:
+        if param is None:
+            return None
+        if not param.is_meta:  # already meta (a tied weight registered twice): kept as is
+            empty = param.detach().to("meta")
+            try:
+                meta = type(param)(empty, requires_grad=param.requires_grad)
+            except TypeError:  # a subclass with its own constructor: a plain Parameter
+                meta = nn.Parameter(empty, requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)  # attributes set on it (HF's init flags)
+            param = meta
+        made.add(id(param))
+        return param
+
+    def on_buffer(module: nn.Module, name: str, buffer: Any) -> None:
+        if buffer is not None:
+            made.add(id(buffer))
+
+    handles = [register_module_parameter_registration_hook(on_parameter),
+               register_module_buffer_registration_hook(on_buffer)]
     try:
-        with torch.device("meta"):
+        yield made
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _build_meta(build_model: Any) -> tuple[nn.Module, str | None, bool, dict[str, Any]]:
+    """``build_model()`` with its parameters on the meta device (no memory) and its
+    buffers computed, as every rank runs it first: ``(meta model, torch.compile note,
+    shared, buffers)``; ``buffers`` are the model's buffer values by name (what its own
+    code computed), and the returned model holds meta tensors only. A model already
+    wrapped for data parallelism is refused here, on every rank alike (a wrapper built on
+    meta fails inside its own constructor: that is recognised too). ``shared``: the
+    factory returned a model that already existed (``lambda: model``: tensors not
+    registered during the call); then the meta model is a structural copy, so nothing
+    compile_once does reaches the user's, and the buffers are read from the user's."""
+    try:
+        with _parameters_on_meta() as made:
             built = build_model()
     except Exception as e:
         kind = wrapper_under_construction(e)
@@ -143,8 +207,18 @@ def _build_meta(build_model: Any) -> tuple[nn.Module, str | None, bool]:
         raise
     model, note = unwrap_compiled(built)
     refuse_wrapped(model)
-    shared = any(t.device.type != "meta" for t in (*model.parameters(), *model.buffers()))
-    return (_meta_copy(model) if shared else model), note, shared
+    tensors = (*model.parameters(), *model.buffers())
+    shared = any(id(t) not in made or (isinstance(t, nn.Parameter) and not t.is_meta)
+                 for t in tensors)
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    if shared:
+        return _meta_copy(model), note, shared, buffers
+    moved: dict[int, torch.Tensor] = {}  # a buffer two modules share stays one tensor
+    for m in model.modules():
+        for k, b in m._buffers.items():
+            if b is not None:
+                m._buffers[k] = moved.setdefault(id(b), b.to("meta"))
+    return model, note, shared, buffers
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
@@ -223,6 +297,8 @@ def _rows(t: torch.Tensor, rank: int, world: int) -> slice | None:
     chunks dim 0 into pieces of ``ceil(n / world)``), or None for a whole tensor."""
     if not (hasattr(t, "to_local") and hasattr(t, "placements")):
         return None
+    if not (len(t.placements) == 1 and t.placements[0].is_shard(0)):
+        return None  # a view across the rows (a [in, out] weight read transposed)
     n = t.shape[0]
     size = -(-n // world)
     start = min(rank * size, n)
@@ -236,8 +312,9 @@ class _Loader:
     (``stream``) and every rank keeps its rows."""
 
     def __init__(self, read: Callable[[str, slice | None], torch.Tensor] | None, *,
-                 stream: bool, group: Any, rank: int, world: int, src: int) -> None:
-        self.read, self.stream, self.group = read, stream, group
+                 stream: bool, group: Any, rank: int, world: int, src: int,
+                 sent: Callable[[str], None] | None = None) -> None:
+        self.read, self.stream, self.group, self.sent = read, stream, group, sent
         self.rank, self.world, self.src = rank, world, src
         self.device = collective_device(group)
         self._buffer: torch.Tensor | None = None
@@ -268,6 +345,8 @@ class _Loader:
             whole = self._full(name, target, (lambda: compute(None)) if self.rank == 0
                                else None)
             value = whole[rows] if rows is not None else whole
+            if self.rank == 0 and self.sent is not None:
+                self.sent(name)  # every rank has it now: rank 0 may let it go
         else:
             value = compute(rows)
         local.copy_(value.to(local.dtype))
@@ -292,10 +371,69 @@ def _sharded(gm: nn.Module, group: Any, device: torch.device) -> None:
         mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     else:
         mesh = DeviceMesh.from_group(group, device.type)
-    for name, child in gm.named_children():
-        if name.startswith("stage_") and any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh)
+    gather = GatherInPlace() if device.type == "cpu" else None
+    children = [c for n, c in gm.named_children()
+                if n.startswith("stage_") and any(True for _ in c.parameters())]
+    for members in _fsdp_groups(children):
+        # children sharing a parameter (tied input and output embeddings: the first and the
+        # last) are one group: FSDP2 manages a parameter in one group only, and keeps every
+        # module of that group holding it up to date
+        fully_shard(members if len(members) > 1 else members[0], mesh=mesh)
+        if gather is not None:
+            members[0].set_custom_all_gather(gather)
     fully_shard(gm, mesh=mesh)
+
+
+def _fsdp_groups(children: list[nn.Module]) -> list[list[nn.Module]]:
+    """The block children in FSDP2 groups: one each, children sharing a parameter in one
+    (a union-find over the parameters they hold), in order."""
+    parent = list(range(len(children)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    holder: dict[int, int] = {}
+    for i, child in enumerate(children):
+        for p in child.parameters():
+            parent[find(i)] = find(holder.setdefault(id(p), i))
+    groups: dict[int, list[nn.Module]] = {}
+    for i, child in enumerate(children):
+        groups.setdefault(find(i), []).append(child)
+    return list(groups.values())
+
+
+class GatherInPlace:
+    """FSDP2's all-gather (``FSDPModule.set_custom_all_gather``) on CPU ranks, straight
+    into the buffer FSDP2 allocates for it: the chunk of each rank is broadcast from that
+    rank, in place. Same bytes, same values as ``all_gather_into_tensor``, but no
+    temporary: gloo's ``all_gather_into_tensor`` gathers into a new tensor of the
+    gathered size and copies it out, and it allocates that tensor on its worker thread,
+    from the thread's own malloc arena; glibc keeps the freed top of such an arena
+    (``malloc_trim`` returns only the main heap's top) and, below its mmap threshold (up
+    to 32 MiB), serves that size from there: every gloo worker thread kept a block
+    resident. A broadcast works in the tensor it is given. (NCCL gathers in place.)
+
+    Example:
+        >>> from qcompile.distributed.once import GatherInPlace
+        >>> GatherInPlace().allocate((3,), dtype=torch.float32, device=torch.device("cpu")).shape
+        torch.Size([3])
+    """
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> None:
+        n = input_tensor.numel()
+        ranks = torch.distributed.get_process_group_ranks(group)
+        mine = output_tensor.narrow(0, ranks.index(torch.distributed.get_rank()) * n, n)
+        if mine.data_ptr() != input_tensor.data_ptr():  # FSDP2 copies its input there
+            mine.copy_(input_tensor)
+        for i, src in enumerate(ranks):  # synchronous: FSDP2 then waits for nothing
+            torch.distributed.broadcast(output_tensor.narrow(0, i * n, n), src=src, group=group)
 
 
 def _produced(gm: nn.Module, weights: set[str]) -> list[str]:
@@ -391,12 +529,11 @@ def one_block_at_a_time(gm: nn.Module) -> Iterator[None]:
     and freed memory returned once more, on leaving. Nothing here changes an allocator
     setting; ``return_freed_memory`` only hands back pages that are free.
 
-    Not covered: gloo gathers into a temporary buffer of the gathered size that its worker
-    thread allocates; for blocks under 32 MiB (glibc's largest mmap threshold) that
-    buffer comes from the thread's own malloc arena, whose free top ``malloc_trim`` does
-    not release, so each gloo worker thread may keep one block more (measured on 2 ranks
-    with 3 blocks of 24.5 MiB: 4 blocks over the shards instead of 2). Blocks of 32 MiB
-    and more are mapped and unmapped on each gather, and NCCL gathers in place.
+    The gathers themselves leave nothing behind: on CPU ranks ``compile_once`` has FSDP2
+    gather into its own buffer (``GatherInPlace``); gloo's own all-gather would gather
+    into a temporary on its worker thread, from a malloc arena whose free top
+    ``malloc_trim`` does not release, keeping a block per worker thread for blocks under
+    32 MiB (glibc's largest mmap threshold). NCCL gathers in place.
 
     Example:
         >>> import torch
@@ -488,7 +625,7 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
             "example_inputs": _shapes(inputs),
             "example_kwargs": {k: _shapes(v) for k, v in sorted((example_kwargs or {}).items())},
         }, group, fixes=_FIXES)
-    if ckpt is None and not shard:
+    if ckpt is None and not shard and (not on or spec.quant.algorithms):
         gm, source = _replicated_from_rank0(build_model, spec, inputs, example_kwargs,
                                             rank, group, src, hashing=directory is not None)
     else:
@@ -576,7 +713,7 @@ def _replicated_from_rank0(build_model: Any, spec: CompileSpec, inputs: Any,
     on = initialised()
     with collective_phase("compile_once (building and compiling the model)", group):
         # every rank builds on meta first (cheap): a wrapped model is refused on every rank
-        model, note, shared = _build_meta(build_model)
+        model, note, shared, _ = _build_meta(build_model)
         if rank == 0:
             model, note = unwrap_compiled(build_model())
             refuse_wrapped(model)
@@ -625,7 +762,7 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
     on = initialised()
     with collective_phase("compile_once (building and compiling the model)", group):
         # a factory returning the user's own model gets a meta copy: nothing touches it
-        meta_model, note, _ = _build_meta(build_model)
+        meta_model, note, _, built = _build_meta(build_model)
         if ckpt is not None:
             ckpt.check(meta_model)  # every rank reads the same headers: all refuse together
         names = set(meta_model.state_dict())
@@ -639,6 +776,9 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
         gm = compile_model(meta_model, compile_spec, meta_inputs, example_kwargs=meta_kwargs,
                            inplace=True)
         del meta_model
+    # compiling freed a lot of small objects: give their pages back before the weights
+    # arrive, or the weights' allocations settle around them and keep them resident
+    return_freed_memory()
     if on:
         agree("compile_once", {"graph": digest(gm_code(gm))}, group)
     skipped = gm.meta.get(ALGORITHMS_SKIPPED_KEY)
@@ -657,9 +797,23 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
     device = collective_device(group) if on else torch.device("cpu")
     if shard:
         _sharded(gm, group, device)
+    ties = _ties(gm)
     gm.to_empty(device=device)
+    _retie(ties)
     for q in quantizers(gm).values():
         q.reset_parameters()
+    folds = {}
+    for f in gm.meta.get(FOLDS_KEY, {}).values():
+        folds[f.weight] = (f, 0)
+        folds[f.out_bias] = (f, 1)
+    fold_sources = {n for f, _ in folds.values() for n in f.sources()}
+    state = gm.state_dict()
+    constants = _fill_export_constants(gm, names | set(built), build_model, inputs,
+                                       example_kwargs, device)
+    # every rank knows now, from names alone, whether every tensor will get values: all
+    # refuse together, before reading anything
+    _refuse_valueless(gm, {n for n in state if n in names or n in folds} | _adapter_names(gm)
+                      | constants, built, stream=ckpt is None)
     # -- where the weights come from ------------------------------------------------------
     real: dict[str, torch.Tensor] = {}
     h = None
@@ -678,14 +832,17 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
         def read(name: str, rows: slice | None) -> torch.Tensor:
             t = real[name]
             return t if rows is None else t[rows]
+    def sent(name: str) -> None:
+        """Rank 0 streaming: free a tensor every rank has received (a fold's sources are
+        read again) and hand a large one's pages back, so that rank 0 holds at most its
+        model, shrinking, next to its growing shard."""
+        if name in real and name not in fold_sources:
+            nbytes = real[name].numel() * real[name].element_size()
+            del real[name]
+            if nbytes >= 1 << 20:
+                return_freed_memory()
     loader = _Loader(read, stream=ckpt is None and on, group=group, rank=rank, world=world,
-                     src=src)
-    folds = {}
-    for f in gm.meta.get(FOLDS_KEY, {}).values():
-        folds[f.weight] = (f, 0)
-        folds[f.out_bias] = (f, 1)
-    state = gm.state_dict()
-    fold_sources = {n for f, _ in folds.values() for n in f.sources()}
+                     src=src, sent=sent)
     for name in sorted(state):
         target = state[name]
         if name in folds:
@@ -695,20 +852,21 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
             if ckpt is not None and _read_into(ckpt, name, target, rank, world):
                 continue
             loader.put(target, name, lambda r, n=name: read(n, r))
-            if name not in fold_sources:
-                real.pop(name, None)  # rank 0: sent, so freed (the model is gone already)
-    # buffers outside the state dict (non-persistent, e.g. rotary tables) need values too
-    for name, b in gm.named_buffers():
-        short = name.split(".", 1)[1] if name.startswith("stage_") else name
-        if short in state:
+    # buffers outside the state dict (non-persistent: rotary tables, masks, position ids):
+    # what the model's own code computed on rank 0 (its real model when it streams, else
+    # its build with parameters on meta), sent to every rank, so that they hold the same
+    # values even where that code draws random numbers
+    built_loader = _Loader(lambda n, r: built[n] if r is None else built[n][r], stream=on,
+                           group=group, rank=rank, world=world, src=src)
+    for name, b in gm.named_buffers():  # a buffer the blocks share: once (one tensor)
+        short = _model_name(name)
+        if short in state or short not in built:  # loaded above; the graph's own
             continue
-        if ckpt is not None:
-            raise QCompileError(
-                f"buffer {short!r} is not persistent, so no checkpoint holds it, and the "
-                "model was built on the meta device (no values)",
-                fix="register it with persistent=True and save it in the checkpoint, or "
-                    "call compile_once without checkpoint= (rank 0 then streams the model)")
-        loader.put(b, short, lambda r, n=short: read(n, r))
+        if ckpt is None:
+            loader.put(b, short, lambda r, n=short: read(n, r))
+        else:
+            built_loader.put(b, short, lambda r, n=short: built[n] if r is None else
+                             built[n][r])
     adapted = _fill_adapters(gm, spec, read, loader, group, rank, world)
     real.clear()
     # a NaN in one rank's rows is an error on every rank (the ranges below are collectives)
@@ -719,6 +877,190 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
         ckpt.close()  # the memory maps of the headers (data was read with readinto)
     return gm, {"weights": weights | set(folds) | adapted,
                 "weights_hash": h}
+
+
+def _model_name(name: str) -> str:
+    """A graph's tensor name as the model's (a block child's ``stage_<i>.`` dropped)."""
+    head, _, rest = name.partition(".")
+    return rest if head.startswith("stage_") and rest else name
+
+
+def _ties(gm: nn.Module) -> list[list[tuple[nn.Module, str, str]]]:
+    """Every tensor several module slots of ``gm`` hold, as its slots ``(module, kind,
+    name)`` (``kind``: ``_parameters`` or ``_buffers``), the first first. Each block child
+    reads what it needs of the model (the blocks each recompute their rotary positions
+    from ``rotary_emb.inv_freq``; tied input and output embeddings), and when placed those
+    are the very same tensor; ``to_empty`` allocates each slot anew (and FSDP2 refreshes
+    only the first holder of a shared parameter until its next unshard), which would leave
+    every other slot without values."""
+    slots: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for m in gm.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(m, kind).items():
+                if t is not None:
+                    slots.setdefault(id(t), []).append((m, kind, name))
+    return [held for held in slots.values() if len(held) > 1]
+
+
+def _retie(ties: list[list[tuple[nn.Module, str, str]]]) -> None:
+    """Every slot of a tie holds its first slot's tensor again (see ``_ties``)."""
+    for (first, kind, name), *others in ties:
+        t = getattr(first, kind)[name]
+        for m, k, n in others:
+            getattr(m, k)[n] = t
+
+
+def _export_constants(gm: nn.Module, model: set[str]) -> dict[str, list[tuple[Any, str]]]:
+    """The tensors torch.export captured as constants while tracing the meta model
+    (``x[..., [-2]]``'s index tensor) that no checkpoint or model holds: buffers of the
+    graph whose names are none of ``model``'s (its state dict and buffers) nor a
+    quantizer's, and plain tensor attributes a graph reads on the meta device. By model
+    name, each with every (owner, attribute) holding it."""
+    owned = {id(t) for q in quantizers(gm).values() for t in (*q.parameters(), *q.buffers())}
+    found: dict[str, list[tuple[Any, str]]] = {}
+    for name, b in gm.named_buffers(remove_duplicate=False):
+        short = _model_name(name)
+        if id(b) not in owned and b.numel() and short not in model:
+            *path, leaf = name.split(".")
+            found.setdefault(short, []).append((gm.get_submodule(".".join(path)), leaf))
+    known = {id(t) for t in (*gm.parameters(), *gm.buffers())}
+    for g in [gm, *(c for n, c in gm.named_children() if n.startswith("stage_"))]:
+        for node in getattr(getattr(g, "graph", None), "nodes", ()):
+            if node.op != "get_attr":  # a target is the model's name in every graph
+                continue
+            *path, leaf = str(node.target).split(".")
+            owner: Any = g
+            for part in path:
+                owner = getattr(owner, part, None)
+            value = getattr(owner, leaf, None)
+            if isinstance(value, torch.Tensor) and id(value) not in known and value.is_meta:
+                found.setdefault(str(node.target), []).append((owner, leaf))
+    return found
+
+
+def _fill_export_constants(gm: nn.Module, model: set[str], build_model: Any, inputs: Any,
+                           example_kwargs: Any, device: torch.device) -> set[str]:
+    """Give the constants torch.export captured on meta (``_export_constants``) values.
+    They are made by ``forward()`` from Python values, so they do not depend on the
+    weights: the model is exported once more with its tensors as fake CPU tensors
+    (``FakeTensorMode``: no memory), where the same constants are real tensors, taken by
+    name. Only when the graph holds such constants (Falcon's list indexing); what this
+    does not give stays without values, for ``_refuse_valueless`` to name. Returns the
+    names it filled."""
+    wanted = _export_constants(gm, model)
+    if not wanted:
+        return set()
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from qcompile.passes.trace.capture_export import quiet_export
+
+    model, _, _, buffers = _build_meta(build_model)
+    for config in [getattr(model, "config", None)]:
+        if getattr(config, "use_cache", None) is True:  # as the trace pass captures it
+            config.use_cache = False
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+        if id(t) not in fakes:
+            fakes[id(t)] = (mode.from_tensor(real) if real is not None
+                            else FakeTensor(mode, t.to("meta"), torch.device("cpu")))
+        return fakes[id(t)]
+
+    named = {id(b): n for n, b in model.named_buffers(remove_duplicate=False)}
+    for m in model.modules():
+        for k, p in m._parameters.items():
+            if p is not None:
+                m._parameters[k] = nn.Parameter(fake(p), requires_grad=p.requires_grad)
+        for k, b in m._buffers.items():
+            if b is not None:
+                real = buffers.get(named.get(id(b), ""))
+                m._buffers[k] = fake(b, real if real is not None and not real.is_meta
+                                     else None)
+
+    def as_fake(v: Any) -> Any:
+        return fake(v, v if not v.is_meta else None) if isinstance(v, torch.Tensor) else v
+
+    args = tuple(as_fake(v) for v in inputs) if inputs is not None else ()
+    kwargs = {k: as_fake(v) for k, v in (example_kwargs or {}).items()}
+    try:
+        ep = quiet_export(model, args, kwargs)
+    except Exception:  # left to _refuse_valueless, which names what has no values
+        return set()
+    filled = set()
+    for name, holders in wanted.items():
+        value = ep.constants.get(name)
+        if type(value) is not torch.Tensor:  # a fake or missing one has no values either
+            continue
+        filled.add(name)
+        for owner, leaf in holders:
+            held = owner._buffers.get(leaf) if isinstance(owner, nn.Module) else None
+            if held is not None and not held.is_meta and held.shape == value.shape:
+                with torch.no_grad():
+                    held.copy_(value)  # a registered buffer, allocated by to_empty
+            else:
+                setattr(owner, leaf, value.to(device))
+    return filled
+
+
+def _refuse_valueless(gm: nn.Module, provided: set[str], built: dict[str, torch.Tensor],
+                      stream: bool) -> None:
+    """Refuse a graph holding a tensor nothing will give values: every parameter and
+    buffer comes from the checkpoint or rank 0 (``provided``: the model's state dict,
+    folds, adapters), from the model's own build (``built``: non-persistent buffers; on
+    meta there, only rank 0's real model has them), is a quantizer's own state (reset) or
+    is empty (the device anchor); a tensor the graph reads that is neither (a constant
+    torch.export captured: a registered buffer, or a plain attribute ``to_empty`` does not
+    allocate) must not be on meta. Named, with the fix."""
+    owned = {id(t) for q in quantizers(gm).values() for t in (*q.parameters(), *q.buffers())}
+    held = [(n, t, "parameter") for n, t in gm.named_parameters()]
+    held += [(n, t, "buffer") for n, t in gm.named_buffers()]
+    known = {id(t) for _, t, _ in held}
+    graphs = [("", gm), *((n, c) for n, c in gm.named_children() if n.startswith("stage_"))]
+    for prefix, g in graphs:  # plain tensor attributes the graphs read
+        for node in getattr(getattr(g, "graph", None), "nodes", ()):
+            if node.op == "get_attr":
+                value: Any = g
+                for part in str(node.target).split("."):
+                    value = getattr(value, part, None)
+                if isinstance(value, torch.Tensor) and id(value) not in known and value.is_meta:
+                    held.append((f"{prefix}.{node.target}" if prefix else str(node.target),
+                                 value, "tensor"))
+    for name, t, kind in held:
+        short = _model_name(name)
+        if id(t) in owned or t.numel() == 0 or short in provided:
+            continue
+        value = built.get(short)
+        if value is not None and (not value.is_meta or stream):
+            continue
+        if value is not None:
+            raise QCompileError(
+                f"compile_once: buffer {short!r} is not persistent, so the checkpoint does "
+                "not hold it, and building the model left it on the meta device (no values)",
+                fix="compute it in the model's __init__ from its config (compile_once builds "
+                "the model with its parameters on meta and its buffers for real), register "
+                "it with persistent=True and save it in the checkpoint, or call compile_once "
+                "without checkpoint= (rank 0 streams its real model)")
+        raise QCompileError(
+            f"compile_once: {kind} {short!r} of the compiled graph has no values: it is a "
+            "constant torch.export captured while tracing on the meta device (a tensor "
+            "forward() makes from Python values, e.g. indexing with a list), and no "
+            "checkpoint or model holds it",
+            fix="make it a buffer of the model computed in __init__ (or index with a slice "
+            "or an int), or compile with real weights (data_parallel ddp without a "
+            "checkpoint: rank 0 compiles the real model)")
+
+
+def _adapter_names(gm: nn.Module) -> set[str]:
+    """The state-dict names ``_fill_adapters`` gives values (LoRA factors, frozen bases)."""
+    records = gm.meta.get(ADAPTERS_KEY) or {}
+    modules = _by_model_name(gm) if records else {}
+    names: set[str] = set()
+    for layer, rec in records.items():
+        names |= {f"{layer}.lora_A.weight", f"{layer}.lora_B.weight"}
+        if rec.storage is not None:
+            names |= {f"{rec.storage}.{n}" for n, _ in modules[rec.storage].named_parameters()}
+    return names
 
 
 def _by_model_name(gm: nn.Module) -> dict[str, nn.Module]:
@@ -761,7 +1103,14 @@ def _fill_adapters(gm: nn.Module, spec: CompileSpec, read: Callable[[str, slice 
         fw = modules[rec.storage]
         assert isinstance(fw, FrozenWeight)
         filled |= {f"{rec.storage}.{n}" for n, _ in fw.named_parameters()}
-        _store_rows(fw, rec, f"{layer}.weight", spec, read, loader, group, rank, world, on)
+        rows_of = read
+        if getattr(rec, "fan_in_fan_out", False):
+            # a weight stored [in, out] (Conv1D): the storage's rows are its columns, read
+            # from the whole weight, one layer at a time
+            def rows_of(name: str, rows: slice | None, read=read) -> torch.Tensor:
+                w = read(name, None).t()
+                return w if rows is None else w[rows]
+        _store_rows(fw, rec, f"{layer}.weight", spec, rows_of, loader, group, rank, world, on)
     return filled
 
 
@@ -811,13 +1160,27 @@ def _store_rows(fw: FrozenWeight, rec: Any, name: str, spec: CompileSpec,
         fq.observe_range((-stats[1]).reshape(1), stats[2].reshape(1))
     elif fq.observer is not None:
         fq.observe_tensor(w)
-    values, _ = FrozenWeight.encode(fq, w, tensor_scale=tensor_scale)
-    for leaf, param in fw.named_parameters():
-        value = values[leaf]
-        prow = _rows(param, rank, world)
-        local = param.to_local() if prow is not None else param
-        if param.shape[0] == fw.rows and fw.rows > 1:  # laid out by rows: these rows
-            if local_rows:
-                local.copy_(value)
-        else:  # one value for the whole weight, the same on every rank
-            local.copy_(value[prow] if prow is not None else value)
+    if fq.block_format == "nvfp4" and tensor_scale is None:  # the chunks share the weight's
+        tensor_scale = nvfp4_tensor_scale(w)
+    # encoded a few rows at a time: NF4 picks each element's level among 16 in float32
+    # (128 bytes of temporaries per element), which for a shard of a wide weight would
+    # be more memory than the shard; a row's codes never depend on another row's
+    n = w.shape[0]
+    step = max(1, _ENCODE_CHUNK // max(fw.cols, 1))
+    by_row = fq.block_format is None and fq.granularity in ("per_channel", "per_group")
+    for start in range(0, n, step):
+        part = slice(start, min(start + step, n))
+        qparams = {}
+        if by_row:  # these rows' scales and zero points (per tensor: the one for all)
+            qparams = {k: getattr(fq, k).detach().reshape(n, -1)[part].reshape(-1)
+                       for k in ("scale", "zero_point")}
+        values, _ = FrozenWeight.encode(fq, w[part], tensor_scale=tensor_scale, **qparams)
+        for leaf, param in fw.named_parameters():
+            value = values[leaf]
+            prow = _rows(param, rank, world)
+            local = param.to_local() if prow is not None else param
+            if param.shape[0] == fw.rows and fw.rows > 1:  # laid out by rows: these rows
+                if local_rows:
+                    local[part].copy_(value)
+            elif start == 0:  # one value for the whole weight, the same on every rank
+                local.copy_(value[prow] if prow is not None else value)

@@ -35,6 +35,7 @@ class Context:
     rule_matches: dict[int, list[str]] = field(default_factory=dict)
     # (parameter elements behind a weight quantizer, all parameter elements): insert_quant
     parameters_quantized: tuple[int, int] | None = None
+    weights_quantized: Any = None  # insert_quant: a WeightCoverage
     trace_method: str | None = None
     has_shapes: bool = False
     shapes: str | None = None  # how node shapes were recorded (Report.shapes)

@@ -19,6 +19,7 @@ import fnmatch
 import functools
 import operator
 import re
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -90,11 +91,14 @@ class WeightUse:
 
 @dataclass(frozen=True)
 class Owner:
-    """A module owning a node: its qualified name and class."""
+    """A module owning a node: its qualified name and class; ``bases`` are the names and
+    dotted paths of the classes it derives from (``FalconLinear`` -> ``Linear``,
+    ``torch.nn.modules.linear.Linear``), so ``module: Linear`` selects subclasses too."""
 
     name: str
     cls_name: str
     cls_path: str
+    bases: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -117,11 +121,39 @@ class NodeQScheme:
         return " ".join(parts)
 
 
-def _owner(name: str, cls: object) -> Owner:
+def owner_of(name: str, cls: object) -> Owner:
+    """The ``Owner`` of module ``name`` of class ``cls`` (a class, or the dotted path
+    torch.export records)."""
     if isinstance(cls, type):
-        return Owner(name, cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
+        return Owner(name, cls.__name__, f"{cls.__module__}.{cls.__qualname__}",
+                     base_names(cls))
     path = str(cls)  # torch.export records the class as a dotted string
-    return Owner(name, path.rsplit(".", 1)[-1], path)
+    return Owner(name, path.rsplit(".", 1)[-1], path, _bases_of_path(path))
+
+
+def base_names(cls: type) -> tuple[str, ...]:
+    """Names and dotted paths of the ``nn.Module`` subclasses ``cls`` derives from (itself
+    and ``nn.Module`` left out)."""
+    out: list[str] = []
+    for base in cls.__mro__[1:]:
+        if base is nn.Module or not (isinstance(base, type) and issubclass(base, nn.Module)):
+            continue
+        out += [base.__name__, f"{base.__module__}.{base.__qualname__}"]
+        if base.__module__.startswith("torch.nn.modules."):  # also as torch.nn.<name>
+            out.append(f"torch.nn.{base.__name__}")
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _bases_of_path(path: str) -> tuple[str, ...]:
+    """``base_names`` of the class at dotted ``path`` when its module is imported already
+    (export records classes by path; nothing is imported for a spec), else none."""
+    module, _, qualname = path.rpartition(".")
+    obj: object = sys.modules.get(module)
+    if obj is None:
+        return ()
+    obj = getattr(obj, qualname, None)
+    return base_names(obj) if isinstance(obj, type) and issubclass(obj, nn.Module) else ()
 
 
 
@@ -129,12 +161,12 @@ def _owner(name: str, cls: object) -> Owner:
 def owners(node: Node, gm: GraphModule) -> tuple[Owner, ...]:
     """Modules owning ``node``, innermost first; the root model (name ``""``) last."""
     stack = node.meta.get(NN_MODULE_STACK) or {}
-    found = [_owner(name, cls) for name, cls in stack.values() if name]
+    found = [owner_of(name, cls) for name, cls in stack.values() if name]
     if node.op == "call_module" and not any(o.name == node.target for o in found):
-        found.append(_owner(str(node.target), type(gm.get_submodule(str(node.target)))))
+        found.append(owner_of(str(node.target), type(gm.get_submodule(str(node.target)))))
     root = gm.meta.get(ROOT_CLASS_KEY)
     if root is not None:
-        found.insert(0, _owner("", root))
+        found.insert(0, owner_of("", root))
     return tuple(reversed(found))
 
 
@@ -184,10 +216,24 @@ def module_op(m: nn.Module) -> str | None:
     return None
 
 
-# Layout views a weight may reach its op through (see ``_view_step``).
+# Layout views a weight may reach its op through (see ``_view_step``): transposes and
+# permutations (``W.t()``, ``W.T``, ``W.mT``, ``transpose``, ``swapaxes``, ``permute``),
+# reshapes that keep the input dimension (``view`` / ``reshape``; ``_reshape_step``),
+# copies, aliases and dtype casts that keep the layout, and picking experts along dim 0.
 _VIEW_TARGETS = {aten.t.default, aten.transpose.int, aten.permute.default, torch.t,
                  torch.transpose, torch.permute, aten.select.int, aten.index.Tensor,
-                 operator.getitem, torch.select}
+                 operator.getitem, torch.select, aten.numpy_T.default, aten.mT.default,
+                 aten.adjoint.default, aten.swapaxes.default,
+                 aten.swapdims.default, torch.swapaxes, torch.swapdims, aten.alias.default,
+                 aten.detach.default, aten.contiguous.default, aten.clone.default,
+                 aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                 torch.reshape, getattr, aten._to_copy.default, aten.to.dtype,
+                 aten.to.dtype_layout, aten.type_as.default}
+_TRANSPOSE_ATTRS = {"T", "mT"}  # ``W.T`` in a symbolic graph: getattr(W, "T")
+_RESHAPES = {"view", "reshape", "_unsafe_view"}
+# the same layout: copies, aliases and casts (``W.float()``, ``W.to(torch.float32)``)
+_SAME_LAYOUT = {"contiguous", "detach", "alias", "clone", "to", "float", "type", "type_as",
+                "half", "bfloat16", "double"}
 
 
 def _int(v: object) -> int | None:
@@ -209,11 +255,26 @@ def _view_step(node: Node, ndim: int) -> list[int] | None:
         except TypeError:
             return None
     dims = list(range(ndim))
-    if name in ("t", "T") or target in (torch.t, aten.t.default):
+    if target is getattr:  # W.T / W.mT in a symbolic graph
+        attr = args[1] if len(args) > 1 else None
+        if attr not in _TRANSPOSE_ATTRS:
+            return None
+        name = attr
+    transposes = (torch.transpose, aten.transpose.int, torch.swapaxes, torch.swapdims,
+                  aten.swapaxes.default, aten.swapdims.default)
+    if name == "mT" or target in (aten.mT.default, aten.adjoint.default):
+        name, args = "transpose", (args[0], -2, -1)
+    if name in ("t", "T") or target in (torch.t, aten.t.default, aten.numpy_T.default):
         return dims[::-1] if ndim == 2 else None
-    if name == "contiguous":
+    if name in _SAME_LAYOUT or target in (aten.contiguous.default, aten.detach.default,
+                                          aten.alias.default, aten.clone.default,
+                                          aten._to_copy.default, aten.to.dtype,
+                                          aten.to.dtype_layout, aten.type_as.default):
         return dims
-    if name == "transpose" or target in (torch.transpose, aten.transpose.int):
+    if name in _RESHAPES or target in (aten.view.default, aten.reshape.default,
+                                       aten._unsafe_view.default, torch.reshape):
+        return _reshape_step(node, ndim)
+    if name in ("transpose", "swapaxes", "swapdims") or target in transposes:
         a, b = (_int(v) for v in args[1:3]) if len(args) >= 3 else (None, None)
         if a is None or b is None:
             return None
@@ -240,6 +301,33 @@ def _view_step(node: Node, ndim: int) -> list[int] | None:
         if isinstance(index, Node):  # a tensor of expert ids
             return dims
     return None
+
+
+def _shape_of(node: object) -> tuple[int, ...] | None:
+    """The recorded shape of a node's value (either front end), or None."""
+    if not isinstance(node, Node):
+        return None
+    shape = getattr(node.meta.get(TENSOR_META), "shape", None)
+    if shape is None:
+        shape = getattr(node.meta.get("val"), "shape", None)
+    try:
+        return tuple(int(d) for d in shape) if shape is not None else None
+    except TypeError:  # a symbolic size
+        return None
+
+
+def _reshape_step(node: Node, ndim: int) -> list[int] | None:
+    """A reshape of a weight (``W.view(...)``, ``reshape``) that keeps its last dimension:
+    every leading output dim comes from the leading input dims. The same shape is the
+    identity. Needs the recorded shapes (None without them, or for any other reshape)."""
+    before, after = _shape_of(node.args[0]), _shape_of(node)
+    if before is None or after is None or len(before) != ndim:
+        return None
+    if before == after:
+        return list(range(ndim))
+    if not before or not after or before[-1] != after[-1] or ndim != 2:
+        return None  # only a 2-D weight's rows split or merged: its input dim kept
+    return [0] * (len(after) - 1) + [1]
 
 
 def _operand(node: Node, index: int) -> object:
@@ -417,7 +505,8 @@ def match_node(match: Match, node: Node, node_owners: tuple[Owner, ...]) -> str 
         if match.module is None and match.name is None:
             return op
     for o in node_owners:
-        if match.module is not None and not _glob_any(match.module, o.cls_name, o.cls_path):
+        if match.module is not None and not _glob_any(match.module, o.cls_name, o.cls_path,
+                                                      *o.bases):
             continue
         if match.name is not None and not _glob_any(match.name, o.name):
             continue
@@ -455,3 +544,107 @@ def is_size_like(node: object) -> bool:
         if getattr(node.target, "__module__", None) == "_operator":
             return all(is_size_like(a) for a in (*node.args, *node.kwargs.values()))
     return False
+
+
+# -- values an op rule leaves in float: what feeds a numerically sensitive op -------------
+# The op, and which of its arguments it is sensitive in (None: the first): a small error
+# (or a value rounded to 0) there becomes an infinity or a large error after it.
+_SENSITIVE = {"rsqrt": None, "sqrt": None, "reciprocal": None, "exp": None, "exp2": None,
+              "expm1": None, "log": None, "log2": None, "log10": None, "log1p": None,
+              "softmax": None, "log_softmax": None, "safe_softmax": None, "div": 1,
+              "var": None, "std": None, "var_mean": None, "std_mean": None}
+# ops that hand a value on as it is (a cast, a view): what feeds them feeds their user
+_ALONG = {"to", "to_copy", "type", "type_as", "float", "half", "bfloat16", "double",
+          "view", "reshape", "unsafe_view", "expand", "contiguous", "clone", "alias",
+          "detach", "unsqueeze", "squeeze", "flatten"}
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _sensitive_use(node: Node, user: Node) -> str | None:
+    """The op ``user`` is, when ``node`` is an argument it is sensitive in."""
+    op = op_name(user)
+    if op is None:
+        return None
+    if op == "pow":  # x ** -0.5, x ** 0.5: a root or an inverse
+        e = user.args[1] if len(user.args) > 1 else user.kwargs.get("exponent")
+        if user.args and user.args[0] is node and _number(e) and (e < 0 or e != int(e)):
+            return f"pow {e}"
+        return None
+    if op not in _SENSITIVE:
+        return None
+    pos = _SENSITIVE[op]
+    args = user.args
+    if pos is None:
+        return op if args and args[0] is node else None
+    return op if len(args) > pos and args[pos] is node else None
+
+
+def _passes_along(node: Node, user: Node) -> bool:
+    """``user`` hands ``node``'s value on as it is: a cast or a view. (Arithmetic does not:
+    in ``log(|h| + 1)`` the ``+ 1`` feeds the log, ``h`` is quantized as usual.)"""
+    return op_name(user) in _ALONG and bool(user.args) and user.args[0] is node
+
+
+def sensitive_values(gm: GraphModule) -> dict[Node, str]:
+    """Nodes whose value reaches a numerically sensitive op — the divisor of a division,
+    ``rsqrt`` / ``sqrt`` / ``reciprocal`` / a negative or fractional power (a
+    normalisation's statistics), ``exp`` / ``log``, a softmax's input, ``var`` / ``std`` —
+    directly or through casts and views, each with that op's name. An op rule
+    (``match.op`` without a module or name) does not quantize their outputs: RMSNorm's
+    ``variance + eps`` rounded to 0 is an infinity after ``rsqrt``. One pass over the
+    graph, in reverse."""
+    found: dict[Node, str] = {}
+    for node in reversed(gm.graph.nodes):
+        for user in node.users:
+            why = _sensitive_use(node, user)
+            if why is None and user in found and _passes_along(node, user):
+                why = found[user]
+            if why is not None:
+                found[node] = why
+                break
+    return found
+
+
+# -- which parameters the products of a graph read as weights -----------------------------
+_PRODUCT_OPS = {"linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "einsum", "grouped_mm"}
+
+
+def product_weights(gm: GraphModule, *, through: tuple[type, ...] = ()) -> dict[str, Node]:
+    """Every tensor attribute of ``gm`` (2-D and up, floating point) that a linear op or a
+    matrix product (linear, matmul, mm, addmm, bmm, baddbmm, einsum, grouped_mm) reads as an
+    operand, directly or through up to six single-input steps (views, casts, picking
+    experts; a ``call_module`` of a class in ``through``, e.g. a quantizer): its target ->
+    the product reading it. The weights a spec may mean to quantize, whether or not
+    ``weight_use`` recognises how they are read."""
+    found: dict[str, Node] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method") or op_name(node) not in _PRODUCT_OPS:
+            continue
+        for arg in node.all_input_nodes:
+            cur, steps = arg, 0
+            while cur.op != "get_attr" and steps < 6:
+                inputs = cur.all_input_nodes
+                if len(inputs) != 1 or cur.op == "placeholder" or (
+                        cur.op == "call_module"
+                        and not isinstance(gm.get_submodule(str(cur.target)), through)):
+                    break
+                cur, steps = inputs[0], steps + 1
+            if cur.op != "get_attr":
+                continue
+            value = _attr_value(gm, str(cur.target))
+            if (isinstance(value, torch.Tensor) and value.dim() >= 2
+                    and value.is_floating_point()):
+                found.setdefault(str(cur.target), node)
+    return found
+
+
+def _attr_value(gm: GraphModule, target: str) -> object:
+    obj: object = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj

@@ -53,10 +53,23 @@ FOLDS_KEY = "qcompile.folds"
 #: insert_adapters: layer name -> ``passes.insert_adapters.AdapterLayer`` (its adapter, how
 #: its base is held): what ``qc.save_adapters`` / ``qc.merge_adapters`` read
 ADAPTERS_KEY = "qcompile.adapters"
+#: insert_adapters: what an ``adapters`` section trains besides the adapters
+#: (``passes.insert_adapters.Training``): the modules trained in full, which
+#: ``qc.save_adapters`` writes as peft's ``modules_to_save``, and the parameters it stopped
+#: training, which ``qc.merge_adapters`` gives back
+TRAINING_KEY = "qcompile.adapters_training"
 #: algorithm passes: the ``quant.algorithms[i]`` entries skipped because the weights were
 #: on the meta device (no values to rewrite): fine when the real compiled graph's tensors
 #: are copied in afterwards, wrong when the model's own weights are loaded
 ALGORITHMS_SKIPPED_KEY = "qcompile.algorithms_skipped"
+
+#: the optimizer step count the graph's last forward saw (``distributed.data_parallel``'s
+#: ``_StepsSeen``): in ``meta``, the one attribute of a graph that deep copies (torch
+#: rebuilds a copied GraphModule from its graph and keeps ``meta``) and pickles keep
+STEPS_SEEN_KEY = "qcompile.steps_seen"
+#: train.check_finite: the graph's budget of checked steps ([steps left, optimizer steps
+#: seen, checks on]; ``qcompile.graph.finite``)
+CHECK_FINITE_KEY = "qcompile.check_finite"
 
 # -- torch's node.meta keys that qcompile reads --------------------------------------------
 #: ``torch.fx.passes.shape_prop.TensorMetadata`` (shape, dtype, ...) of a node's value

@@ -86,6 +86,40 @@ class AdapterRecord(BaseModel):
     adapter_parameters: int
 
 
+class WeightCoverage(BaseModel):
+    """Which weights of linear layers and matrix products a quantizer reads (embeddings,
+    normalisations and biases aside): parameter elements, and the layers left float."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    read: int = Field(description="elements of the tensors linear ops and products read as "
+                      "weights (2-D and up)")
+    quantized: int = Field(description="of those, elements read through a weight quantizer")
+    skipped: int = Field(0, description="elements a skip rule keeps float on purpose")
+    float: list[str] = Field(default_factory=list, description="weights read by a product "
+                             "that no rule quantizes and no skip rule names")
+
+    @property
+    def share(self) -> float:
+        """Quantized elements over those not skipped on purpose (1.0 when none)."""
+        meant = self.read - self.skipped
+        return self.quantized / meant if meant > 0 else 1.0
+
+
+class TrainableRecord(BaseModel):
+    """A module holding parameters that train, in a graph compiled with ``adapters``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    module: str = Field(description="the module's qualified name (the model's: a pipeline "
+                        "stage's prefix left out); for lora, the adapted layer")
+    kind: str = Field(description="lora: the layer's lora_A and lora_B; full: a module an "
+                      "adapters entry of kind full trains (its quantizers' learnable scales "
+                      "included); quantizer: a learnable (LSQ) scale of an activation or "
+                      "base: qat weight quantizer; other: anything else")
+    parameters: int = Field(description="parameter elements with requires_grad")
+
+
 class ConversionRecord(BaseModel):
     """What ``qc.convert`` made of one node or weight."""
 
@@ -120,6 +154,9 @@ class Report(BaseModel):
     parameters_quantized: float | None = Field(
         None, description="fraction of the model's parameter elements read through a weight "
         "quantizer (None in mode none)")
+    weights_quantized: WeightCoverage | None = Field(
+        None, description="weights of linear layers and matrix products behind a weight "
+        "quantizer (None in mode none)")
     stages: list[StageRecord] = Field(default_factory=list)
     balance: str | None = Field(None, description="cost model used for the stages")
     balance_ratio: float | None = Field(None, description="max stage cost / mean stage cost")
@@ -127,6 +164,10 @@ class Report(BaseModel):
     trainable_parameters: int | None = Field(
         None, description="parameter elements with requires_grad in the graph")
     parameters: int | None = Field(None, description="parameter elements in the graph")
+    trainable: list[TrainableRecord] = Field(
+        default_factory=list, description="with an adapters section: every module whose "
+        "parameters train, by kind (everything else is frozen); empty without one (the "
+        "model's own requires_grad flags hold)")
     total_seconds: float = 0.0
     conversions: list[ConversionRecord] = Field(
         default_factory=list, description="qc.convert: what each quantized node became")
@@ -158,6 +199,14 @@ class Report(BaseModel):
         if self.parameters_quantized is not None:
             lines.append(f"parameters behind a weight quantizer: "
                          f"{100 * self.parameters_quantized:.1f}%")
+        w = self.weights_quantized
+        if w is not None and w.read:
+            kept = f", {w.skipped} kept float by skip rules" if w.skipped else ""
+            lines.append(f"linear / product weights behind a quantizer: {100 * w.share:.1f}% "
+                         f"of {w.read - w.skipped} elements{kept} (embeddings, norms aside)")
+            if w.float:
+                lines.append(f"    float, no rule: {', '.join(w.float[:6])}"
+                             + (f" (+{len(w.float) - 6})" if len(w.float) > 6 else ""))
         if self.adapters:
             before = sum(a.base_bytes_before for a in self.adapters)
             after = sum(a.base_bytes_after for a in self.adapters)
@@ -171,6 +220,8 @@ class Report(BaseModel):
             lines.append(f"trainable parameters: {self.trainable_parameters} of "
                          f"{self.parameters} "
                          f"({100 * self.trainable_parameters / self.parameters:.2f}%)")
+        if self.trainable:
+            lines.append(f"trains: {_trains(self.trainable)}")
         if self.stages:
             lines.append(f"stages: {len(self.stages)} (balance {self.balance}, max/mean cost "
                          f"{self.balance_ratio:.2f})")
@@ -192,6 +243,23 @@ class Report(BaseModel):
         for k, v in self.max_deviation.items():
             lines.append(f"max deviation {k}: {v:.4g}")
         return "\n".join(lines)
+
+
+def _trains(records: list[TrainableRecord]) -> str:
+    """What trains, in one line: per kind, the modules (a few named) and their elements."""
+    parts = []
+    for kind in ("lora", "full", "quantizer", "other"):
+        mine = [r for r in records if r.kind == kind]
+        if not mine:
+            continue
+        total = sum(r.parameters for r in mine)
+        names = ", ".join(r.module for r in mine[:3]) + (
+            f", ... (+{len(mine) - 3})" if len(mine) > 3 else "")
+        parts.append({"lora": f"lora on {len(mine)} layer(s)",
+                      "full": f"in full {names}",
+                      "quantizer": f"{len(mine)} learnable quantizer scale(s)",
+                      "other": f"other {names}"}[kind] + f" ({total})")
+    return "; ".join(parts)
 
 
 def report(gm: Any) -> Report:

@@ -44,6 +44,12 @@ from qcompile.runtime.quant_math import (
 from qcompile.specs.quant import FP8_MAX, REDUCIBLE_DTYPES, Scheme, reduces_activation_range
 
 _FLAG_INDEX = {"enabled": 0, "observe": 1}
+# The extra-state entry (``get_extra_state``): its key within the quantizer's prefix (torch's
+# name), and the codes of its ``pending`` field.
+EXTRA_STATE = "_extra_state"
+PENDING_NONE = 0.0  # no pending statistics
+PENDING_IN_STEP = 1.0  # gathered in the step under way (no optimizer step since)
+PENDING_STEP_ENDED = 2.0  # an optimizer step came after them: the next forward applies them
 
 
 def _sharded(t: torch.Tensor) -> bool:
@@ -145,6 +151,27 @@ def default_axis(scheme: Scheme, role: str) -> int:
     return 0 if role == "weight" else 1
 
 
+def refuse_nonfinite_input(where: str, x: torch.Tensor) -> None:
+    """A ``QCompileError`` when ``x`` holds NaN or an infinity (``train.check_finite``);
+    ``where`` says which quantizer reads it, from which node, and what lies upstream."""
+    weight = type(x) is nn.Parameter
+    x = x.detach()  # isfinite is composite (abs, compare): autograd would keep x
+    # one pass, no temporary: NaN and infinities make the sum non-finite; a finite tensor
+    # whose sum overflows is told apart by the exact test
+    if bool(torch.isfinite(x.sum(dtype=torch.float32))) or bool(torch.isfinite(x).all()):
+        return
+    nan = int(torch.isnan(x).sum())
+    inf = int(torch.isinf(x).sum())
+    raise QCompileError(
+        f"training forward: {where}: its input holds {nan} NaN and {inf} infinite value(s) "
+        f"of {x.numel()}" + (" (the weight itself: training diverged)" if weight else ""),
+        fix=("lower the learning rate or clip gradients, and resume from the last finite "
+             "checkpoint" if weight else
+             "keep the op named above out of quantization (a skip rule, match: {name: "
+             "<its layer>}, or drop the op rule that quantizes what feeds it), or check the "
+             "batch for NaN") + "; train.check_finite: 0 turns this check off")
+
+
 class FakeQuantize(nn.Module):
     """Simulated quantization of one tensor.
 
@@ -196,6 +223,9 @@ class FakeQuantize(nn.Module):
     update: str = "forward"  # when a training forward's observation takes effect
     initialised: bool = False  # step updates: the observer has statistics to quantize with
     _pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    # train.check_finite: while set (qcompile.graph.finite, the first training steps), what
+    # an error says about this quantizer when its input holds NaN or an infinity
+    check_finite: str | None = None
 
     def __init__(
         self,
@@ -582,7 +612,8 @@ class FakeQuantize(nn.Module):
         # more than the kernel on a small tensor; this is the operator call (and the
         # arguments) the general path ends in for such a call.
         if (type(x) is torch.Tensor and self.enabled and not self.observe
-                and self.granularity == "per_tensor" and not self.learnable
+                and self.check_finite is None and self.granularity == "per_tensor"
+                and not self.learnable
                 and not self.dynamic and self.dtype not in FP8_DTYPES and x.is_cpu
                 and x.is_floating_point() and x.numel() != 0 and x.dim() != 0
                 and not torch.compiler.is_dynamo_compiling() and kernels.available()):
@@ -591,6 +622,8 @@ class FakeQuantize(nn.Module):
         # Only floating-point tensors are quantized: indices, masks and sizes pass through.
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
             return x
+        if self.check_finite is not None and not torch.compiler.is_compiling():
+            refuse_nonfinite_input(self.check_finite, x)
         if self.block_format is not None:
             if not self.enabled:
                 return x
@@ -749,14 +782,127 @@ class FakeQuantize(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
         weight_cache.clear(self)
-        # loaded statistics replace the step's; whether they exist is checked again
-        self.__dict__.update(_pending=None, initialised=False)
         self._convert_scale_entries(state_dict, prefix)
+        key = prefix + EXTRA_STATE
+        # torch's private copy: a state dict saved without the entry (before it existed)
+        # loads under strict=True too, as set_extra_state(None)
+        state_dict[key] = self._checked_extra_state(key, state_dict.get(key))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         flags = state_dict.get(prefix + "mode_flags")
         if isinstance(flags, torch.Tensor) and flags.device.type != "meta":
             self.enabled = bool(flags[0])
             self.observe = bool(flags[1])
+
+    # -- what a state dict keeps besides parameters and buffers --------------------------
+    # Step updates keep two facts outside the buffers: the pending statistics (plain tensors:
+    # DDP broadcasts buffers from rank 0 before every forward, which would replace each
+    # rank's own) and ``initialised``. The state dict carries them as the module's extra
+    # state, one float32 tensor (state dicts stay all-tensor: safetensors, weights_only
+    # loads, torch.distributed.checkpoint) of a fixed length per quantizer (DCP loads in
+    # place): [initialised, pending, min..., max...], ``pending`` one of the PENDING_*
+    # codes, the statistics (+inf / -inf without pending ones) only for quantizers that
+    # defer (``deferred()``). The tensor is this quantizer's own, refreshed by each call,
+    # like a buffer (a pipeline graph names state-dict entries by their tensors' identity).
+    def get_extra_state(self) -> torch.Tensor:
+        """``[initialised, pending, min..., max...]`` (float32): see the comment above.
+
+        Example:
+            >>> import torch
+            >>> fq = FakeQuantize("uint8", symmetric=False, update="step")
+            >>> _ = fq(torch.tensor([0.5, 2.0], requires_grad=True))   # a training forward
+            >>> fq.state_dict()["_extra_state"].tolist()   # pending: [min], [max]
+            [0.0, 1.0, 0.5, 2.0]
+        """
+        n = self._pending_size()
+        device = self.observer.min_val.device if n else self.zero_point.device
+        entry = self.__dict__.get("_extra_entry")
+        if entry is None or entry.numel() != 2 + 2 * n or entry.device != device:
+            entry = torch.empty(2 + 2 * n, dtype=torch.float32, device=device)
+            self.__dict__["_extra_entry"] = entry
+        if device.type == "meta":
+            return entry
+        pending = self._pending
+        with torch.no_grad():
+            entry[0] = float(self._has_statistics())
+            entry[1] = PENDING_NONE if pending is None else PENDING_IN_STEP
+            if n:
+                if pending is None:
+                    entry[2:2 + n].fill_(float("inf"))
+                    entry[2 + n:].fill_(float("-inf"))
+                else:
+                    entry[2:2 + n].copy_(pending[0].reshape(-1))
+                    entry[2 + n:].copy_(pending[1].reshape(-1))
+        return entry
+
+    def _pending_size(self) -> int:
+        """How many minima (and maxima) the extra state holds: the observer's, for a
+        quantizer that defers; 0 otherwise (a converted graph may have dropped the
+        observer of a quantizer it only reads qparams from)."""
+        obs = self._modules.get("observer")
+        return obs.min_val.numel() if obs is not None and self.deferred() else 0
+
+    def _has_statistics(self) -> bool:
+        """``initialised`` as saved: the fact it caches (set by the first forward that finds
+        the observer with finite statistics), so that graphs whose observers hold the same
+        statistics save the same entry (ranks that received rank 0's statistics without
+        observing, a graph loaded from a state dict and not run since)."""
+        if self.initialised:
+            return True
+        min_val = getattr(self._modules.get("observer"), "min_val", None)
+        local = _local_values(min_val) if isinstance(min_val, torch.Tensor) else None
+        return local is not None and bool(torch.isfinite(local).any())
+
+    def set_extra_state(self, state: torch.Tensor | None) -> None:
+        """Restore ``initialised`` and the pending statistics from ``get_extra_state``'s
+        tensor (checked by ``_load_from_state_dict``). ``None`` (a state dict saved without
+        it) drops the pending statistics and checks again on the next training forward
+        whether the observer has statistics. An entry without statistics (one saved by a
+        quantizer that does not defer) restores none."""
+        weight_cache.clear(self)
+        self.__dict__.update(_pending=None, initialised=False, _pending_loaded=PENDING_NONE)
+        local = _local_values(state) if isinstance(state, torch.Tensor) else None
+        if local is None:
+            return  # none saved, or none to read (meta)
+        n = self._pending_size()
+        if local.numel() != 2 + 2 * n:
+            return  # another kind of quantizer saved it: nothing of ours to restore
+        self.__dict__["initialised"] = bool(local[0])
+        code = float(local[1])
+        if n and code != PENDING_NONE:
+            like = self.observer.min_val
+            mn = local[2:2 + n].to(like.device, torch.float32).reshape(like.shape).clone()
+            mx = local[2 + n:].to(like.device, torch.float32).reshape(like.shape).clone()
+            self.__dict__.update(_pending=(mn, mx), _pending_loaded=code)
+
+    def extra_state_entry(self) -> torch.Tensor | None:
+        """The tensor the last ``get_extra_state`` returned (refreshed by each), or None."""
+        return self.__dict__.get("_extra_entry")
+
+    def loaded_pending(self) -> float:
+        """What the last ``load_state_dict`` restored: ``PENDING_NONE``, ``PENDING_IN_STEP``
+        (statistics of a step still under way) or ``PENDING_STEP_ENDED`` (statistics of a
+        step whose optimizer step came before the save: the graph applies them at its next
+        forward). Reading clears it."""
+        return self.__dict__.pop("_pending_loaded", PENDING_NONE)
+
+    def _checked_extra_state(self, key: str, value: object) -> torch.Tensor | None:
+        """``value`` if it is an extra-state entry this quantizer can restore, None when
+        there is none; anything else is a ``QCompileError`` naming the entry."""
+        if value is None:
+            return None
+        n = self._pending_size()
+        if not (isinstance(value, torch.Tensor) and value.dim() == 1
+                and value.is_floating_point() and value.numel() in (2, 2 + 2 * n)):
+            shown = (f"a {value.dtype} tensor of shape {list(value.shape)}"
+                     if isinstance(value, torch.Tensor) else f"a {type(value).__name__}")
+            raise QCompileError(
+                f"state dict entry {key}: {shown} is not this quantizer's state (a float "
+                f"tensor of {2 + 2 * n} values: initialised, pending, "
+                f"{n} minima and {n} maxima{' (none here)' if not n else ''})",
+                fix="load a state dict saved from a graph compiled from the same model and "
+                "spec; drop the entry to load the rest (its step's pending statistics are "
+                "then lost)")
+        return value
 
     def _convert_scale_entries(self, state_dict: dict, prefix: str) -> None:
         """Map the scale entries of ``state_dict`` (torch's private copy) to this
@@ -846,6 +992,7 @@ class FakeQuantize(nn.Module):
         state = super().__getstate__()  # a copy of __dict__
         state.pop(weight_cache.ATTR, None)
         state.pop("_scratch", None)
+        state.pop("_extra_entry", None)  # made again by the copy's own state_dict()
         return state
 
     def extra_repr(self) -> str:

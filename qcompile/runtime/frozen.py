@@ -1,8 +1,10 @@
 """A frozen base weight held in its quantized form (``adapters: [{base: frozen}]``).
 
-``FrozenWeight`` stores one ``[out, in]`` weight as its scheme stores it (integers with
-per-tensor / per-channel / per-group scales, or the codes and scales of a block-scaled
-format: MXFP8/6/4, NVFP4, NF4) and returns the dequantized weight on each call: exactly the
+``FrozenWeight`` stores one ``[out, in]`` weight (for a layer that stores its weight
+``[in, out]``, GPT-2's ``Conv1D``, its transpose: output rows, with groups and blocks
+along the inputs) as its scheme stores it (integers with per-tensor / per-channel /
+per-group scales, or the codes and scales of a block-scaled format: MXFP8/6/4, NVFP4,
+NF4) and returns the dequantized weight on each call: exactly the
 values the weight's fake-quantizer gave (``FakeQuantize`` with the same qparams), so a
 graph whose base is frozen computes what its QAT graph computed with the same weights.
 
@@ -61,18 +63,34 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def frozen_layout(fq: nn.Module, shape: tuple[int, ...]) -> str | None:
-    """Why the weight quantizer ``fq`` of a weight of ``shape`` cannot be stored frozen, or
+def frozen_layout(fq: nn.Module, shape: tuple[int, ...], *, transposed: bool = False
+                  ) -> str | None:
+    """Why the weight quantizer ``fq`` cannot have the rows of ``shape`` stored frozen, or
     None when it can (a 2-D ``[out, in]`` weight, any integer scheme whose scales run along
-    its rows, or a block format)."""
+    its rows, or a block format). ``transposed``: ``fq`` reads these rows' transpose (a
+    weight stored ``[in, out]``, GPT-2's ``Conv1D``, quantized as it is stored), so its
+    per-channel scales run along that weight's axis 1.
+
+    Example:
+        >>> from qcompile.runtime.fake_quant import FakeQuantize
+        >>> fq = FakeQuantize("int8", granularity="per_channel", axis=1, channels=4,
+        ...                   weight=True)
+        >>> frozen_layout(fq, (4, 8))
+        'per-channel scales along axis 1 (frozen storage needs them along the output rows)'
+        >>> frozen_layout(fq, (4, 8), transposed=True) is None
+        True
+    """
     if len(shape) != 2:
         return f"a {len(shape)}-D weight (frozen storage holds [out, in] matrices)"
     if getattr(fq, "dtype", None) in FP8_DTYPES:
         return f"{fq.dtype} weights (frozen storage holds integers and block formats)"
+    if transposed and fq.granularity == "per_group":
+        return "groups along a weight's output dimension (stored [in, out], read as stored)"
+    if fq.granularity == "per_channel" and fq.axis % 2 != (1 if transposed else 0):
+        return (f"per-channel scales along axis {fq.axis} (frozen storage needs them along "
+                "the output rows)")
     if getattr(fq, "learnable", False) is True and fq.block_format is None:
         return None  # its scale is read as it is now
-    if fq.granularity == "per_channel" and fq.axis != 0:
-        return f"per-channel scales along axis {fq.axis} (frozen storage needs axis 0)"
     if fq.granularity == "per_token":
         return "a per-token weight scheme"
     return None
@@ -109,11 +127,14 @@ class FrozenWeight(nn.Module):
 
     # -- building ------------------------------------------------------------------------
     @classmethod
-    def from_quantizer(cls, fq: nn.Module, weight: torch.Tensor) -> FrozenWeight:
+    def from_quantizer(cls, fq: nn.Module, weight: torch.Tensor, *,
+                       transposed: bool = False) -> FrozenWeight:
         """``weight`` (``[out, in]``) stored as the weight quantizer ``fq`` quantizes it
-        (its current qparams; a block format computes its own)."""
+        (its current qparams; a block format computes its own); ``transposed``: ``fq``
+        quantizes ``weight.t()`` (see ``frozen_layout``), per tensor or per channel along
+        its axis 1, which are the same scales by ``weight``'s rows."""
         shape = tuple(weight.shape)
-        why = frozen_layout(fq, shape)
+        why = frozen_layout(fq, shape, transposed=transposed)
         if why is not None:
             raise QCompileError(f"a frozen base cannot store {why}",
                                 fix="use base: qat for this layer, or another weight scheme")

@@ -16,6 +16,11 @@ computed on every rank, without the process group: the same model compiled with
 ``data_parallel: none`` and trained on the whole global batch (loss = mean over it, which
 is what DDP's and FSDP2's gradient averaging computes with equal local batches).
 
+The ``fsdp2_full`` case also trains the head in full (an ``adapters`` entry of ``kind:
+full``, peft's ``modules_to_save``), sharded by FSDP2 like the adapters, and writes the
+adapter with ``qc.save_adapters`` from every rank (each sharded tensor gathered; rank 0
+writes); the reference writes one from the single process.
+
 The ``compile_once_*`` cases build the graph with ``qc.distributed.compile_once`` from a
 safetensors checkpoint of the float model instead. An exception in compiling or training
 (raised on every rank at the same point) is recorded as ``{"error": ..., "traceback": ...}``
@@ -89,12 +94,15 @@ LAYERS = sorted(f"blocks.{b}.{n}" for b in range(2)
 EXAMPLE = (torch.randn(2, SEQ, D_IN, generator=torch.Generator().manual_seed(7)),)
 
 
-def spec_of(kind: str, scheme: str) -> dict[str, Any]:
+def spec_of(kind: str, scheme: str, full: bool = False) -> dict[str, Any]:
+    """Adapters on the blocks; ``full``: the head trained in full besides them."""
+    entries: list[dict[str, Any]] = [{"match": {"module": "Linear", "name": "blocks.*"},
+                                      "rank": 4, "alpha": 8, "base": "frozen"}]
+    if full:
+        entries.append({"kind": "full", "match": {"name": "head"}})
     return {"quant": {"mode": "qat", "rules": [
                 {"match": {"module": "Linear", "name": "blocks.*"}, "weight": SCHEMES[scheme]}]},
-            "adapters": [{"match": {"module": "Linear", "name": "blocks.*"}, "rank": 4,
-                          "alpha": 8, "base": "frozen"}],
-            "data_parallel": {"kind": kind}}
+            "adapters": entries, "data_parallel": {"kind": kind}}
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,9 +197,10 @@ def frozen_checks(gm: nn.Module, before: dict[str, torch.Tensor]) -> dict[str, A
             "trainable": sorted(n for n, p in params(gm, "").items() if p.requires_grad)}
 
 
-def reference(scheme: str, steps: int) -> tuple[list[float], dict[str, torch.Tensor], Any]:
+def reference(scheme: str, steps: int, full: bool = False
+              ) -> tuple[list[float], dict[str, torch.Tensor], Any]:
     """One process, the whole global batch, no process group involved."""
-    ref = qc.qcompile(build(), spec_of("none", scheme), example_inputs=EXAMPLE)
+    ref = qc.qcompile(build(), spec_of("none", scheme, full), example_inputs=EXAMPLE)
     start = adapters(ref)
     opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR)
     losses = []
@@ -263,6 +272,45 @@ def case_fsdp2_int4() -> dict[str, Any]:
     return train_case("fsdp2", "int4")
 
 
+def case_fsdp2_full() -> dict[str, Any]:
+    """Adapters and the head trained in full under FSDP2, saved by qc.save_adapters (every
+    rank gathers; rank 0 writes), against the adapter one process saves after training
+    on the whole global batch."""
+    import json
+
+    from safetensors.torch import load_file
+
+    spec = spec_of("fsdp2", "nf4", full=True)
+    gm = qc.qcompile(build(), spec, example_inputs=EXAMPLE)
+    model = qc.distributed.wrap(gm, spec)
+    head = dict(gm.get_submodule("head").named_parameters())
+    sharded = sorted(n for n, p in head.items() if hasattr(p, "full_tensor"))
+    start = {n: full(p) for n, p in head.items()}
+    try:
+        losses = train(model, STEPS)
+        folder = qc.save_adapters(model, OUTDIR / "fsdp2_full")
+    except Exception as e:  # raised on every rank at the same point: recorded, goes on
+        return {"error": f"{type(e).__name__}: {e}".strip()[:600],
+                "traceback": traceback.format_exc()[-3000:]}
+    dist.barrier()  # rank 0 has written
+    ref_losses, _, ref = reference("nf4", STEPS, full=True)
+    # every rank trains the same reference; rank 0 writes it (save_adapters' rule)
+    ref_folder = qc.save_adapters(ref, OUTDIR / "fsdp2_full_reference")
+    dist.barrier()
+    saved = load_file(str(folder / "adapter_model.safetensors"))
+    want = load_file(str(ref_folder / "adapter_model.safetensors"))
+    config, ref_config = (json.loads((f / "adapter_config.json").read_text())
+                          for f in (folder, ref_folder))
+    return {"error": None, "losses": losses, "mean_losses": mean_over_ranks(losses),
+            "ref_losses": ref_losses, "head_sharded": sharded,
+            "saved_vs_reference": compare(saved, want),
+            "saved_head": sorted(k for k in saved if ".head." in k),
+            "config_equal": config == ref_config,
+            "modules_to_save": config.get("modules_to_save"),
+            "head_moved": max(float((saved[f"base_model.model.head.{n}"] - start[n]).abs()
+                                    .max()) for n in start)}
+
+
 def compile_once_case(scheme: str) -> dict[str, Any]:
     """compile_once from a safetensors checkpoint of the float model (each rank quantizes
     its rows of every frozen base), against one process's qc.qcompile; then one step."""
@@ -303,6 +351,60 @@ def compile_once_case(scheme: str) -> dict[str, Any]:
                 "moved": max(float((after[n] - got_adapters[n]).abs().max()) for n in after),
                 **frozen_checks(gm, stored)})
     return out
+
+
+class Conv1DBlock(nn.Module):
+    """GPT-2's MLP: Hugging Face ``Conv1D`` layers, weights stored [in, out]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self.c_fc, self.c_proj = Conv1D(2 * WIDTH, WIDTH), Conv1D(WIDTH, 2 * WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.c_proj(torch.relu(self.c_fc(x)))
+
+
+class Conv1DModel(Model):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Conv1DBlock(), Conv1DBlock()])
+
+
+def build_conv1d() -> nn.Module:
+    torch.manual_seed(0)
+    return Conv1DModel().requires_grad_(False)
+
+
+def case_compile_once_conv1d() -> dict[str, Any]:
+    """compile_once of Conv1D layers (NF4 bases stored by output rows: each rank reads its
+    columns of the checkpoint's [in, out] weights) against one process's qc.qcompile."""
+    from safetensors.torch import save_file
+
+    def spec(kind: str) -> dict[str, Any]:
+        return {"quant": {"mode": "qat", "rules": [
+                    {"match": {"module": "Conv1D"}, "weight": SCHEMES["nf4"]}]},
+                "adapters": [{"match": {"module": "Conv1D"}, "rank": 4, "alpha": 8}],
+                "data_parallel": {"kind": kind}}
+
+    path = OUTDIR / "float_conv1d.safetensors"
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous().clone() for k, v in build_conv1d().state_dict().items()},
+                  str(path))
+    dist.barrier()
+    try:
+        gm = qc.distributed.compile_once(build_conv1d, spec("fsdp2"), EXAMPLE,
+                                         checkpoint=str(path))
+        losses = train(qc.distributed.wrap(gm, spec("fsdp2")), 1)
+    except Exception as e:  # raised on every rank (compile_once's contract): recorded
+        return {"error": f"{type(e).__name__}: {e}".strip()[:600],
+                "traceback": traceback.format_exc()[-3000:]}
+    ref = qc.qcompile(build_conv1d(), spec("none"), example_inputs=EXAMPLE)
+    stored = {n: full(p) for n, p in params(gm, ".weight_frozen.").items()}
+    ref_stored = {n: full(p) for n, p in params(ref, ".weight_frozen.").items()}
+    return {"error": None, "losses": losses, "shards": sharding(gm),
+            "stored_vs_reference": compare(stored, ref_stored)}
 
 
 def case_compile_once_int4() -> dict[str, Any]:

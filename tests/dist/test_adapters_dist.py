@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dist_cases import wanted_cases
+from dist_cases import uses, wanted_cases
 
 pytestmark = pytest.mark.dist
 
@@ -32,7 +32,9 @@ ADAPTED = 12  # 2 blocks x (q, k, v, o, up, down)
 STORED = {"int4": 2, "nf4": 2}
 TRAIN = ["ddp_int4", "fsdp2_nf4", "fsdp2_int4"]
 ONCE = ["compile_once_int4", "compile_once_nf4"]
-ORDER = TRAIN + ONCE
+ORDER = [*TRAIN, "fsdp2_full", *ONCE, "compile_once_conv1d"]
+
+
 @pytest.fixture(scope="module")
 def dist_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
              dist_launcher: Any) -> Any:
@@ -122,6 +124,26 @@ def test_fsdp2_shards_the_frozen_base(dist_run: Any, case: str) -> None:
         check_shards(rank, r["shards"], ADAPTED * STORED[scheme_of(case)])
 
 
+@uses("fsdp2_full")
+def test_fsdp2_full_module_saved_as_one_process(dist_run: Any) -> None:
+    """The head trained in full (``kind: full``) next to the adapters under FSDP2: its
+    parameters are sharded like the adapters', ``save_adapters`` (called by every rank)
+    writes it whole with the adapters, and the file equals the one a single process
+    writes after training on the whole global batch (same names, values within the
+    tolerance of a different reduction order, the same adapter_config)."""
+    for rank, r in enumerate(trained(dist_run, "fsdp2_full")):
+        assert r["head_sharded"] == ["bias", "weight"], f"rank {rank}: {r['head_sharded']}"
+        vs = r["saved_vs_reference"]
+        assert vs["missing"] == [] and vs["extra"] == [], vs
+        assert vs["compared"] == 2 * ADAPTED + 2 and r["saved_head"] == [
+            "base_model.model.head.bias", "base_model.model.head.weight"]
+        assert vs["not_close"] == [], (
+            f"rank {rank}: {vs['not_close']} differ from one process (max gap {vs['max_gap']})")
+        assert r["config_equal"] and r["modules_to_save"] == ["head"]
+        assert r["head_moved"] > 1e-3, "training did not move the head"
+        assert r["mean_losses"] == pytest.approx(r["ref_losses"], rel=1e-5), r
+
+
 # -- compile_once from a safetensors checkpoint -----------------------------------------------
 @pytest.mark.parametrize("case", ONCE)
 def test_compile_once_stores_each_ranks_rows_as_one_process(dist_run: Any, case: str) -> None:
@@ -140,6 +162,19 @@ def test_compile_once_stores_each_ranks_rows_as_one_process(dist_run: Any, case:
         assert ad["compared"] == 2 * ADAPTED and ad["not_equal"] == [], ad
         assert r["b_zero"]
         check_shards(rank, r["shards"], ADAPTED * STORED[scheme])
+
+
+@uses("compile_once_conv1d")
+def test_compile_once_stores_conv1d_bases_by_output_rows(dist_run: Any) -> None:
+    """GPT-2's Conv1D layers (weights stored [in, out]): each rank stores its output rows
+    of every NF4 base from the checkpoint's columns, bit-identical to one process."""
+    for rank, r in enumerate(trained(dist_run, "compile_once_conv1d")):
+        vs = r["stored_vs_reference"]
+        layers = 4  # 2 blocks x (c_fc, c_proj)
+        assert vs["compared"] == layers * STORED["nf4"] and vs["missing"] == [], vs
+        assert vs["not_equal"] == [], f"rank {rank}: stored base differs: {vs}"
+        check_shards(rank, r["shards"], layers * STORED["nf4"])
+        assert len(r["losses"]) == 1 and math.isfinite(r["losses"][0])
 
 
 @pytest.mark.parametrize("case", ONCE)

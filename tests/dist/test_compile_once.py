@@ -29,8 +29,9 @@ WEIGHTS = 16  # its parameters
 # weight + output quantizer per Linear (5), one per residual add (3), and the model input
 # the first Linear reads (the presets' inputs: auto)
 QUANTIZERS = 14
-# per quantizer in the state dict: scale, zero_point, observer min/max, mode_flags
-STATE = WEIGHTS + 5 * QUANTIZERS
+# per quantizer in the state dict: scale, zero_point, observer min/max, mode_flags and the
+# extra state (step updates' pending statistics and initialised)
+STATE = WEIGHTS + 6 * QUANTIZERS
 QPARAMS = 4 * QUANTIZERS  # scale, zero_point, observer min/max
 
 # every case the worker knows, in launch order; fsdp2_calibration_memory first (the
@@ -145,7 +146,7 @@ def test_fsdp2_static_cnn_folds_batchnorm_like_one_process(dist_run: Any, how: s
         assert got["sign_flipped"], f"rank {rank}: a negative gamma did not flip its channel"
         vs = got["vs_reference"]
         assert vs["missing"] == [] and vs["extra"] == [], vs
-        assert vs["compared"] == CNN_WEIGHTS + 5 * CNN_QUANTIZERS
+        assert vs["compared"] == CNN_WEIGHTS + 6 * CNN_QUANTIZERS
         assert vs["not_equal"] == [], (
             f"rank {rank}: not bit-identical to one process: {vs['not_equal']} "
             f"(gaps {vs['gaps']})")

@@ -1,11 +1,13 @@
 """``insert_adapters``: golden before/after dumps (frozen integer and block bases, a qat
-base, mode none, an entry that does not fire), what trains, the first-match / skip rules,
-the deterministic start, and the errors."""
+base, mode none, an entry that does not fire, a head trained in full), what trains (only
+the adapters and the ``full`` modules, learnable scales by what they quantize), the
+first-match / skip rules, the deterministic start, and the errors."""
 
 from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from torch import nn
 import qcompile as qc
 from qcompile.graph.context import Context
 from qcompile.graph.dump import format_graph
-from qcompile.graph.meta import ADAPTERS_KEY
+from qcompile.graph.meta import ADAPTERS_KEY, TRAINING_KEY
 from qcompile.passes import insert_adapters as ia
 from qcompile.passes.insert_quant import insert_quant
 from qcompile.passes.trace import trace
@@ -158,25 +160,105 @@ def test_mode_none_with_adapters_is_bit_identical_in_train_and_eval():
         assert torch.equal(gm(X), model(X))
 
 
-def test_only_adapters_and_unmatched_parameters_train_and_the_model_is_untouched():
+def test_only_the_adapters_train_and_the_model_is_untouched():
     model = Net()
     state = copy.deepcopy(model.state_dict())
-    model.blocks[1].requires_grad_(False)  # the user froze this block: it stays frozen
+    model.blocks[1].requires_grad_(False)  # the user's flags stay the user's
     gm = qc.qcompile(model, spec(INT4, [{"match": {"name": "blocks.0.*"}, "rank": 2}]),
                      example_inputs=(X,))
-    loss = gm(X).square().mean()
-    loss.backward()
-    trained = {n for n, p in gm.named_parameters() if p.grad is not None}
-    assert trained == {"blocks.0.q_proj.lora_A.weight", "blocks.0.q_proj.lora_B.weight",
-                       "blocks.0.up.lora_A.weight", "blocks.0.up.lora_B.weight",
-                       "blocks.0.down.lora_A.weight", "blocks.0.down.lora_B.weight",
-                       "head.weight", "head.bias"}
+    lora = {f"blocks.0.{n}.lora_{p}.weight" for n in ("q_proj", "up", "down") for p in "AB"}
+    assert {n for n, p in gm.named_parameters() if p.requires_grad} == lora
+    gm(X).square().mean().backward()
+    assert {n for n, p in gm.named_parameters() if p.grad is not None} == lora
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
-    assert all(p.requires_grad for p in model.blocks[0].parameters())
+    assert all(p.requires_grad for m in (model.blocks[0], model.head) for p in m.parameters())
+    assert not any(p.requires_grad for p in model.blocks[1].parameters())
     rep = qc.report(gm)
-    assert len(rep.adapters) == 3 and rep.trainable_parameters == sum(
-        p.numel() for p in gm.parameters() if p.requires_grad)
-    assert "adapters: 3 lora" in rep.text() and "trainable parameters" in rep.text()
+    # r * (in + out) per layer, from the layers' shapes: q_proj 32->32, up 32->64, down 64->32
+    assert [(r.module, r.kind, r.parameters) for r in rep.trainable] == [
+        ("blocks.0.q_proj", "lora", 2 * 64), ("blocks.0.up", "lora", 2 * 96),
+        ("blocks.0.down", "lora", 2 * 96)]
+    assert len(rep.adapters) == 3 and rep.trainable_parameters == 2 * (64 + 96 + 96)
+    assert "adapters: 3 lora" in rep.text() and "trains: lora on 3 layer(s) (512)" in rep.text()
+    # the head and the user-trained parameters of blocks.0 stopped: recorded for the merge
+    training = gm.meta[TRAINING_KEY]
+    assert set(training.frozen) == {"head.weight", "head.bias"}
+    assert training.unfrozen == () and training.full == ()
+
+
+def test_golden_head_trained_in_full_next_to_the_adapters(golden):
+    adapters = [{"match": {"name": "*.q_proj"}, "rank": 2},
+                {"kind": "full", "match": {"name": "head"}}]
+    before, gm, ctx = run_pass(Net(), spec(INT4, adapters), X)
+    golden("insert_adapters_full_head", dump(before, gm, ctx))
+
+
+def test_full_modules_train_where_the_model_froze_them():
+    model = Net().requires_grad_(False)  # frozen first, as peft users do
+    gm = qc.qcompile(model, spec(INT4, [{"match": {"name": "*.q_proj"}, "rank": 2},
+                                        {"kind": "full", "match": {"name": "head"}}]),
+                     example_inputs=(X,))
+    gm(X).square().mean().backward()
+    trained = {n for n, p in gm.named_parameters() if p.grad is not None}
+    assert trained == {"head.weight", "head.bias"} | {
+        f"blocks.{b}.q_proj.lora_{p}.weight" for b in (0, 1) for p in "AB"}
+    assert not any(p.requires_grad for p in model.parameters())  # the model's own flags
+    training = gm.meta[TRAINING_KEY]
+    assert [(f.name, f.entry, f.tensors) for f in training.full] == [
+        ("head", 1, ("weight", "bias"))]
+    assert set(training.unfrozen) == {"head.weight", "head.bias"} and training.frozen == ()
+    rep = qc.report(gm)
+    assert [(r.module, r.kind, r.parameters) for r in rep.trainable if r.kind == "full"] == [
+        ("head", "full", 32 * 4 + 4)]
+    assert "in full head (132)" in rep.text()
+
+
+def test_full_selects_modules_by_class_and_name_and_keeps_the_outermost():
+    model = Net()
+    block = sum(p.numel() for p in model.blocks[1].parameters())
+    # a glob selecting a block and everything in it: the block is the module trained
+    gm = qc.qcompile(model, spec(INT4, [{"match": {"name": "blocks.0.q_proj"}},
+                                        {"kind": "full", "match": {"name": "blocks.1*"}}]),
+                     example_inputs=(X,))
+    assert [f.name for f in gm.meta[TRAINING_KEY].full] == ["blocks.1"]
+    assert [(r.module, r.parameters) for r in qc.report(gm).trainable if r.kind == "full"] == [
+        ("blocks.1", block)]
+    assert all(p.requires_grad for n, p in gm.named_parameters() if n.startswith("blocks.1."))
+    # by class (the model's classes: the graph's containers are plain modules)
+    gm = qc.qcompile(model, spec(INT4, [{"match": {"name": "head"}},
+                                        {"kind": "full", "match": {"module": "Block"}}]),
+                     example_inputs=(X,))
+    assert [f.name for f in gm.meta[TRAINING_KEY].full] == ["blocks.0", "blocks.1"]
+    frozen = {n for n, p in gm.named_parameters() if not p.requires_grad}
+    assert frozen == {"head.weight", "head.bias"}  # the adapted head's float base
+    # an optional entry selecting nothing adds nothing
+    gm = qc.qcompile(model, spec(INT4, [{"match": {"name": "head"}},
+                                        {"kind": "full", "match": {"module": "Conv2d"},
+                                         "optional": True}]), example_inputs=(X,))
+    assert {n for n, p in gm.named_parameters() if p.requires_grad} == {
+        "head.lora_A.weight", "head.lora_B.weight"}
+
+
+def test_learnable_scales_train_with_what_they_quantize():
+    """LSQ scales: a frozen layer's weight scale stops (its deployed weight stays what the
+    graph had); a qat base's weight scale, a full module's and activations' keep training."""
+    lsq = {"quant": {"mode": "qat", "rules": [{"match": {"module": "Linear"}, "weight": {
+        "dtype": "int8", "granularity": "per_channel", "learnable": True}, "activation": {
+        "dtype": "int8", "learnable": True}}]},
+        "adapters": [{"match": {"name": "blocks.0.q_proj"}, "base": "qat"},
+                     {"match": {"name": "blocks.0.up"}},
+                     {"kind": "full", "match": {"name": "head"}}]}
+    gm = qc.qcompile(Net(), lsq, example_inputs=(X,))
+    trains = {n for n, p in gm.named_parameters() if p.requires_grad}
+    offsets = {n for n in trains if n.endswith("scale_offset")}
+    layers = [f"blocks.{b}.{n}" for b in (0, 1) for n in ("q_proj", "up", "down")] + ["head"]
+    assert offsets == {f"{n}.output_fake_quant.scale_offset" for n in layers} | {
+        "blocks.0.q_proj.weight_fake_quant.scale_offset", "head.weight_fake_quant.scale_offset"}
+    assert trains - offsets == {"head.weight", "head.bias"} | {
+        f"blocks.0.{n}.lora_{p}.weight" for n in ("q_proj", "up") for p in "AB"}
+    kinds = {r.kind for r in qc.report(gm).trainable}
+    assert kinds == {"lora", "full", "quantizer"}
+    assert "7 learnable quantizer scale(s)" in qc.report(gm).text()
 
 
 def test_the_start_is_the_same_for_every_compile_and_depends_on_seed_and_layer():
@@ -215,7 +297,8 @@ def test_training_moves_the_output_and_the_graph_saves_and_loads(tmp_path):
 
 
 def test_errors_name_the_entry_and_the_fix():
-    with pytest.raises(qc.QCompileError, match=r"adapters\[0\].*matched no Linear layer"):
+    with pytest.raises(qc.QCompileError,
+                       match=r"adapters\[0\].*matched no Linear or Conv1D layer"):
         qc.qcompile(Net(), spec(INT4, [{"match": {"module": "Conv2d"}}]), example_inputs=(X,))
     with pytest.raises(qc.QCompileError, match=r"adapters\[0\].*base: qat but no quantization"):
         qc.qcompile(Net(), spec(INT4, [{"match": {"name": "head"}, "base": "qat"}]),
@@ -230,6 +313,67 @@ def test_errors_name_the_entry_and_the_fix():
     with pytest.raises(ValidationError, match="gptq"):
         qc.CompileSpec.model_validate({"quant": {"mode": "static", "algorithms": [
             {"kind": "gptq"}]}, "adapters": [{"match": {"name": "x"}}]})
+
+
+class TiedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_full_entry_errors_name_the_entry_and_the_module():
+    lora = {"match": {"name": "*.q_proj"}, "rank": 2}
+    with pytest.raises(qc.QCompileError, match=r"adapters\[1\] \(kind: full, name: "
+                       r"nothing\) matched no module holding parameters") as e:
+        qc.qcompile(Net(), spec(INT4, [lora, {"kind": "full", "match": {"name": "nothing"}}]),
+                    example_inputs=(X,))
+    assert "optional: true" in e.value.fix
+    with pytest.raises(qc.QCompileError, match=r"adapters\[1\] trains 'blocks.0.q_proj' in "
+                       r"full and adapters\[0\] puts a LoRA adapter on 'blocks.0.q_proj': a "
+                       "module is adapted or trained in full, not both") as e:
+        qc.qcompile(Net(), spec(INT4, [lora, {"kind": "full", "match": {
+            "name": "blocks.0.q_proj"}}]), example_inputs=(X,))
+    assert "{match: {name: 'blocks.0.q_proj'}, skip: true} before adapters[0]" in e.value.fix
+    with pytest.raises(qc.QCompileError, match=r"trains 'blocks.1' in full and adapters\[0\] "
+                       r"puts a LoRA adapter on 'blocks.1.q_proj' inside it"):
+        qc.qcompile(Net(), spec(INT4, [lora, {"kind": "full", "match": {"name": "blocks.1"}}]),
+                    example_inputs=(X,))
+    # what the fix says: a skip entry first leaves the layer to the full entry
+    gm = qc.qcompile(Net(), spec(INT4, [{"match": {"name": "blocks.0.q_proj"}, "skip": True},
+                                        lora, {"kind": "full", "match": {
+                                            "name": "blocks.0.q_proj"}}]), example_inputs=(X,))
+    assert sorted(gm.meta[ADAPTERS_KEY]) == ["blocks.1.q_proj"]
+    assert gm.get_submodule("blocks.0.q_proj").weight.requires_grad
+    with pytest.raises(qc.QCompileError, match=r"adapters\[1\] trains 'b' in full, but its "
+                       r"weight is the same tensor as a.weight \(tied\)"):
+        qc.qcompile(TiedNet(), {"quant": {"mode": "qat", "rules": [
+            {"match": {"module": "Linear"}, "weight": INT4}]}, "adapters": [
+            {"match": {"name": "a"}}, {"kind": "full", "match": {"name": "b"}}]},
+            example_inputs=(X,))
+
+
+@pytest.mark.parametrize(("entries", "where", "message"), [
+    ([{"kind": "full", "match": {"name": "head"}}], "adapters",
+     r"adapters\[0\] trains modules in full .* no entry adds an adapter"),
+    ([{"match": {"name": "head"}, "skip": True}, {"kind": "full", "match": {"name": "head"}}],
+     "adapters", "no entry adds an adapter"),
+    ([{"match": {"name": "x"}}, {"kind": "full", "match": {"name": "head"}, "rank": 4}],
+     "adapters.1.full.rank", "Extra inputs are not permitted"),
+    ([{"match": {"name": "x"}}, {"kind": "full", "match": {"op": "linear"}}],
+     "adapters.1.full", r"match\.op"),
+    ([{"kind": "dora", "match": {"name": "x"}}], "adapters.0", "'lora', 'full'"),
+])
+def test_full_entries_validate_strictly(entries, where, message):
+    with pytest.raises(ValidationError) as e:
+        qc.CompileSpec.model_validate({"adapters": entries})
+    (err,) = e.value.errors()
+    assert ".".join(str(x) for x in err["loc"]) == where
+    assert re.search(message, str(e.value)), str(e.value)
 
 
 
@@ -262,3 +406,51 @@ def test_a_layer_called_twice_reads_one_storage():
     assert torch.equal(gm(X), plain(X))
     gm(X).sum().backward()
     assert gm.get_submodule("fc").lora_A.weight.grad is not None
+
+
+class Conv1DMLP(nn.Module):
+    """GPT-2's MLP: Hugging Face ``Conv1D`` layers, weights stored [in, out]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        torch.manual_seed(0)
+        self.c_fc, self.c_proj = Conv1D(64, 32), Conv1D(32, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(torch.relu(self.c_fc(x)))
+
+
+@pytest.mark.parametrize("weight", [{"dtype": "nf4", "group_size": 32},
+                                    {"dtype": "int8", "granularity": "per_channel"}],
+                         ids=["nf4", "int8_per_channel"])
+def test_golden_conv1d_base_stored_by_output_rows(golden, weight):
+    """The frozen storage holds [out, in] rows, transposed back for ``addmm``; the adapter
+    reads the op's ``x`` and adds to its output, before GPT-2's reshape."""
+    pytest.importorskip("transformers")
+    s = {"quant": {"mode": "qat", "rules": [{"match": {"module": "Conv1D"},
+                                             "weight": weight}]},
+         "adapters": [{"match": {"module": "Conv1D", "name": "c_fc"}, "rank": 2}]}
+    before, gm, ctx = run_pass(Conv1DMLP(), s, X)
+    golden(f"insert_adapters_conv1d_{weight['dtype']}", dump(before, gm, ctx))
+    rec = gm.meta[ADAPTERS_KEY]["c_fc"]
+    assert rec.fan_in_fan_out and (rec.in_features, rec.out_features) == (32, 64)
+    # c_proj, not adapted, keeps its float weight behind its quantizer, frozen
+    assert not gm.get_submodule("c_proj").weight.requires_grad
+    assert not gm.get_submodule("c_proj.weight_fake_quant").observe
+
+
+class SubLinear(nn.Linear):
+    """A Linear subclass with the stock forward (as Falcon's ``FalconLinear``)."""
+
+
+@pytest.mark.parametrize("method", ["symbolic", "export"])
+def test_module_linear_selects_subclasses(method):
+    model = nn.Sequential(SubLinear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    gm = qc.qcompile(model, {**spec(INT4, [{"match": {"module": "Linear"}, "rank": 2}]),
+                             "quant": {"mode": "qat", "rules": [
+                                 {"match": {"module": "Linear"}, "weight": INT4}]},
+                             "trace": {"method": method}}, example_inputs=(X,))
+    assert sorted(gm.meta[ADAPTERS_KEY]) == ["0", "2"]
+    assert isinstance(gm.get_submodule("0.weight_frozen"), FrozenWeight)

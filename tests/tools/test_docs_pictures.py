@@ -2,9 +2,10 @@
 ``python -m qcompile.tools.docs_pictures``) are current and readable.
 
 - current: the committed files are what the commands drawn in ``docs/how-to/pictures.md``
-  draw now (the same bytes on the machine that drew them; on another CPU a number may
-  differ in its last printed digit, float sums being ordered differently on AVX2 and
-  AVX-512, and nothing else may);
+  draw now (the same bytes on the machine that drew them; on another CPU, float sums being
+  ordered differently on AVX2 and AVX-512, an SQNR may differ by up to ``SQNR_DB`` with the
+  fill colour that follows it, any other number in its last printed digit, and nothing
+  else may);
 - readable: data flows down the page (every edge leaves its source's bottom for a box
   further down, unless marked ``wrap`` / ``back``), a module called twice is drawn twice,
   no label touches another label or a box, every shape and text carries its colours and
@@ -47,9 +48,37 @@ def committed(name: str) -> str:
     return (PICTURES / name).read_text(encoding="utf-8")
 
 
+# A measured node's SQNR depends on the CPU's float rounding (the model's convolutions sum
+# in another order on AVX2 than on AVX-512: a few tenths of a dB on the ResNet), and so do
+# the fill that follows it (``heat``) and a module's worst-node SQNR: SQNRs are compared
+# within SQNR_DB, each fill checked against its own SQNR; all else to the last digit.
+SQNR_DB = 0.5
+SQNR_FILL = re.compile(r'(data-sqnr="([^"]*)"[^>]*><title>[^<]*</title><rect [^>]*?fill=")'
+                       r'(#[0-9a-f]{6})')
+SQNR = re.compile(r'(data-sqnr="|SQNR )(-?\d+(?:\.\d+)?)')
+
+
+def _sqnr_fills_follow_their_sqnr(text: str) -> str | None:
+    from qcompile.tools.inspect_picture.svg import heat
+
+    for m in SQNR_FILL.finditer(text):
+        if heat(float(m.group(2))) != m.group(3):
+            return f"fill {m.group(3)} for SQNR {m.group(2)} dB"
+    return None
+
+
 def _same_up_to_last_digit(a: str, b: str) -> str | None:
-    """None when ``a`` and ``b`` are equal but for numbers one unit apart in their last
-    printed digit; else where they first differ."""
+    """None when ``a`` and ``b`` are equal but for SQNRs within ``SQNR_DB`` (and the fills
+    that follow them) and other numbers one unit apart in their last printed digit; else
+    where they first differ."""
+    a, b = (SQNR_FILL.sub(r"\1#sqnr", t) for t in (a, b))
+    sa, sb = ([float(m.group(2)) for m in SQNR.finditer(t)] for t in (a, b))
+    if len(sa) != len(sb):
+        return f"{len(sa)} SQNRs vs {len(sb)}"
+    for x, y in zip(sa, sb):
+        if abs(x - y) > SQNR_DB:
+            return f"SQNR {x} vs {y} dB"
+    a, b = (SQNR.sub(r"\1sqnr", t) for t in (a, b))
     ta, tb = NUMBER.split(a), NUMBER.split(b)
     na, nb = NUMBER.findall(a), NUMBER.findall(b)
     if ta != tb or len(na) != len(nb):
@@ -65,6 +94,7 @@ def _same_up_to_last_digit(a: str, b: str) -> str | None:
 def test_pictures_are_what_the_commands_draw(drawn: dict[str, str]) -> None:
     for name, now in drawn.items():
         assert (PICTURES / name).is_file(), "run python -m qcompile.tools.docs_pictures"
+        assert _sqnr_fills_follow_their_sqnr(now) is None, _sqnr_fills_follow_their_sqnr(now)
         old = committed(name)
         if old != now:
             why = _same_up_to_last_digit(old, now)

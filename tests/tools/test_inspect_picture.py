@@ -269,7 +269,7 @@ def test_transformer_default_depth_fits_a_screen(llama_gm: Any) -> None:
     assert len(p.nodes) <= 60
     assert {f"layers.{i}" for i in range(32)} <= {n["texts"][0] for n in p.nodes.values()}
     block = p.nodes["mod:layers.7"]
-    assert block["kind"] == "module" and block["texts"][1] == "Block · 48 nodes · 20 quant"
+    assert block["kind"] == "module" and block["texts"][1] == "Block · 46 nodes · 18 quant"
     _no_overlaps(p)
     lay = svg.compute_layout(shown)
     assert layout.overlaps(lay) == [] and lay.columns > 1  # wrapped to a screen's shape
@@ -313,7 +313,7 @@ def test_export_front_end_collapses_the_same_way() -> None:
     shown = {n["title"]: n["texts"][1:] for n in Parsed(picture(gm, 2)[1]).nodes.values()}
     assert set(shown) == {"input_ids", "embedding", "layers.0", "layers.1", "norm", "lm_head",
                           "output"}
-    assert shown["layers.1"] == ["Block · 48 nodes · 20 quant"]
+    assert shown["layers.1"] == ["Block · 46 nodes · 18 quant"]
     assert shown["lm_head"] == ["Linear · 3 nodes · 2 quant"]
 
 

@@ -47,6 +47,11 @@ Subcommands:
 - ``moe``: mixture-of-experts language models (Mixtral-, Qwen2-MoE-, DeepSeek-V3-style tiny
   configs): expert parameters behind a quantizer, QAT loss next to fp32, and in mode none
   bit-identical logits and identical routing.
+- ``architectures``: every Hugging Face family of ``qcompile.tools.architectures`` (tiny
+  configs: 15 decoders, BERT, ViT, T5) under int8-qat, 8da4w-qat, nvfp4-qat, qlora-nf4 and
+  int8-static: finite losses with a pad token in the batch, the share of linear weights
+  behind a quantizer, convert, and ``compile_once`` on 2 ranks next to one process; its
+  JSON is the table of ``docs/reference/architectures.md``.
 - ``llm``: a small Llama-style language model (dense and mixture-of-experts) trained on
   English text that ships with Python: validation perplexity of fp32, round-to-nearest PTQ,
   GPTQ and QAT for w8a8, 8da4w, int4 weight-only, MXFP4, NVFP4 and NF4, and the share of

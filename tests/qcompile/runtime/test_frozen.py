@@ -9,10 +9,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from qcompile.errors import QCompileError
 from qcompile.runtime import kernels
 from qcompile.runtime.block_formats import nvfp4_tensor_scale
 from qcompile.runtime.fake_quant import FakeQuantize
-from qcompile.runtime.frozen import FrozenWeight
+from qcompile.runtime.frozen import FrozenWeight, frozen_layout
 from qcompile.specs import Scheme
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -194,3 +195,32 @@ def test_block_formats_encode_large_weights_in_row_chunks_with_the_same_bits(
     assert all(torch.equal(p, dict(whole.named_parameters())[n])
                for n, p in chunked.named_parameters())
     assert torch.equal(chunked(), fq(w).detach())
+
+
+@pytest.mark.parametrize("scheme", [{"dtype": "int8", "granularity": "per_channel"},
+                                    {"dtype": "uint4", "granularity": "per_channel",
+                                     "symmetric": False},
+                                    {"dtype": "int8"}], ids=["int8", "uint4-asym", "tensor"])
+def test_a_weight_stored_in_out_is_held_by_its_output_rows(scheme):
+    """GPT-2's Conv1D: the quantizer reads the ``[in, out]`` weight as stored (per channel
+    along axis 1, or per tensor); the storage holds its transpose, with the same values."""
+    w = weight(rows=24, cols=128).t().contiguous()  # [in=128, out=24]
+    fq = FakeQuantize.from_scheme(Scheme(**scheme), role="weight", shape=tuple(w.shape),
+                                  channel_axis=1)
+    fq.observe_tensor(w)
+    assert frozen_layout(fq, (24, 128), transposed=True) is None
+    if scheme.get("granularity") == "per_channel":
+        assert "axis 1" in frozen_layout(fq, (24, 128))  # as rows, its scales run across
+    fw = FrozenWeight.from_quantizer(fq, w.t(), transposed=True)
+    assert (fw.rows, fw.cols) == (24, 128)
+    assert torch.equal(fw.dequantize_eager(), fq(w).detach().t())
+    assert torch.equal(fw.dequantize(), fq(w).detach().t())
+
+
+def test_groups_across_the_outputs_are_refused():
+    w = weight(rows=32, cols=64)  # read as stored [in, out], groups would run along outputs
+    fq = quantizer({"dtype": "int4", "granularity": "per_group", "group_size": 16}, w)
+    assert "output dimension" in frozen_layout(fq, (64, 32), transposed=True)
+    with pytest.raises(QCompileError, match="output dimension"):
+        FrozenWeight.from_quantizer(fq, w.t(), transposed=True)
+

@@ -67,15 +67,20 @@ def test_weights_and_histograms_are_never_deferred():
     assert step_fq("minmax").deferred() and step_fq("moving_average").deferred()
 
 
-def test_pending_statistics_travel_with_the_module_not_the_state_dict():
+def test_pending_statistics_travel_with_the_module_and_its_state_dict():
     """A step's pending statistics: copied and pickled with the quantizer (a whole graph
-    saved mid-step resumes the step), not in the state dict (apply them first:
-    ``train_step`` and ``sync_observers`` do); a device move drops them."""
+    saved mid-step resumes the step), and in the state dict as its extra state, not as
+    buffers (tests/qcompile/test_state_survives.py checks graphs); a device move drops
+    them."""
     fq = step_fq()
     x = torch.randn(8, requires_grad=True)
     fq(x)
     assert fq.pending_stats() is not None
     assert set(fq.state_dict()) == set(step_fq().state_dict())
+    assert "_extra_state" not in dict(fq.named_buffers())
+    loaded = step_fq()
+    loaded.load_state_dict(fq.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(loaded.pending_stats(), fq.pending_stats()))
     f = io.BytesIO()
     torch.save(fq, f)
     f.seek(0)

@@ -19,6 +19,7 @@ from typing import Any
 
 from qcompile.tools.bench.suites.adapters import adapters_text, bench_adapters
 from qcompile.tools.bench.suites.algorithms import algorithms_text, bench_algorithms
+from qcompile.tools.bench.suites.architectures import architectures_text, bench_architectures
 from qcompile.tools.bench.suites.compile import bench_compile, bench_memory, memory_text
 from qcompile.tools.bench.suites.convert import bench_convert
 from qcompile.tools.bench.suites.convert_presets import bench_convert_presets
@@ -65,6 +66,7 @@ SUITES: dict[str, Suite] = {
     "algorithms": Suite(bench_algorithms, algorithms_text, threads=2),
     "torch-models": Suite(bench_torch_models, torch_models_text, threads=2),
     "moe": Suite(bench_moe, threads=2),
+    "architectures": Suite(bench_architectures, architectures_text, threads=2),
     "llm": Suite(bench_llm, llm_text, threads=2),
     "adapters": Suite(bench_adapters, adapters_text, threads=2),
     "search": Suite(bench_search, search_text, threads=2),
