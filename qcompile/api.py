@@ -19,13 +19,20 @@ from torch import nn
 from torch.fx import GraphModule
 
 from qcompile.distributed.agree import (
+    MODEL_FIX,
     agree,
     calibration_fingerprint,
     collective_phase,
     unchanged_on_failure,
 )
 from qcompile.distributed.convert import shard_converted
-from qcompile.distributed.data_parallel import apply_registered, sum_across_ranks, sync_observers
+from qcompile.distributed.data_parallel import (
+    RankSync,
+    apply_registered,
+    reduce_observers,
+    several_ranks,
+    sum_across_ranks,
+)
 from qcompile.distributed.guards import data_parallel_inner
 from qcompile.errors import QCompileError
 from qcompile.graph.algorithms import pending, refuse_pending, run_pending
@@ -41,9 +48,10 @@ from qcompile.graph.pipeline import Instrument
 from qcompile.graph.records import Report, report
 from qcompile.graph.signature import graph_inputs
 from qcompile.passes import DATA_ALGORITHMS
-from qcompile.passes.convert import convert_graph
+from qcompile.passes.convert import convert_graph, torch_deprecations_silenced
 from qcompile.passes.convert.sharded import local_rows_copy, refusal
 from qcompile.runtime.calibration import (
+    RankCombine,
     call_args,
     check_calibratable,
     collect_statistics,
@@ -80,10 +88,39 @@ def freeze(gm: nn.Module) -> nn.Module:
         ...     if isinstance(q, qc.FakeQuantize))
         True
     """
+    _refuse_uncompiled(gm, "freeze")
     for m in gm.modules():
         if isinstance(m, GraphModule):
             apply_registered(m)
     return freeze_observers(gm)
+
+
+def _compiled(gm: nn.Module) -> bool:
+    """Whether ``gm`` holds a graph ``qcompile`` returned (its report), or quantizers."""
+    return any((isinstance(getattr(m, "meta", None), dict) and REPORT_KEY in m.meta)
+               or isinstance(m, FakeQuantize) for m in gm.modules())
+
+
+def _refuse_uncompiled(gm: Any, what: str) -> None:
+    """A ``QCompileError`` naming ``what`` when ``gm`` is not a module holding a compiled
+    graph: a float model passed where the graph belongs would otherwise be returned as it
+    is (``freeze``) or fail deep inside (``calibrate``)."""
+    if not isinstance(gm, nn.Module):
+        raise QCompileError(f"{what} takes the graph qc.qcompile returned, got "
+                            f"{type(gm).__name__}",
+                            fix="pass gm = qc.qcompile(model, spec, example_inputs=...)")
+    if not _compiled(data_parallel_inner(gm)):
+        raise QCompileError(f"{what}: {type(gm).__name__} was not compiled by qcompile (it "
+                            "holds no qcompile report and no quantizers)",
+                            fix=f"compile it first: gm = qc.qcompile(model, spec, "
+                                f"example_inputs=...), then qc.{what}(gm, ...)")
+
+
+def converted(gm: nn.Module) -> bool:
+    """Whether ``gm`` is ``qc.convert``'s result (its report lists conversion passes)."""
+    meta = getattr(gm, "meta", None)
+    rep = meta.get(REPORT_KEY) if isinstance(meta, dict) else None
+    return rep is not None and any(p.name.startswith("convert.") for p in rep.passes)
 
 
 def _mode(gm: nn.Module) -> str | None:
@@ -112,10 +149,18 @@ def calibrate(gm: nn.Module, batches: Iterable[Any], *, sync: bool | None = None
 
     A graph wrapped by ``qc.distributed.wrap`` calibrates as the graph it wraps (DDP's
     ``.module``; a ``fully_shard``-ed graph is the graph) and comes back as it was given.
-    Synchronising ranks first agree on the spec and the graph (and, for a sharded graph, on
-    the batch count and shapes), and a batch refused on one rank is refused on every rank:
-    a mistake on one rank is the same ``QCompileError`` everywhere, never a hang."""
+    Synchronising ranks first agree on the call, the spec, the graph and its tensors' shapes
+    (and, for a sharded graph, on the batch count and shapes), and a batch refused on one
+    rank is refused on every rank: a mistake on one rank, another model there, or a
+    calibration on some ranks only, is the same ``QCompileError`` everywhere, never a
+    hang."""
+    _refuse_uncompiled(gm, "calibrate")
     wrapped, gm = gm, data_parallel_inner(gm)
+    if converted(gm):
+        raise QCompileError("calibrate: this graph is qc.convert's result (integer kernels): "
+                            "it has no observers left to calibrate",
+                            fix="calibrate the fake-quant graph qc.qcompile returned, then "
+                                "convert it again")
     todo = pending(gm)
     mode = _mode(gm)
     if not todo or mode != "dynamic":
@@ -124,9 +169,14 @@ def calibrate(gm: nn.Module, batches: Iterable[Any], *, sync: bool | None = None
         sync = bool(getattr(gm, "meta", {}).get(SYNC_OBSERVERS_KEY, False))
     signature = graph_inputs(gm)
     sharded = sharded_by(gm) is not None
+    # histogram-based observers (and enabled quantizers) combine each batch across the
+    # ranks inside the forward: then, as for a sharded graph, every forward is collective
+    combine = RankCombine(RankSync()) if sync and several_ranks() else None
+    in_forward = combine is not None and RankCombine.in_forward(gm)
     if sync:  # before the first collective: a mismatch is one clear error on every rank
-        fingerprint, batches = calibration_fingerprint(gm, batches, sharded=sharded)
-        agree("calibrate", fingerprint)
+        fingerprint, batches = calibration_fingerprint(gm, batches,
+                                                       sharded=sharded or in_forward)
+        agree("calibrate", fingerprint, fixes={"graph": MODEL_FIX, "tensors": MODEL_FIX})
     if todo:  # the data-driven quant.algorithms first: the observers see the final weights
         shard = sharded_by(gm)
         if shard is not None:
@@ -156,14 +206,21 @@ def calibrate(gm: nn.Module, batches: Iterable[Any], *, sync: bool | None = None
                            signature=signature, fixed=fixed)
         return wrapped
     # every rank learns whether any rank's batches were refused before the observers are
-    # reduced (one collective, not one per batch); then every rank ends with the same qparams.
-    # A sharded graph's forwards are collectives themselves (its batches were agreed above):
-    # a phase check meeting a peer's forward would mix two collectives, so it has none.
+    # reduced (one collective, not one per batch); then every rank ends with the same
+    # qparams, those of one process observing the global batches (RankCombine: moving
+    # averages fold each batch's global range, histograms the global histogram).
+    # A sharded graph's forwards are collectives themselves (its batches were agreed above),
+    # and so are those of a graph combining in its forwards: a phase check meeting a peer's
+    # forward would mix two collectives, so they have none.
     with unchanged_on_failure(gm):
-        with collective_phase("calibrate", enabled=not sharded):
+        with collective_phase("calibrate", enabled=not (sharded or in_forward)):
             collect_statistics(gm, batches, progress=progress, inputs=inputs,
-                               signature=signature, fixed=fixed)
-        sync_observers(gm, everything=True)
+                               signature=signature, fixed=fixed, combine=combine)
+        if combine is not None:
+            combine.fold()  # the moving averages' batch ranges, unless folded per batch
+        # (agreed above: no second check)
+        reduce_observers(gm, everything=True,
+                         skip=combine.quantizers if combine is not None else ())
     return wrapped
 
 
@@ -253,6 +310,12 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
                                 f"when every rank can convert its own rows, and {why}",
                                 fix=_GATHER_RECIPE)
     rep = report(gm)
+    if converted(gm):
+        raise QCompileError("convert: this graph is converted already (qc.convert's result: "
+                            "integer kernels, no quantizers left)",
+                            fix="convert the fake-quant graph qc.qcompile returned (after "
+                                "qc.calibrate or training); the converted graph is for "
+                                "inference as it is")
     if not quantizers(gm):
         raise QCompileError("convert: the graph has no quantizers (quant.mode "
                             f"{rep.mode!r})", fix="compile with quant.mode static, qat or "
@@ -314,7 +377,7 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
     if rows is not None:
         out = shard_converted(out, rows.mesh, rows.units, rows.rank, rows.world, rows.cut)
     if ref is not None:
-        with torch.no_grad():
+        with torch.no_grad(), torch_deprecations_silenced():  # torch's quantized kernels run
             got = _outputs(out(*example_inputs))
         for i, (a, b) in enumerate(zip(got, ref)):
             if not (a.is_floating_point() and b.is_floating_point()):
@@ -337,7 +400,8 @@ def _sharing_copy(gm: nn.Module, weights: dict[str, torch.Tensor]) -> nn.Module:
     the model would be most of convert's peak. Quantizers, buffers and the graph are
     copied (``freeze`` and the conversion steps change them)."""
     memo: dict[int, Any] = {id(p): p for p in weights.values()}
-    return copy.deepcopy(gm, memo)
+    with torch_deprecations_silenced():  # an exported graph's pytree LeafSpec (see there)
+        return copy.deepcopy(gm, memo)
 
 
 def _own_parameters(out: nn.Module, weights: dict[str, torch.Tensor]) -> None:

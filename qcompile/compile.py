@@ -74,6 +74,12 @@ def qcompile(
     if not isinstance(model, nn.Module):
         raise QCompileError(f"qcompile takes an nn.Module, got {type(model).__name__}",
                             fix="pass the model instance (not its class or a function)")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise QCompileError(
+            f"example_kwargs must be a dict of forward() argument names to values, got "
+            f"{type(example_kwargs).__name__}",
+            fix="pass example_kwargs={'input_ids': ids}, or positional values as "
+                "example_inputs=(x,)")
     spec = as_spec(spec)
     if spec.quant.search is not None:
         raise QCompileError(

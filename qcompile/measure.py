@@ -42,7 +42,7 @@ from qcompile.graph.matching import innermost_owner, layer_of, module_output
 from qcompile.graph.meta import FOLDS_KEY, MODULE_KEY, SPEC_KEY
 from qcompile.graph.running import untouched
 from qcompile.graph.signature import graph_inputs
-from qcompile.runtime.calibration import call_args, misfit
+from qcompile.runtime.calibration import call_args, misfit, refuse_batches_misuse
 from qcompile.runtime.fake_quant import FakeQuantize
 
 
@@ -108,6 +108,19 @@ def _graph(gm: nn.Module) -> GraphModule:
     return gm
 
 
+def _refuse_nonfinite(index: int, args: tuple, kwargs: dict, names: list[str]) -> None:
+    """A NaN or inf in a batch would make every SQNR after it -inf or NaN: say where."""
+    named = [(names[i] if i < len(names) else f"input {i}", v) for i, v in enumerate(args)]
+    for name, v in [*named, *kwargs.items()]:
+        if (isinstance(v, torch.Tensor) and v.is_floating_point()
+                and not bool(torch.isfinite(v).all())):
+            nan = int(torch.isnan(v).sum())
+            raise QCompileError(
+                f"qc.sqnr: batch {index}: input {name} has {nan} NaN and "
+                f"{v.numel() - nan - int(torch.isfinite(v).sum())} infinite values",
+                fix="measure on finite data (drop or clean the batch)")
+
+
 def sqnr(gm: nn.Module, reference_model: nn.Module, batches: Iterable[Any], *,
          inputs: Callable[[Any], Any] | None = None) -> list[dict[str, Any]]:
     """Per quantized activation, SQNR (dB) of the node's output against the float
@@ -134,10 +147,15 @@ def sqnr(gm: nn.Module, reference_model: nn.Module, batches: Iterable[Any], *,
         (['_1', 'input_1'], True)
     """
     gm = _graph(gm)
+    if not isinstance(reference_model, nn.Module):
+        raise QCompileError(f"qc.sqnr: reference_model is a {type(reference_model).__name__}, "
+                            "not the float model", fix="pass the float nn.Module the graph "
+                            "was compiled from: qc.sqnr(gm, model, batches)")
     if any(name.startswith("stage_") for name, _ in gm.named_children()):
         raise QCompileError("qc.sqnr measures unsplit graphs",
                             fix="compile without the pipeline section for the error report")
     signature = graph_inputs(gm)
+    refuse_batches_misuse(batches, inputs, "qc.sqnr")
     try:
         calls = call_args(batches, inputs, signature)
     except QCompileError as e:  # worded for qc.calibrate: say qc.sqnr
@@ -151,6 +169,7 @@ def sqnr(gm: nn.Module, reference_model: nn.Module, batches: Iterable[Any], *,
         except TypeError as e:
             raise misfit(e, index, args, kwargs, signature, what="qc.sqnr: batch",
                          fix=_SQNR_FIX) from None
+        _refuse_nonfinite(index, args, kwargs, [i.name for i in signature])
     spec = gm.meta.get(SPEC_KEY)
     trace = spec.trace.model_dump() if spec is not None else {}
     args0, kwargs0 = calls[0]
@@ -189,6 +208,12 @@ def sqnr(gm: nn.Module, reference_model: nn.Module, batches: Iterable[Any], *,
         if pair is not None:
             measured.append((*pair, n.name))
 
+    if not measured and any(not q.weight for q in gm.modules() if isinstance(q, FakeQuantize)):
+        # nothing of the graph has a counterpart in the reference: not the model compiled
+        raise QCompileError(
+            f"qc.sqnr: the reference model ({type(reference_model).__name__}) has none of the "
+            "graph's quantized layers, so nothing can be compared",
+            fix="pass the float model the graph was compiled from as the second argument")
     sums: dict[str, list[float]] = {}
     with untouched(gm):
         for index, (args, kwargs) in enumerate(calls):

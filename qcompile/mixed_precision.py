@@ -34,7 +34,10 @@ Steps:
    ``inf`` there and is never chosen for it.
 3. *Across ranks*: each rank scores its own batches; the score sums and batch counts are
    summed over ``group`` (``qcompile.distributed.search_sync``) before the choice, so every
-   rank returns the same spec, equal to one process scoring all the batches.
+   rank returns the same spec, equal to one process scoring all the batches. First of all
+   the ranks agree on the spec and the model (its tensors and a checksum of their values):
+   another model on one rank, or a search on some ranks only, is the same
+   ``QCompileError`` on every rank.
 4. *The choice*: a multiple-choice knapsack solved by dynamic programming over the Pareto
    frontier of (cost, predicted error) of the groups so far (``solve``). Exact unless the
    frontier exceeds ``cap`` states: then states whose costs fall in one bucket of width
@@ -92,7 +95,12 @@ from torch.fx import GraphModule, Node
 
 from qcompile.compile import qcompile
 from qcompile.distributed.once import blocks
-from qcompile.distributed.search_sync import reduce_scores, scoring, world_size
+from qcompile.distributed.search_sync import (
+    agree_to_search,
+    reduce_scores,
+    scoring,
+    world_size,
+)
 from qcompile.errors import QCompileError
 from qcompile.graph.matching import layer_of, weight_use, weighted_module_op
 from qcompile.graph.meta import QSCHEME_KEY
@@ -485,6 +493,24 @@ def _as_call(batch: Any) -> tuple[tuple, dict]:
     return (batch,), {}
 
 
+def _refuse_nonfinite(batches: list[Any]) -> None:
+    """A NaN or infinite input would make every score NaN (no candidate comparable to
+    another, nothing to choose): refused, naming the batch and the input."""
+    for index, batch in enumerate(batches):
+        args, kwargs = _as_call(batch)
+        named = [*((f"input {i}", v) for i, v in enumerate(args)), *kwargs.items()]
+        for name, v in named:
+            if (isinstance(v, torch.Tensor) and v.is_floating_point()
+                    and not bool(torch.isfinite(v).all())):
+                nan = int(torch.isnan(v).sum())
+                inf = v.numel() - nan - int(torch.isfinite(v).sum())
+                raise QCompileError(
+                    f"qc.search: batch {index}: {name} has {nan} NaN and {inf} infinite "
+                    f"value(s) of {v.numel()}: every layer's score would be NaN",
+                    fix="search on finite data (drop or clean the batch: "
+                        "torch.isfinite(x).all() for each input)")
+
+
 def _tensor_of(model: nn.Module, target: str) -> torch.Tensor:
     owner, _, leaf = target.rpartition(".")
     m = model.get_submodule(owner) if owner else model
@@ -760,6 +786,9 @@ def search(model: nn.Module, spec: CompileSpec | dict | str | Path, batches: Ite
         raise QCompileError(f"qc.search takes an nn.Module, got {type(model).__name__}",
                             fix="pass the model instance")
     spec = as_spec(spec)
+    # before anything that could differ by rank: another model or spec on one rank, or a
+    # search on some ranks only, is the same error on every rank, not a hang or one spec
+    agree_to_search(model, spec, group, loss_fn=loss_fn is not None)
     s = spec.quant.search
     if s is None:
         raise QCompileError("qc.search: the spec has no quant.search section",
@@ -801,7 +830,8 @@ def search(model: nn.Module, spec: CompileSpec | dict | str | Path, batches: Ite
 
     candidates = [c.weight for c in s.candidates]
     labels = [c.label() for c in s.candidates]
-    with scoring(group):
+    with scoring(group):  # (a refused batch on one rank: the same error on every rank)
+        _refuse_nonfinite(batches)
         scorer = _Scorer(model, layers, candidates, spec.quant.target, s.metric, loss_fn)
         local = scorer.run(batches)
     fingerprint = {"metric": s.metric, "candidates": labels,
@@ -837,8 +867,14 @@ def search(model: nn.Module, spec: CompileSpec | dict | str | Path, batches: Ite
             gy.append(sum(stored_bytes(scheme, scorer.shapes[(w.target, c)])
                           for la in g.layers for w in la.weights) if fits else 0)
         if not any(math.isfinite(v) for v in gs):
-            why = next(scorer.quantized[i][c] for i in rows for c in range(n_c)
-                       if not scorer.fits(i, c))
+            why = next((scorer.quantized[i][c] for i in rows for c in range(n_c)
+                        if not scorer.fits(i, c)), None)
+            if why is None:  # every candidate fits, and none scored a finite number
+                raise QCompileError(
+                    f"qc.search: every candidate scores {gs[0]} for group {g.name!r}: the "
+                    "model computes NaN or infinite values there on these batches",
+                    fix="run the float model on the batches and find the op that overflows "
+                        "(or the NaN it reads); search on batches it computes finitely")
             raise QCompileError(f"qc.search: no candidate fits group {g.name!r}: {why}",
                                 fix="add a candidate that fits it (e.g. per_channel), or "
                                 "exclude it from the searched rules with a skip rule")

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from qcompile.errors import QCompileError
+from qcompile.files import write_atomically
 from qcompile.specs.compile import CompileSpec
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
@@ -232,15 +233,33 @@ def load_spec(path: str | os.PathLike[str] | dict[str, Any] | CompileSpec) -> Co
     return CompileSpec.model_validate(data)
 
 
-def dump_spec(spec: CompileSpec, path: str | Path) -> None:
-    """Write a spec as YAML (``.yaml``/``.yml``) or JSON (anything else)."""
+def _target(path: str | os.PathLike[str], writer: str) -> Path:
+    """``path`` as a spec file to write, refused before anything is written when it is a
+    folder or its folder does not exist (as export_onnx and export_encodings refuse it)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise QCompileError(f"{writer}: the path is a {type(path).__name__}",
+                            fix="give a file path, e.g. 'spec.yaml'")
     p = Path(path)
+    if p.is_dir():
+        raise QCompileError(f"{writer}: {str(path)!r} is a folder",
+                            fix=f"give a file path, e.g. {str(p / 'spec.yaml')!r}")
+    if not p.parent.is_dir():
+        raise QCompileError(f"{writer}: the folder {str(p.parent)!r} of {str(path)!r} does "
+                            "not exist", fix=f"create it first (os.makedirs({str(p.parent)!r}))"
+                            " or write into an existing folder")
+    return p
+
+
+def dump_spec(spec: CompileSpec, path: str | os.PathLike[str]) -> None:
+    """Write a spec as YAML (``.yaml``/``.yml``) or JSON (anything else), whole or not at
+    all (``qcompile.files``)."""
+    p = _target(path, "dump_spec")
     # A full dump: leaving defaults out would drop discriminators such as observer.kind.
     data = spec.model_dump(mode="json")
     if p.suffix.lower() in (".yaml", ".yml"):
-        p.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+        write_atomically(p, yaml.safe_dump(data, sort_keys=False))
     else:
-        p.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        write_atomically(p, json.dumps(data, indent=2) + "\n")
 
 
 def _compact(spec: CompileSpec) -> dict[str, Any]:
@@ -287,6 +306,11 @@ def save_spec(spec: CompileSpec | dict[str, Any], path: str | os.PathLike[str]) 
     where that would not read back equal). A rule's ``note`` (``qc.search`` writes the
     measured sensitivity per candidate there) is also written as comment lines above it.
 
+    The file is written whole or not at all (a temporary beside it, fsynced, then moved into
+    place, with the mode a new file gets under the user's umask): an interrupted save leaves
+    the previous file. A folder that does not exist is refused (``QCompileError``), before
+    anything is written.
+
     Example:
         >>> import tempfile, os
         >>> from qcompile.specs import load_spec
@@ -302,10 +326,10 @@ def save_spec(spec: CompileSpec | dict[str, Any], path: str | os.PathLike[str]) 
         raise QCompileError(f"save_spec takes a CompileSpec (or a dict), got "
                             f"{type(spec).__name__}",
                             fix="pass the spec qc.search or qc.load_spec returned")
-    p = Path(path)
+    p = _target(path, "save_spec")
     data = _compact(spec)
     if p.suffix.lower() == ".json":
-        p.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        write_atomically(p, json.dumps(data, indent=2) + "\n")
         return
     parts = []
     for key, value in data.items():
@@ -322,7 +346,7 @@ def save_spec(spec: CompileSpec | dict[str, Any], path: str | os.PathLike[str]) 
                 if rule.get("note"):
                     parts.append(_comment(rule["note"], 4))
                 parts.append(_yaml([rule], 4))
-    p.write_text("".join(parts), encoding="utf-8")
+    write_atomically(p, "".join(parts))
 
 
 def as_spec(spec: Any) -> CompileSpec:

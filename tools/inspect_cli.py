@@ -456,6 +456,11 @@ def cmd_passes(args: argparse.Namespace) -> int:
     from qcompile.graph.dump import GraphDumps
 
     out = Path(args.dump_dir)
+    if out.exists() and not out.is_dir():  # before compiling: nothing written
+        raise QCompileError(f"--dump-dir {out}: is a file, not a folder (the dumps are one "
+                            "file per pass inside it)",
+                            fix="give a folder path (created when missing), e.g. "
+                                f"--dump-dir {out.with_suffix('')}-dumps")
     dumps = GraphDumps(out)
     gm, _, inputs = compile_graph(args, instruments=(dumps,))
     if args.convert:  # calibrate (static, QAT) on random batches, then the conversion steps
@@ -607,14 +612,20 @@ def load_search_details(path: str) -> Any:
 
     if not Path(path).is_file():
         raise UsageError(f"{path}: no such file (the JSON of qc.search(..., details=True)[1])")
+    fix = ("write it with Path(p).write_text(details.model_dump_json()) from spec, details "
+           "= qc.search(..., details=True)")
     try:
-        return SearchDetails.model_validate_json(Path(path).read_text(encoding="utf-8"))
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise QCompileError(f"{path}: not UTF-8 text (byte {e.start}), so not a search "
+                            "report (a JSON file)", fix=fix) from None
+    try:
+        return SearchDetails.model_validate_json(text)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(map(str, first["loc"])) or "(top level)"
         raise QCompileError(f"{path}: not a search report: {where}: {first['msg']}",
-                            fix="write it with Path(p).write_text(details.model_dump_json()) "
-                            "from spec, details = qc.search(..., details=True)") from None
+                            fix=fix) from None
 
 
 def load_measured(path: str) -> tuple[str, dict[float, float]]:

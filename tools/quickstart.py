@@ -93,9 +93,14 @@ def run(*, spec: str = "int8-qat", epochs: int = 6, finetune: int = 2, seed: int
         samples: int | None = None, echo: Callable[..., Any] = print) -> dict[str, Any]:
     """The usual QAT workflow: train in fp32, compile the trained model, fine-tune it with
     fake-quant. An fp32 twin gets the same fine-tuning, so the two are trained the same
-    way. ``samples``: train on the first that many training digits (a quick look; None,
-    the default: all of them); the test digits are all used. Returns accuracies, losses
-    and the compile report."""
+    way. A static preset (``quant.mode: static``) is post-training quantization: the
+    compiled graph is calibrated on the training digits instead, and neither model is
+    fine-tuned. ``samples``: train on the first that many training digits (a quick look;
+    None, the default: all of them); the test digits are all used. Returns accuracies,
+    losses and the compile report."""
+    compile_spec = qc.load_spec(spec)  # a bad name is refused before any training
+    static = compile_spec.quant.mode == "static"
+    label = "PTQ" if static else "QAT"
     torch.manual_seed(seed)
     x_train, y_train, x_test, y_test = load_digits(seed)
     if samples is not None:
@@ -109,19 +114,30 @@ def run(*, spec: str = "int8-qat", epochs: int = 6, finetune: int = 2, seed: int
          f"test accuracy {accuracy(model, x_test, y_test):.2%}")
 
     t0 = time.perf_counter()
-    gm = qc.qcompile(model, spec, example_inputs=(x_train[:2],))
+    gm = qc.qcompile(model, compile_spec, example_inputs=(x_train[:2],))
     compile_ms = (time.perf_counter() - t0) * 1e3
     echo(f"\ncompiled DigitsCNN with {spec!r} in {compile_ms:.0f} ms\n")
     echo(qc.report(gm).text())
 
     fp32 = copy.deepcopy(model)  # the compiled graph holds its own copy of the weights
-    t0 = time.perf_counter()
-    fp32_losses = train(fp32, x_train, y_train, epochs=finetune, seed=seed + 1, lr=1e-3)
-    fp32_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    qat_losses = train(gm, x_train, y_train, epochs=finetune, seed=seed + 1, lr=1e-3)
-    qat_s = time.perf_counter() - t0
-    qc.freeze(gm)  # fix qparams before evaluation, as for deployment
+    if static:
+        # static PTQ trains nothing: observe the training digits, then fake-quant is on
+        fp32_losses: list[float] = []
+        qat_losses: list[float] = []
+        fp32_s = qat_s = 0.0
+        t0 = time.perf_counter()
+        qc.calibrate(gm, [x_train[i:i + 64] for i in range(0, len(x_train), 64)],
+                     progress=False)
+        echo(f"\ncalibrated on {len(x_train)} digits in {time.perf_counter() - t0:.1f} s "
+             f"(static PTQ: no fine-tuning)")
+    else:
+        t0 = time.perf_counter()
+        fp32_losses = train(fp32, x_train, y_train, epochs=finetune, seed=seed + 1, lr=1e-3)
+        fp32_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        qat_losses = train(gm, x_train, y_train, epochs=finetune, seed=seed + 1, lr=1e-3)
+        qat_s = time.perf_counter() - t0
+        qc.freeze(gm)  # fix qparams before evaluation, as for deployment
 
     result = {
         "fp32_accuracy": accuracy(fp32, x_test, y_test),
@@ -132,19 +148,27 @@ def run(*, spec: str = "int8-qat", epochs: int = 6, finetune: int = 2, seed: int
         "qat_seconds": qat_s,
         "report": qc.report(gm),
     }
-    echo(f"\nfine-tuned {finetune} epochs: fp32 {fp32_s:.1f} s, QAT {qat_s:.1f} s "
-         f"(QAT/fp32 step time {qat_s / fp32_s:.2f}x)")
-    echo(f"  loss  fp32 {fp32_losses[-1]:.4f}   QAT {qat_losses[-1]:.4f}")
-    echo(f"  test accuracy ({len(x_test)} digits): fp32 {result['fp32_accuracy']:.2%}   "
-         f"QAT ({spec}) {result['qat_accuracy']:.2%}")
+    if static:
+        echo(f"  test accuracy ({len(x_test)} digits): fp32 {result['fp32_accuracy']:.2%}   "
+             f"PTQ ({spec}) {result['qat_accuracy']:.2%}")
+    else:
+        echo(f"\nfine-tuned {finetune} epochs: fp32 {fp32_s:.1f} s, QAT {qat_s:.1f} s "
+             f"(QAT/fp32 step time {qat_s / fp32_s:.2f}x)")
+        echo(f"  loss  fp32 {fp32_losses[-1]:.4f}   QAT {qat_losses[-1]:.4f}")
+        echo(f"  test accuracy ({len(x_test)} digits): fp32 {result['fp32_accuracy']:.2%}   "
+             f"QAT ({spec}) {result['qat_accuracy']:.2%}")
 
     # For deployment: integer kernels, checked against the fake-quant graph.
     import io
-    import warnings
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's deprecation notice for quantized tensors
-        int8 = qc.convert(gm, example_inputs=(x_test[:64],))
+    # LoRA adapters (qlora-nf4) are folded into the weights they adapt before lowering
+    base = gm
+    if qc.report(gm).adapters:
+        base = qc.merge_adapters(gm)
+        echo(f"\nmerged {len(qc.report(gm).adapters)} LoRA adapter(s) into their weights, "
+             f"quantized again as the spec says (merged accuracy "
+             f"{accuracy(base, x_test, y_test):.2%})")
+    int8 = qc.convert(base, example_inputs=(x_test[:64],))
     conv = qc.report(int8)
     paths: dict[str, int] = {}
     for c in conv.conversions:
@@ -160,8 +184,8 @@ def run(*, spec: str = "int8-qat", epochs: int = 6, finetune: int = 2, seed: int
     echo(f"  state dict {sizes[1] / 1e3:.0f} kB vs fp32 {sizes[0] / 1e3:.0f} kB, max |converted "
          f"- fake-quant| {conv.max_deviation.get('output0', 0.0):.2g}, test accuracy "
          f"{result['converted_accuracy']:.2%}")
-    result["onnx_accuracy"] = onnx_accuracy(gm, x_test, y_test, echo)
-    accs = {"fp32": result["fp32_accuracy"], "QAT": result["qat_accuracy"],
+    result["onnx_accuracy"] = onnx_accuracy(base, x_test, y_test, echo)
+    accs = {"fp32": result["fp32_accuracy"], label: result["qat_accuracy"],
             "converted": result["converted_accuracy"], "onnxruntime": result["onnx_accuracy"]}
     echo("\ntest accuracy: " + "   ".join(f"{k} {v:.2%}" for k, v in accs.items()
                                           if v is not None))
@@ -170,8 +194,9 @@ def run(*, spec: str = "int8-qat", epochs: int = 6, finetune: int = 2, seed: int
 
 def onnx_accuracy(gm: nn.Module, x: torch.Tensor, y: torch.Tensor,
                   echo: Callable[..., Any]) -> float | None:
-    """Export ``gm`` as QDQ ONNX and return onnxruntime's test accuracy; None (and a
-    one-line hint) without the ``[onnx]`` extra."""
+    """Export ``gm`` as QDQ ONNX and return onnxruntime's test accuracy; None, with a
+    line saying why, without the ``[onnx]`` extra or when ``qc.export_onnx`` refuses the
+    graph (block formats such as mxfp4 / nvfp4 activations have no form onnxruntime runs)."""
     import importlib.util
     import tempfile
     from pathlib import Path
@@ -182,7 +207,13 @@ def onnx_accuracy(gm: nn.Module, x: torch.Tensor, y: torch.Tensor,
     import onnxruntime as ort
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = qc.export_onnx(gm, Path(tmp) / "digits.onnx", example_inputs=(x[:2],))
+        try:
+            path = qc.export_onnx(gm, Path(tmp) / "digits.onnx", example_inputs=(x[:2],))
+        except qc.QCompileError as e:  # a refusal names the quantizer and the way out
+            fix = f"\n  {e.fix}" if e.fix else ""
+            reason = e.message.removeprefix("export_onnx: ")
+            echo(f"\nONNX export skipped, onnxruntime cannot run this graph: {reason}{fix}")
+            return None
         sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         logits = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0])
         size = path.stat().st_size
@@ -196,14 +227,19 @@ def onnx_accuracy(gm: nn.Module, x: torch.Tensor, y: torch.Tensor,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tools/demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--spec", default="int8-qat", help="preset name or spec file (int8-qat)")
+    p.add_argument("--spec", default="int8-qat",
+                   help=f"preset name ({', '.join(qc.specs.presets())}) or spec file "
+                        f"(default: int8-qat)")
     p.add_argument("--epochs", type=int, default=6, help="fp32 pre-training epochs")
     p.add_argument("--finetune", type=int, default=2, help="fine-tuning epochs (QAT and fp32)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples", type=int, default=None,
+                   help="train on the first N training digits only (a quick look; default: all)")
     args = p.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     try:
-        run(spec=args.spec, epochs=args.epochs, finetune=args.finetune, seed=args.seed)
+        run(spec=args.spec, epochs=args.epochs, finetune=args.finetune, seed=args.seed,
+            samples=args.samples)
     except qc.QCompileError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -67,7 +67,7 @@ from qcompile.graph.context import Context
 from qcompile.graph.pipeline import Instrument, Pass, Pipeline
 from qcompile.graph.records import ConversionRecord, PassRecord, Report
 from qcompile.passes.convert.collect_weights import collect_weights
-from qcompile.passes.convert.common import Conversion, state
+from qcompile.passes.convert.common import Conversion, state, torch_deprecations_silenced
 from qcompile.passes.convert.fold_batchnorm import fold_batchnorm
 from qcompile.passes.convert.lower_activations import lower_activations
 from qcompile.passes.convert.sink_dequantize import sink_dequantize
@@ -78,7 +78,8 @@ from qcompile.passes.convert.use_recurrent_kernels import use_recurrent_kernels
 from qcompile.runtime.engines import require_engine, use_engine
 from qcompile.specs import CompileSpec
 
-__all__ = ["CONVERSION_PASSES", "GRAPH_FACT", "conversion_pipeline", "convert_graph"]
+__all__ = ["CONVERSION_PASSES", "GRAPH_FACT", "conversion_pipeline", "convert_graph",
+           "torch_deprecations_silenced"]
 
 #: The conversion steps, in the order they run.
 CONVERSION_PASSES: tuple[Pass, ...] = (collect_weights, fold_batchnorm, lower_activations,
@@ -125,7 +126,8 @@ def convert_graph(gm: GraphModule, spec: CompileSpec | None = None, *,
     # weights keep their engine); a target this CPU cannot honour is refused here.
     engine = require_engine(ctx.spec.quant.target)
     numbered = [_Numbered(i, first_index - 1) for i in instruments]
-    with use_engine(engine):
+    # the steps build torch's quantized modules and tensors (a deprecated torch API)
+    with use_engine(engine), torch_deprecations_silenced():
         out, passes = conversion_pipeline(prefix).run(ctx, gm, numbered)
     assert out is gm, "conversion steps rewrite the graph in place"
     return state(ctx).records(), passes

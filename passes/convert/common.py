@@ -19,8 +19,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +73,40 @@ class IntTensor:
     @property
     def bits(self) -> int:
         return max(1, math.ceil(math.log2(self.quant_max - self.quant_min + 1)))
+
+
+@contextlib.contextmanager
+def torch_deprecations_silenced() -> Iterator[None]:
+    """Inside: two torch deprecation warnings that converting cannot avoid are not shown
+    (every other warning is). Scoped to our own calls (the conversion steps, the copy
+    ``qc.convert`` makes, its check run of the result), never installed globally.
+
+    Example:
+        >>> import warnings, torch
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("error")
+        ...     with torch_deprecations_silenced():
+        ...         q = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8)
+        >>> q.int_repr().tolist()
+        [10, 10]
+    """
+    with warnings.catch_warnings():
+        # torch (ATen Quantizer.cpp, pytorch/pytorch#184982): "torch.quantize_per_tensor,
+        # torch.quantize_per_channel and other quantized tensor creation functions ... are
+        # deprecated". Every quint8/qint8 tensor is made through it (torch's quantized
+        # modules, their packed weights and outputs, torch._make_per_channel_quantized_tensor):
+        # they are the integer kernels convert targets, so the notice is not the user's to act on.
+        warnings.filterwarnings(
+            "ignore", category=UserWarning,
+            message=r"torch\.quantize_per_tensor, torch\.quantize_per_channel and other "
+                    r"quantized tensor creation functions")
+        # torch.utils._pytree's deprecated LeafSpec: deep-copying an exported graph
+        # (torch.fx Graph.__deepcopy__ -> copyreg's ``cls.__new__(cls, *args)``) re-creates
+        # its pytree LeafSpec through the deprecated constructor, which warns
+        # "`isinstance(treespec, LeafSpec)` is deprecated"; the copy is torch's own code.
+        warnings.filterwarnings("ignore", category=FutureWarning,
+                                message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+        yield
 
 
 def grid_dtype(quant_min: int, quant_max: int) -> torch.dtype:

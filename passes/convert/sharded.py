@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qcompile.passes.convert.common import torch_deprecations_silenced
 from qcompile.runtime.calibration import weight_quantizer_sites
 from qcompile.runtime.fake_quant import FakeQuantize
 
@@ -141,7 +142,8 @@ def _plain(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     clone.__dict__.update(state)
     # what refers back to the module (its graph's owner) finds the plain one
     memo[id(module)] = clone
-    return copy.deepcopy(clone, memo)
+    with torch_deprecations_silenced():  # an exported graph's pytree LeafSpec (see there)
+        return copy.deepcopy(clone, memo)
 
 
 def local_rows_copy(gm: nn.Module) -> LocalRows:

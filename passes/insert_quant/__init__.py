@@ -511,6 +511,13 @@ def _check_named_weights(gm: GraphModule, ctx: Context) -> None:
             if (p.dim() < 2 or not p.is_floating_point() or target in quantized
                     or not (target in read or module in read)):
                 continue
+            if not module and isinstance(ctx.model, (nn.RNNBase, nn.RNNCellBase)):
+                # the model is the recurrent layer itself: traced through, not called
+                raise QCompileError(
+                    f"quant.rules[{rule}] names {target}: the model itself is a "
+                    f"{type(m).__name__}, which qcompile quantizes only as a layer of a model",
+                    fix=f"compile a module that holds it, e.g. nn.Sequential(model) (its "
+                        f"{type(m).__name__} becomes layer '0')")
             raise QCompileError(
                 f"quant.rules[{rule}] names {target} ({type(m).__name__}) with a weight scheme, "
                 f"but no op the graph runs reads it as a weight qcompile quantizes",

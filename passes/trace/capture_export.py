@@ -22,7 +22,11 @@ What export itself does with a forward's other effects: hooks (the root's includ
 traced into the graph; in-place buffer updates are kept (the graph updates the buffer on
 every call); attribute assignments (``self.calls += 1``) are undone by torch.export after
 its run and are not in the graph (symbolic tracing refuses them); an ``if self.training:``
-branch is exported in train mode (mode-aware dropout and BatchNorm aside, see above).
+branch is exported in train mode (mode-aware dropout and BatchNorm aside, see above), and
+the report notes every module whose class reads ``self.training`` (``mode_branch_note``).
+A parametrized tensor (``torch.nn.utils.parametrizations.weight_norm`` and the like),
+which export traces into ops, is read back as the module's attribute, as symbolic tracing
+reads it, so its layer is quantized (``_parametrized_weights``).
 
 Module ownership comes from ``node.meta[NN_MODULE_STACK]`` (recorded by export).
 ``capture`` is the front end the ``trace`` pass calls: ``export_graph`` with every failure
@@ -207,6 +211,80 @@ def _restore_modes(graph: Graph, root: nn.Module, notes: list[str]) -> None:
     for node in list(graph.nodes):
         if node.op == "get_attr" and not node.users:
             graph.erase_node(node)
+
+
+def _parametrized_weights(graph: Graph, root: nn.Module) -> list[str]:
+    """Read each parametrized tensor (``torch.nn.utils.parametrizations``: weight_norm,
+    spectral_norm, orthogonal, ...) as the module's attribute, as symbolic tracing does.
+
+    Export traces the parametrization into ops (``_weight_norm(original1, original0)``), so
+    a layer would read a computed tensor, not a weight: its weight and output would stay
+    float. The ops computing ``<owner>.<name>`` (those inside ``<owner>.parametrizations.
+    <name>``, by ``nn_module_stack``) become one ``get_attr`` of ``<owner>.<name>``: the
+    module's own property, which computes the same tensor from the originals on every
+    call, so ``g`` and ``v`` (or ``original``) still train. Returns the owners (the
+    GraphModule must hold them whole: a property lives on its class)."""
+    from torch.nn.utils import parametrize
+
+    groups: dict[tuple[str, str], list[Node]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        for name, _ in (node.meta.get(NN_MODULE_STACK) or {}).values():
+            owner, sep, tensor = f".{name}".rpartition(".parametrizations.")
+            if sep and tensor and "." not in tensor:
+                groups.setdefault((owner.lstrip("."), tensor), []).append(node)
+                break
+    owners = []
+    for (owner, tensor), nodes in groups.items():
+        module = _lookup(root, owner) if owner else root
+        if not (isinstance(module, nn.Module) and parametrize.is_parametrized(module, tensor)):
+            continue
+        inside = set(nodes)
+        target = f"{owner}.{tensor}" if owner else tensor
+        for out in [n for n in nodes if any(u not in inside for u in n.users)]:
+            with graph.inserting_after(out):
+                read = graph.get_attr(target)
+            read.meta = {k: v for k, v in out.meta.items() if k in (VAL, TENSOR_META)}
+            out.replace_all_uses_with(read, delete_user_cb=lambda u, s=inside: u not in s)
+        for node in reversed(nodes):  # what computed it (asserts included) goes
+            if not node.users:
+                graph.erase_node(node)
+        owners.append(owner)
+    if owners:
+        for node in list(graph.nodes):
+            if node.op == "get_attr" and not node.users:
+                graph.erase_node(node)
+    return owners
+
+
+def mode_branch_note(graph: Graph, root: nn.Module) -> str | None:
+    """The note for modules export went through whose class reads ``self.training``
+    (``forward_effects.reads_training``, as symbolic tracing checks): export runs the
+    model in train mode, so an ``if self.training:`` branch of theirs computes the
+    train-mode path in either mode of the graph (dropout, BatchNorm and attention dropout
+    are re-expressed to follow the mode; symbolic tracing compares both modes and refuses
+    a difference). None when no such module was traced."""
+    from qcompile.passes.trace.forward_effects import reads_training
+
+    names = {""}
+    for node in graph.nodes:
+        names.update(name for name, _ in (node.meta.get(NN_MODULE_STACK) or {}).values())
+    found: dict[str, list[str]] = {}
+    for name in sorted(names):
+        module = _lookup(root, name) if name else root
+        if isinstance(module, nn.Module) and reads_training(type(module)):
+            found.setdefault(type(module).__name__, []).append(repr(name) if name else
+                                                               "the model")
+    if not found:
+        return None
+    shown = "; ".join(f"{', '.join(where[:3])}{f' (+{len(where) - 3})' if len(where) > 3 else ''}"
+                      f" ({cls})" for cls, where in found.items())
+    return (f"torch.export traced in train mode: module(s) {shown} read self.training in "
+            "forward(); dropout, BatchNorm and attention dropout follow gm.train() / "
+            "gm.eval(), any other `if self.training:` branch keeps its train-mode path in "
+            "both modes (trace.method: symbolic compares both modes and refuses a "
+            "difference; trace.leaf_modules keeps such a module's own forward)")
 
 
 def dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict,
@@ -424,10 +502,17 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict,
                 value = _picklable_guards(value)
             _assign(root, str(node.target), value)
     _restore_modes(graph, root, notes)
+    parametrized = _parametrized_weights(graph, root)
+    branch = mode_branch_note(graph, root)
+    if branch is not None:
+        notes.append(branch)
     # export's tracer class (kept on the graph, then on the GraphModule) takes arguments,
     # and torch.load re-traces a saved graph with it built without any: use fx's Tracer
     graph._tracer_cls = None
     gm = GraphModule(root, graph, type(model).__name__)
+    for owner in parametrized:  # whole (fx copied attributes only): its property computes
+        if owner:
+            _assign(gm, owner, root.get_submodule(owner))
     keep_state_layout(gm, root)
     for name, m in gm.named_modules():
         owner = name

@@ -18,7 +18,11 @@ checks what would otherwise be lost in silence, and keeps or refuses it:
 - **``self.training`` branches.** Symbolic tracing takes the branch of the mode the model
   is in; ``.train()`` / ``.eval()`` on the graph would not switch it. Only classes whose
   code reads an attribute named ``training`` (``reads_training``) can branch on it; for
-  those the trace is repeated in the other mode, and a different graph is refused.
+  those the trace is repeated in the other mode, and a different graph is refused. The
+  torch.export front end traces in train mode (a second export would cost as much as the
+  first) and notes the modules of such classes in the report instead
+  (``capture_export.mode_branch_note``): dropout, BatchNorm and attention dropout follow
+  the graph's mode there, other branches keep their train-mode path.
 - **Names fx cannot write.** fx writes a module or parameter name that is not an identifier
   as ``getattr(self, "<name>")``, unescaped: a quote, a backslash or a line break in a
   ``ModuleDict`` / ``ParameterDict`` key would be a SyntaxError or another name

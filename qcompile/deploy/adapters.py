@@ -73,10 +73,11 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from qcompile.errors import QCompileError
-from qcompile.files import atomic_path, write_atomically
+from qcompile.files import atomic_paths
 from qcompile.graph.matching import WeightUse
 from qcompile.graph.meta import (
     ADAPTERS_KEY,
+    COLLECTIVES_KEY,
     FIXED_GRID_KEY,
     NN_MODULE_STACK,
     QSCHEME_KEY,
@@ -357,7 +358,10 @@ def save_adapters(gm: nn.Module, directory: str | os.PathLike[str]) -> Path:
     are written whole as peft's ``modules_to_save``: their float values (a weight the graph
     reads through a fake-quantizer is written as the float weight it trains). ``gm`` may be
     wrapped in DDP. Under FSDP2 every rank must call it (the sharded weights are gathered,
-    a collective); only rank 0 writes. A graph without adapters is refused, and so is one
+    a collective); only rank 0 writes. The ranks first agree on the call and the graph
+    (over the group ``qc.distributed.wrap`` or ``compile_once`` sharded it on), so a call
+    made on some ranks only is the same ``QCompileError`` on every rank within seconds,
+    not a hang. A graph without adapters is refused, and so is one
     where peft's ``modules_to_save`` rule would also select an adapted layer.
 
     Example:
@@ -371,6 +375,9 @@ def save_adapters(gm: nn.Module, directory: str | os.PathLike[str]) -> Path:
         ('LORA', 2, ['0', '2'])
     """
     graph = _graph(gm, "save_adapters")
+    check = graph.meta.get(COLLECTIVES_KEY)
+    if check is not None and any(_dtensor(p) for p in graph.parameters()):
+        check("save_adapters", graph)  # the gathers below are collectives: all ranks here?
     layers = _layers(graph, "save_adapters")
     training = graph.meta.get(TRAINING_KEY)
     full = list(training.full) if training is not None else []
@@ -402,9 +409,12 @@ def save_adapters(gm: nn.Module, directory: str | os.PathLike[str]) -> Path:
     from safetensors.torch import save_file
 
     config = adapter_config(layers, _model_names(graph), [m.name for m in full])
-    with atomic_path(target / WEIGHTS_NAME) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-    write_atomically(target / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    # Both files in one private temporary folder (safetensors' own `.tmpXXXXXX` lands there
+    # too), fsynced, given the user's umask, then moved: weights first, so a config never
+    # names weights that are not there yet.
+    with atomic_paths(target / WEIGHTS_NAME, target / CONFIG_NAME) as (weights, cfg):
+        save_file(tensors, str(weights), metadata={"format": "pt"})
+        cfg.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return target
 
 

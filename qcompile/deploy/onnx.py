@@ -11,7 +11,10 @@ small torch ops (``qcompile_onnx::qdq``, ``::dq``, ``::dynamic_qdq``), and a
 - activations (per-tensor, per-channel ``axis``): ``QuantizeLinear -> DequantizeLinear``;
   when the quantizer's range is narrower than its container (the x86 target's 7-bit
   activations, int2..int7) a ``Clip`` on the integers sits between them, so onnxruntime
-  computes exactly ``clamp(round(x / scale) + zero_point, quant_min, quant_max)``;
+  computes exactly ``clamp(round(x / scale) + zero_point, quant_min, quant_max)``. A
+  per-channel activation read by a ``MatMul`` (a Linear on 3-D inputs) is dequantized
+  there as ``(Cast(q) - zero_point) * scale`` (the same float32 values): onnxruntime would
+  fuse a DequantizeLinear into MatMulIntegerToFloat, which takes one zero point only;
 - weights: the integers are computed once and stored as initializers (INT8/UINT8, INT4/
   UINT4 for 4 bits or less, INT16/UINT16, FLOAT8E4M3FN/FLOAT8E5M2) feeding a
   ``DequantizeLinear`` (per-group: blocked, ``block_size``), so the file is small;
@@ -78,8 +81,7 @@ import inspect
 import itertools
 import logging
 import os
-import shutil
-import tempfile
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -91,7 +93,7 @@ from torch.fx import GraphModule, Node
 
 from qcompile.deploy.adapters import refuse_adapters, unwrap
 from qcompile.errors import QCompileError
-from qcompile.files import write_atomically
+from qcompile.files import atomic_paths, write_atomically
 from qcompile.graph.algorithms import refuse_pending
 from qcompile.graph.matching import layer_of
 from qcompile.graph.meta import REPORT_KEY
@@ -666,6 +668,49 @@ def _pin_int8_pairs(model: Any, ir: Any) -> None:
             user.replace_input_with(i, dq_out)
 
 
+def _unfuse_per_channel_matmul(model: Any, ir: Any) -> None:
+    """Write a per-channel activation's ``DequantizeLinear`` that feeds a ``MatMul`` as its
+    arithmetic, ``(Cast(q) - zero_point) * scale`` (the zero point and scale reshaped along
+    the axis), for that MatMul only. onnxruntime fuses DequantizeLinear -> MatMul (a 3-D
+    Linear exports as MatMul, not Gemm) into MatMulIntegerToFloat / QLinearMatMul, whose
+    activation input takes one zero point only ("Per-Channel is not supported yet"): the
+    session loads and then fails at run time. The same float32 operations, exact (what
+    DequantizeLinear computes), fuse into nothing. QuantizeLinear with an ``axis`` stays
+    (onnxruntime runs it), and so does every per-tensor pair."""
+    graph = model.graph
+    for node in list(graph):
+        if node.op_type != "MatMul":
+            continue
+        for i, value in enumerate(node.inputs):
+            dq = value.producer() if value is not None else None
+            if dq is None or dq.op_type != "DequantizeLinear" or len(dq.inputs) < 3:
+                continue
+            q, scale, zp = dq.inputs[:3]
+            if q is None or q.const_value is not None or scale is None or zp is None:
+                continue  # a weight (constant integers): MatMul's B takes per-channel
+            rank = len(q.shape) if q.shape is not None else None
+            if scale.shape is None or len(scale.shape) == 0 or rank is None:
+                continue  # per-tensor, or an unknown rank
+            axis = dq.attributes.get("axis")
+            axis = (axis.value if axis is not None else 1) % rank
+            shape = [1] * rank
+            shape[axis] = -1
+            to = scale.dtype or ir.DataType.FLOAT
+            dims = ir.Node("", "Constant", [],
+                           attributes=[ir.AttrInt64s("value_ints", shape)])
+            nodes = [dims,
+                     ir.Node("", "Cast", [q], attributes=[ir.AttrInt64("to", to)]),
+                     ir.Node("", "Cast", [zp], attributes=[ir.AttrInt64("to", to)])]
+            nodes += [ir.Node("", "Reshape", [nodes[2].outputs[0], dims.outputs[0]]),
+                      ir.Node("", "Reshape", [scale, dims.outputs[0]])]
+            nodes.append(ir.Node("", "Sub", [nodes[1].outputs[0], nodes[3].outputs[0]]))
+            nodes.append(ir.Node("", "Mul", [nodes[5].outputs[0], nodes[4].outputs[0]]))
+            graph.insert_before(node, nodes)
+            node.replace_input_with(i, nodes[-1].outputs[0])
+            if not list(dq.outputs[0].uses()) and not dq.outputs[0].is_graph_output():
+                graph.remove(dq, safe=True)
+
+
 def _strip_trace_metadata(model: Any) -> None:
     """Drop the exporter's per-node debugging metadata (stack traces with local paths, fx
     node text): a third of a small model's file, and nothing a runtime reads. The
@@ -675,10 +720,14 @@ def _strip_trace_metadata(model: Any) -> None:
             del node.metadata_props[key]
 
 
+# terminal colour codes torch.onnx puts into its messages ("\x1b[96m...\x1b[0m")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 def _conversion_error(e: Exception, twin: nn.Module) -> QCompileError:
     """The exporter's failure, naming the graph node whose op has no ONNX form when the
-    message names an op."""
-    text = str(e)
+    message names an op (terminal colour codes removed)."""
+    text = _ANSI.sub("", str(e))
     nodes = [f"{n.name} ({n.target})" for m in twin.modules() if isinstance(m, GraphModule)
              for n in m.graph.nodes if n.op == "call_function" and _named_in(n.target, text)]
     where = f"graph node {nodes[0]} has no ONNX form" if nodes else "the exporter failed"
@@ -735,7 +784,68 @@ def _compiled(gm: nn.Module) -> nn.Module:
             "has no qcompile report, so nothing says how to quantize it",
             fix="pass the graph returned by qc.qcompile(model, spec, example_inputs=...) "
                 "(calibrated or trained), not the original model")
+    if any(p.name.startswith("convert.") for p in meta[REPORT_KEY].passes):
+        raise QCompileError(
+            "export_onnx: this graph is qc.convert's result: torch's quantized kernels "
+            "(quantized::linear, packed weights), which the ONNX exporter cannot trace",
+            fix="export the fake-quant graph itself (qc.qcompile's, after qc.calibrate or "
+                "training): the QDQ file is what onnxruntime fuses into integer kernels")
     return inner
+
+
+def _check_path(path: Any) -> Path:
+    """``path`` as a ``Path``; anything but a string or path-like is refused by type."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise QCompileError(f"export_onnx: path is a {type(path).__name__} ({path!r}), not "
+                            "a file path", fix="pass a file path, e.g. 'model.onnx' or "
+                            "pathlib.Path('out') / 'model.onnx'")
+    return Path(path)
+
+
+def _refuse_cast(gm: nn.Module) -> None:
+    """A graph cast to a 16-bit float after compiling (``gm.to(torch.bfloat16)``,
+    ``.half()``) while its float inputs were compiled as float32: the exporter traces the
+    fake-quant arithmetic in float32 (the qparams stay float32), so it is refused, with
+    the way to export it."""
+    compiled = {i.dtype for i in graph_inputs(gm) if i.dtype is not None
+                and i.dtype.is_floating_point}
+    if torch.float32 not in compiled:
+        return
+    inside = tuple(f"{n}." for n, m in gm.named_modules() if isinstance(m, FakeQuantize))
+    cast = next(((n, p.dtype) for n, p in gm.named_parameters()
+                 if not n.startswith(inside) and p.dtype in (torch.bfloat16, torch.float16)),
+                None)
+    if cast is None:
+        return
+    name, dtype = cast
+    shown = str(dtype).removeprefix("torch.")
+    raise QCompileError(
+        f"export_onnx: the graph itself was cast to {shown} after compiling (e.g. {name} is "
+        f"{shown}; its inputs were compiled as float32): the QDQ file is exported from the "
+        "float32 graph (its quantizers' qparams are float32 either way)",
+        fix="export a float32 copy: qc.export_onnx(copy.deepcopy(gm).float(), path, "
+            "example_inputs=(x.float(),)) (gm itself stays as it is)")
+
+
+def _check_names(program: Any, input_names: list[str] | None,
+                 output_names: list[str] | None) -> None:
+    """More names than the exported graph has inputs / outputs: torch.onnx would drop
+    the extra ones silently (the caller expects every name in the file)."""
+    for what, names, values in (("input", input_names, program.model.graph.inputs),
+                                ("output", output_names, program.model.graph.outputs)):
+        if names is None:
+            continue
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise QCompileError(f"export_onnx: {what}_names must be a list of strings, got "
+                                f"{names!r}", fix=f"pass {what}_names=[...], one name per "
+                                f"{what}")
+        if len(names) > len(values):
+            extra = ", ".join(repr(n) for n in names[len(values):])
+            raise QCompileError(
+                f"export_onnx: {what}_names gives {len(names)} names, but the graph has "
+                f"{len(values)} {what}(s): {extra} name(s) nothing",
+                fix=f"give at most one name per {what} ({len(values)}), in the order of the "
+                    f"graph's {what}s")
 
 
 def _refuse_uncalibrated(gm: nn.Module) -> None:
@@ -839,23 +949,20 @@ def _check_fit(twin: nn.Module, gm: nn.Module, args: tuple, kwargs: dict) -> Non
 
 
 def _save(model: Any, ir: Any, path: Path) -> None:
-    """Write the model whole or not at all: the bytes go to a temporary beside ``path``
-    and are moved into place, so an interrupted export leaves the previous file as it was.
-    A model too large for one protobuf keeps its initializers in ``<name>.data`` beside
-    it: both are written into a temporary folder first, then moved (data, then model)."""
+    """Write the model whole or not at all (``qcompile.files``): the bytes go to a private
+    temporary folder beside ``path``, are fsynced, get the user's umask and are moved into
+    place, so an interrupted export leaves the previous file as it was. A model too large
+    for one protobuf keeps its initializers in ``<name>.data`` beside it: ``ir.save`` writes
+    both (and its own temporary for the data) into that folder, then they are moved, data
+    first."""
     size = sum(v.const_value.nbytes for v in model.graph.initializers.values()
                if v.const_value is not None)
     if size <= _EXTERNAL_DATA_BYTES:
         write_atomically(path, ir.to_proto(model).SerializeToString())
         return
-    data = f"{path.name}.data"
-    folder = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    try:
-        ir.save(model, folder / path.name, external_data=data)
-        os.replace(folder / data, path.parent / data)
-        os.replace(folder / path.name, path)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    data = path.with_name(f"{path.name}.data")
+    with atomic_paths(data, path) as (_, tmp):
+        ir.save(model, tmp, external_data=data.name)
 
 
 def export_onnx(
@@ -873,9 +980,12 @@ def export_onnx(
     ``example_kwargs`` (keyword inputs) are traced (any batch size); with
     ``dynamic_batch`` dim 0 of every input is the symbolic ``batch``.
 
-    Refused before anything is traced or written: a model qcompile did not compile, a
-    graph whose activation quantizers never saw data (static before ``qc.calibrate``,
-    QAT before training), inputs that do not fit the graph, a folder that does not exist.
+    Refused before anything is traced or written: a model qcompile did not compile (or
+    ``qc.convert``'s result), a graph whose activation quantizers never saw data (static
+    before ``qc.calibrate``, QAT before training), a graph cast to bfloat16 / float16
+    after compiling (export a ``.float()`` copy), inputs that do not fit the graph, a path
+    that is not a path, a folder that does not exist; after tracing, before writing:
+    more ``input_names`` / ``output_names`` than the graph has inputs / outputs.
     The file is written atomically: an interrupted export leaves the previous one.
     Quantizers that still observe (QAT before ``qc.freeze``) are written with their
     current qparams, with a warning."""
@@ -884,9 +994,10 @@ def export_onnx(
     refuse_pending(graph, "export_onnx")
     onnxscript, ir = _require_onnx()
     args, kwargs = _example(example_inputs, example_kwargs)
-    path = Path(path)
+    path = _check_path(path)
     _check_target(path)
     _refuse_uncalibrated(graph)
+    _refuse_cast(graph)
     twin = _twin(graph)
     _check_fit(twin, graph, args, kwargs)
     args, kwargs, shapes = _batch_inputs(twin, args, kwargs, dynamic_batch)
@@ -900,10 +1011,12 @@ def export_onnx(
                 input_names=input_names, output_names=output_names)
     except Exception as e:
         raise _conversion_error(e, twin) from e
+    _check_names(program, input_names, output_names)
     if shapes is not None:
         _check_batch_dynamic(program)
     _fold_weight_casts(program, onnxscript)
     _pin_int8_pairs(program.model, ir)
+    _unfuse_per_channel_matmul(program.model, ir)
     _strip_trace_metadata(program.model)
     _save(program.model, ir, path)
     return path

@@ -8,8 +8,11 @@ what the cache saves is the state — calibration above all.
 
 On disk: ``<cache_dir>/<key>/manifest.json`` (versions, file hashes, the Report) and
 ``state.pt`` (tensors only, read with ``torch.load(weights_only=True)``: no pickled code
-runs). Entries are written to a temporary folder and renamed into place, so a crash never
+runs). Entries are written to a temporary folder (files fsynced, the folder and files with
+the user's umask), renamed into place and the cache folder fsynced, so a crash never
 leaves a half-written entry and concurrent writers of one key cannot corrupt it. A
+killed writer's temporary folder is removed when the cache is next opened (its writer's
+lock is free: ``qcompile.files``). A
 missing, truncated or tampered entry fails its hash check, is reported, and is rebuilt —
 never trusted; so is an entry whose tensors do not fit the graph (``misfit``). The hash
 detects corruption, not a hostile writer (who can rewrite the manifest too): trust a
@@ -34,8 +37,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,14 @@ import torch
 from torch import nn
 
 from qcompile.errors import QCompileError
-from qcompile.files import remove_stale_temporaries
+from qcompile.files import (
+    is_leftover,
+    remove_stale_temporaries,
+    sync_folder,
+    temporary_folder,
+    unmark,
+    write_synced,
+)
 from qcompile.version import __version__
 
 MANIFEST = "manifest.json"
@@ -56,25 +64,15 @@ _TEMPORARY = re.compile(r"^\.([0-9a-f]{12}-|old-)")
 STALE_AFTER_S = 15 * 60.0  # a temporary untouched this long has no living writer
 
 
-def _newest_change(folder: Path) -> float:
-    """The latest modification time of ``folder`` and of anything directly in it: a
-    writer still writing ``state.pt`` keeps it recent."""
-    newest = folder.stat().st_mtime
-    for entry in folder.iterdir():
-        with contextlib.suppress(OSError):
-            newest = max(newest, entry.stat().st_mtime)
-    return newest
-
-
 def remove_stale(directory: str | os.PathLike[str], older_than_s: float = STALE_AFTER_S
                  ) -> list[Path]:
     """Remove what killed writers left in a cache folder: temporary entry folders
     (``.<key>-*``, ``.old-*``) and temporary files (``.*.tmp``) nothing has touched for
     ``older_than_s`` seconds (younger ones may belong to a writer still running).
-    Complete entries are never touched. Returns what was removed."""
+    A folder whose writer is known dead (its lock is free) goes at once. Complete entries
+    are never touched. Returns what was removed."""
     folder = Path(directory)
     removed = remove_stale_temporaries(folder, older_than_s)
-    cutoff = time.time() - older_than_s
     try:
         entries = list(folder.iterdir())
     except OSError:
@@ -83,7 +81,7 @@ def remove_stale(directory: str | os.PathLike[str], older_than_s: float = STALE_
         if not _TEMPORARY.match(entry.name):
             continue
         try:
-            if entry.is_dir() and not entry.is_symlink() and _newest_change(entry) < cutoff:
+            if entry.is_dir() and not entry.is_symlink() and is_leftover(entry, older_than_s):
                 shutil.rmtree(entry)
                 removed.append(entry)
         except OSError:
@@ -192,8 +190,7 @@ class CompileCache:
                 return
             except OSError:
                 pass
-            trash = Path(tempfile.mkdtemp(prefix=".old-", dir=self.directory))
-            try:
+            with temporary_folder(self.directory, ".old-", suffix="") as trash:
                 with contextlib.suppress(FileNotFoundError):
                     os.replace(final, trash / "entry")
                 try:
@@ -202,31 +199,32 @@ class CompileCache:
                 except OSError:
                     if final.exists():
                         return  # another writer put the key in place first: as good as ours
-            finally:
-                shutil.rmtree(trash, ignore_errors=True)
         raise OSError(f"could not place cache entry {final.name} (concurrent writers)")
 
     def store(self, key: str, gm: nn.Module | dict[str, torch.Tensor],
               report_json: str | None = None) -> None:
         """Write an entry atomically (temporary folder + rename): ``gm``'s state dict, or
         a state dict itself."""
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{key[:12]}-", dir=self.directory))
-        except OSError as e:
-            raise QCompileError(f"cache_dir {str(self.directory)!r} is not writable: {e}",
-                                fix="point cache_dir at a writable folder") from None
-        try:
+        with contextlib.ExitStack() as stack:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                # 0o777 less the umask: the entry folder, once renamed into place, has the
+                # mode any folder the user creates has (mkdtemp's 0o700 would hide it)
+                tmp = stack.enter_context(temporary_folder(self.directory, f".{key[:12]}-",
+                                                           suffix="", mode=0o777))
+            except OSError as e:
+                raise QCompileError(f"cache_dir {str(self.directory)!r} is not writable: {e}",
+                                    fix="point cache_dir at a writable folder") from None
             tensors = gm if isinstance(gm, dict) else gm.state_dict()
             state = {k: v.detach().cpu() for k, v in tensors.items()}
-            with open(tmp / STATE, "wb") as f:
+            with open(tmp / STATE, "xb") as f:  # open()'s mode: 0o666 less the umask
                 torch.save(state, f)
                 f.flush()
                 os.fsync(f.fileno())
             manifest = {"key": key, "format": FORMAT, "qcompile": __version__,
                         "torch": torch.__version__, "files": {STATE: _file_hash(tmp / STATE)},
                         "report": json.loads(report_json) if report_json else None}
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+            write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1))
+            unmark(tmp)  # the entry holds its two files only; the lock stays held till here
             self._place(tmp, self.directory / key)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            sync_folder(self.directory)

@@ -44,6 +44,16 @@ _FIX_CKPT = ("save the model's state_dict with safetensors.torch.save_file (or "
              "save_pretrained), from the same model class and configuration")
 
 
+def _hub_blob(folder: Path, real: Path) -> bool:
+    """Whether ``real`` is a blob of the Hugging Face hub cache repository whose snapshot
+    ``folder`` is, or is in (``<repo>/snapshots/<revision>/`` links its files to
+    ``<repo>/blobs/``)."""
+    for snapshot in (folder, *folder.parents):
+        if snapshot.parent.name == "snapshots":
+            return real.parent == snapshot.parent.parent / "blobs"
+    return False
+
+
 def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -95,8 +105,8 @@ class Checkpoint:
                                     fix=f"{INDEX} needs a 'weight_map' of tensor -> file"
                                     ) from None
             files: dict[Path, list[str] | None] = {}
-            for name, file in sorted(weight_map.items()):
-                files.setdefault(self.path / str(file), []).append(name)  # type: ignore[union-attr]
+            for name, file in sorted(weight_map.items()):  # every entry, before any is read
+                files.setdefault(self._inside(index, name, file), []).append(name)  # type: ignore[union-attr]
             return files
         found = sorted(self.path.glob("*.safetensors"))
         if len(found) != 1:
@@ -104,6 +114,32 @@ class Checkpoint:
                                 f"{len(found)} .safetensors files and no {INDEX}",
                                 fix=f"give one file, or shards with {INDEX}")
         return {found[0]: None}
+
+    def _inside(self, index: Path, name: str, file: object) -> Path:
+        """The shard ``file`` the index names for tensor ``name``, refused unless it is a
+        file name inside the checkpoint folder: an index is data from wherever the
+        checkpoint came from, and must not make qcompile read other files (an absolute
+        path, ``..``, a symlink pointing out of the folder). One exception: the Hugging Face
+        hub cache, whose ``snapshots/<revision>/`` links point into the same repository's
+        ``blobs/``."""
+        def refuse(why: str) -> QCompileError:
+            return QCompileError(f"checkpoint index {str(index)!r}: weight_map entry "
+                                 f"{name!r} -> {file!r} {why}",
+                                 fix="the index must name shard files inside its folder "
+                                     "(e.g. 'model-00001-of-00002.safetensors'); rewrite it, "
+                                     "or save the checkpoint again")
+        if not isinstance(file, str) or not file.strip():
+            raise refuse("is not a file name")
+        relative = Path(file)
+        if relative.is_absolute() or relative.drive or relative.root:
+            raise refuse("is an absolute path, outside the checkpoint folder")
+        if ".." in relative.parts:
+            raise refuse("climbs out of the checkpoint folder ('..')")
+        folder = self.path.resolve()
+        real = (self.path / relative).resolve()
+        if not real.is_relative_to(folder) and not _hub_blob(folder, real):
+            raise refuse(f"is a link to {str(real)!r}, outside the checkpoint folder")
+        return self.path / relative
 
     def _handle(self, file: Path) -> Any:
         if file not in self._open:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,11 +28,24 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from qcompile.distributed.agree import agree, digest
+from qcompile.distributed.agree import (
+    MODEL_FIX,
+    GroupCheck,
+    agree,
+    batch_shapes,
+    digest,
+    model_fingerprint,
+    tensors_of,
+)
 from qcompile.distributed.devices import collective_device, staged
-from qcompile.distributed.guards import refuse_wrapped
+from qcompile.distributed.guards import data_parallel_inner, refuse_wrapped
 from qcompile.errors import QCompileError
-from qcompile.graph.meta import SHARDED_KEY, STEPS_SEEN_KEY, SYNC_OBSERVERS_KEY
+from qcompile.graph.meta import (
+    COLLECTIVES_KEY,
+    SHARDED_KEY,
+    STEPS_SEEN_KEY,
+    SYNC_OBSERVERS_KEY,
+)
 from qcompile.runtime import weight_cache
 from qcompile.runtime.fake_quant import (
     PENDING_IN_STEP,
@@ -46,6 +60,11 @@ from qcompile.specs import as_spec
 
 def initialised() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def several_ranks(group: Any = None) -> bool:
+    """Whether ``group`` (None: the world) is a process group of two or more ranks."""
+    return initialised() and torch.distributed.get_world_size(group) > 1
 
 
 # The attribute a compiled graph's sync watch reads: "watching" until the graph is
@@ -142,9 +161,12 @@ def sync_observers(gm: nn.Module, group: Any = None, *, everything: bool = False
             opt.step(); opt.zero_grad()
             qc.distributed.sync_observers(gm)   # every rank's qparams identical again
 
-    Quantizers that update in every forward (``observer_update: forward``, histogram-based
-    observers) are reduced as they are: min-max observers take the min of mins and max of
-    maxes, moving averages the mean (call it after each forward for those). Step updates
+    Quantizers that update in every forward (``observer_update: forward``) are reduced as
+    they are: min-max observers take the min of mins and max of maxes, moving averages the
+    mean (call it after each forward for those). Histogram-based activation observers of
+    a graph ``wrap`` keeps in sync combine each forward's range and histogram across the
+    group inside the forward (``RankSync``): they are the same on every rank already and
+    are left out here. Step updates
     take the min of mins and max of maxes of the step and fold them in once. All quantizers
     go in one flattened collective per reduction kind (at most three per call), not one
     per quantizer, on the backend's device (``collective_device``: the rank's GPU for NCCL,
@@ -154,13 +176,36 @@ def sync_observers(gm: nn.Module, group: Any = None, *, everything: bool = False
     the stage's data-parallel group). ``weights``: reduce weight quantizers too (default:
     as ``wrap`` registered, False under DDP, whose replicas see the same weights; True for
     a graph ``wrap`` never saw). Without a process group the pending statistics are
-    applied locally. Returns the number of collectives and bytes sent."""
+    applied locally. Returns the number of collectives and bytes sent.
+
+    Under a process group every rank of ``group`` must call it, with the same model: the
+    ranks first agree on the call and the model (``agree``: a check through the store,
+    not a collective), so a call made on some ranks only, or on another model, is the same
+    ``QCompileError`` on every rank instead of a hang."""
+    if not isinstance(gm, nn.Module):
+        raise QCompileError(f"sync_observers takes the graph qc.qcompile returned, got "
+                            f"{type(gm).__name__}",
+                            fix="pass gm = qc.qcompile(model, spec, ...) (the graph itself, "
+                                "or the DistributedDataParallel wrapping it)")
+    if initialised():
+        agree("qc.distributed.sync_observers",
+              {"model": model_fingerprint(gm), "everything": everything, "weights": weights},
+              group, fixes={"model": MODEL_FIX})
+    return reduce_observers(gm, group, everything=everything, weights=weights)
+
+
+def reduce_observers(gm: nn.Module, group: Any = None, *, everything: bool = False,
+                     weights: bool | None = None,
+                     skip: Collection[FakeQuantize] = ()) -> dict[str, int]:
+    """``sync_observers`` without its check, for callers whose ranks already agreed (a
+    pipeline step, ``qc.calibrate``). ``skip``: quantizers whose statistics are global
+    already (the same on every rank)."""
     _mark_synced(gm)
     stats = apply_pending(gm, group)
     if weights is None:
         registered = gm.__dict__.get(_SYNC_GROUP)
         weights = registered[1] if registered is not None else True
-    more = _reduce_observed(gm, group, everything=everything, weights=weights)
+    more = _reduce_observed(gm, group, everything=everything, weights=weights, skip=skip)
     return {k: stats[k] + more[k] for k in stats}
 
 
@@ -198,17 +243,22 @@ def apply_pending(gm: nn.Module, group: Any = None, *, sync: bool = True) -> dic
 
 
 def _reduce_observed(gm: nn.Module, group: Any = None, *, everything: bool = False,
-                     weights: bool = True) -> dict[str, int]:
+                     weights: bool = True, skip: Collection[FakeQuantize] = ()
+                     ) -> dict[str, int]:
     """The per-forward reduction of quantizers that update in every forward (those that
     observed since the last call, or ``everything``; weight quantizers only with
-    ``weights``): min of mins and max of maxes, mean of moving averages."""
+    ``weights``): min of mins and max of maxes, mean of moving averages. Observers that
+    combine across the ranks as they observe (``across``: histogram-based ones under
+    ``keep_observers_in_sync``), and those in ``skip``, are global already: left out."""
     stats = {"collectives": 0, "bytes": 0}
     if not initialised():
         return stats
+    skipped = {id(q) for q in skip}
     qs = [m for _, m in sorted(gm.named_modules(), key=lambda kv: kv[0])
           if isinstance(m, FakeQuantize) and m.observer is not None
           and (everything or m.observed) and (weights or not m.weight)
-          and m.pending_stats() is None]
+          and m.pending_stats() is None and id(m) not in skipped
+          and getattr(m.observer, "across", None) is None]
     if not qs:
         return stats
     world = torch.distributed.get_world_size(group)
@@ -238,6 +288,89 @@ def _reduce_observed(gm: nn.Module, group: Any = None, *, everything: bool = Fal
                 q.refresh_qparams()  # a learnable scale is (re)initialised from synced stats
             q.observed = False
     return stats
+
+
+@dataclass(frozen=True, eq=False)
+class RankSync:
+    """Statistics combined across the ranks of ``group`` (None: the world) while they are
+    gathered (``qcompile.runtime.observers.RankReduction``): what makes histogram-based
+    observers (in every forward) and calibration's moving averages (per batch) hold what
+    one process observing the global batch would. Each call is one all-reduce, on the
+    backend's device (``collective_device``).
+
+    What it sends, per histogram-based activation quantizer and observed batch: the
+    range (4 float64: the negated minimum, the maximum, a NaN flag, the largest element
+    count; 32 bytes) and the bin counts (int32 while the global count fits, else int64:
+    8 KiB for the default 2048 bins).
+
+    Copies of a graph share it (``qc.convert`` works on one); a pickled graph forgets it,
+    as it forgets its ``wrap`` group.
+
+    Example:
+        >>> import torch
+        >>> RankSync().extremes(torch.tensor([1.0]), torch.tensor([2.0]), 3)  # no group
+        (tensor([1.]), tensor([2.]), 3)
+    """
+
+    group: Any = None
+
+    def extremes(self, mn: torch.Tensor, mx: torch.Tensor, count: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if not initialised():
+            return mn, mx, count
+        n = mn.numel()
+        with torch.no_grad():
+            lo = mn.detach().reshape(-1).to(torch.float64)
+            hi = mx.detach().reshape(-1).to(torch.float64)
+            bad = lo.isnan() | hi.isnan()
+            # float32 -> float64 and back is exact; a NaN entry is sent as a flag (MAX
+            # over NaN depends on the backend) and comes back NaN on every rank
+            flat = torch.cat([(-lo).masked_fill(bad, float("-inf")),
+                              hi.masked_fill(bad, float("-inf")), bad.to(torch.float64),
+                              torch.full((1,), float(count), dtype=torch.float64,
+                                         device=lo.device)])
+            flat = staged(flat, collective_device(self.group))
+            torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX,
+                                         group=self.group)
+            flat = flat.to(mn.device)
+            nan = flat[2 * n:3 * n] > 0
+            lo = (-flat[:n]).masked_fill(nan, float("nan"))
+            hi = flat[n:2 * n].masked_fill(nan, float("nan"))
+        return (lo.to(mn.dtype).view_as(mn), hi.to(mx.dtype).view_as(mx),
+                int(flat[3 * n]))
+
+    def total(self, counts: torch.Tensor, largest: int) -> torch.Tensor:
+        if not initialised():
+            return counts
+        world = torch.distributed.get_world_size(self.group)
+        wire = torch.int32 if largest * world < 2**31 else torch.int64
+        with torch.no_grad():
+            out = staged(counts.to(wire), collective_device(self.group))
+            torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM,
+                                         group=self.group)
+        return out.to(counts.device, torch.int64)
+
+    def __deepcopy__(self, memo: dict) -> RankSync:
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (_forgotten, ())
+
+
+def combine_in_forward(gm: nn.Module, group: Any = None) -> int:
+    """Give every histogram-based activation observer of ``gm`` a ``RankSync`` over
+    ``group``: each forward then combines its batch's range and histogram across the
+    ranks (collectives inside the forward, like SyncBatchNorm's), so the ranks hold the
+    global batch's histogram and choose the same range. Weight quantizers are left
+    alone (every rank sees the same weights). Returns how many it set."""
+    sync = RankSync(group)
+    count = 0
+    for m in gm.modules():
+        if (isinstance(m, FakeQuantize) and getattr(m.observer, "needs_data", False)
+                and not (m.weight or not m.per_example)):
+            m.observer.across = sync
+            count += 1
+    return count
 
 
 def sum_across_ranks(tensors: list[torch.Tensor], group: Any = None) -> None:
@@ -398,13 +531,26 @@ def keep_observers_in_sync(gm: nn.Module, spec: Any, group: Any = None) -> nn.Mo
     every forward are reduced after it (weight quantizers too under FSDP2, where each rank
     observed its own initial weights at compile time; under DDP every replica sees the
     same weights, so theirs are never reduced). Either way, no warning about
-    unsynchronised observers (they are synced, or local by the spec's choice)."""
+    unsynchronised observers (they are synced, or local by the spec's choice). Under a
+    process group ``group`` is kept as the graph's data-parallel group
+    (``meta[COLLECTIVES_KEY]``): ``train_step`` and ``save_adapters`` agree over it first.
+    Histogram-based activation observers (histogram, percentile, mse) combine every
+    forward's range and histogram across ``group`` inside the forward
+    (``combine_in_forward``): every rank holds the global batch's histogram, as one
+    process would (two collectives per such quantizer and forward, ~8 KiB with 2048
+    bins; see ``RankSync``)."""
     spec = as_spec(spec)
     _mark_synced(gm)
+    meta = getattr(gm, "meta", None)
+    if initialised() and isinstance(meta, dict):
+        # the group the calls that communicate over this graph agree in first
+        # (train_step, save_adapters of a sharded graph)
+        meta[COLLECTIVES_KEY] = GroupCheck(group)
     # once per graph: a second call (a Lightning setup() run again) adds no second hook
     if spec.quant.sync_observers and initialised() and gm.__dict__.get(_SYNC_GROUP) is None:
         weights = spec.data_parallel.kind != "ddp"
         gm.__dict__[_SYNC_GROUP] = _Synced((group, weights))
+        combine_in_forward(gm, group)  # histograms: each forward's, across the group
         if _sync_after_forward not in gm._forward_hooks.values():  # (a loaded graph has it)
             gm.register_forward_hook(_sync_after_forward)
     return gm
@@ -438,7 +584,8 @@ def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Modul
     # is the same clear error on every rank, not a hang or a collective-size abort
     agree("qc.distributed.wrap", {
         "spec": spec.model_dump(mode="json", exclude={"cache_dir"}),
-        "graph": digest(str(getattr(gm, "code", "")))}, group)
+        "graph": digest(str(getattr(gm, "code", ""))),
+        "tensors": tensors_of(gm)}, group, fixes={"tensors": MODEL_FIX, "graph": MODEL_FIX})
     if kind == "fsdp2" and getattr(gm, "meta", {}).get(SHARDED_KEY):
         return gm  # compile_once sharded it per block and syncs its observers already
     refuse_wrapped(gm)
@@ -487,11 +634,94 @@ def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Modul
     return fully_shard(gm, **kwargs)
 
 
+_STEP_FIXES = {
+    "model": MODEL_FIX,
+    "accumulate": "give every rank the same train.accumulate (or accumulate=)",
+    "inputs": "give every rank batches of the same shape apart from the batch dimension "
+              "(pad sequences to one length on every rank), then launch again",
+    "target": "give every rank targets of the same shape apart from the batch dimension, "
+              "then launch again",
+    "split": "use a batch size that is a multiple of train.accumulate on every rank",
+}
+
+
+def _step_group(model: nn.Module) -> tuple[bool, Any]:
+    """Whether an optimizer step of ``model`` communicates, and over which group: DDP's
+    process group; a sharded graph's (FSDP2) or one whose observers ``wrap`` keeps in sync,
+    as registered (None: the world)."""
+    inner = data_parallel_inner(model)
+    if inner is not model:
+        return True, getattr(model, "process_group", None)
+    meta = getattr(inner, "meta", None)
+    meta = meta if isinstance(meta, dict) else {}
+    synced = inner.__dict__.get(_SYNC_GROUP)
+    if synced is not None:
+        return True, synced[0]
+    from torch.distributed.fsdp import FSDPModule
+
+    check = meta.get(COLLECTIVES_KEY)
+    if isinstance(inner, FSDPModule) or meta.get(SHARDED_KEY):
+        return True, check.group if check is not None else None
+    return False, None
+
+
+def _check_step_arguments(optimizer: Any, loss_fn: Any, accumulate: Any) -> None:
+    """``train_step``'s arguments that are not what it calls or counts, refused by name
+    before anything runs (the same on every rank that makes the same mistake)."""
+    if not (callable(getattr(optimizer, "step", None))
+            and callable(getattr(optimizer, "zero_grad", None))):
+        raise QCompileError(f"train_step: optimizer is a {type(optimizer).__name__}, not an "
+                            "optimizer (it needs step() and zero_grad())",
+                            fix="pass torch.optim.SGD(model.parameters(), lr=...) (or any "
+                                "torch.optim optimizer over the graph's parameters)")
+    if not callable(loss_fn):
+        raise QCompileError(f"train_step: loss_fn is a {type(loss_fn).__name__}, not a "
+                            "function", fix="pass loss_fn=torch.nn.functional.mse_loss (any "
+                            "function (output, target) -> scalar tensor)")
+    if accumulate is not None and (isinstance(accumulate, bool)
+                                   or not isinstance(accumulate, int) or accumulate < 1):
+        raise QCompileError(f"train_step: accumulate={accumulate!r}: the number of "
+                            "micro-batches per step must be an integer of 1 or more",
+                            fix="pass accumulate=1 (no accumulation) or more, or leave it out "
+                                "(spec.train.accumulate)")
+
+
+def _first_loss(model: nn.Module, chunk: tuple, target: Any, loss_fn: Any) -> torch.Tensor:
+    """The first micro-batch's loss, refused unless it is a scalar tensor (backward of
+    anything else is torch's bare error); the forward's pending observations are dropped
+    with the refusal, so the graph is as it was."""
+    quantizers = [m for m in model.modules() if isinstance(m, FakeQuantize)]
+    pending = {id(q): q.get_extra_state().clone() for q in quantizers
+               if q.pending_stats() is not None}
+    loss = loss_fn(model(*chunk), target)
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
+        return loss
+    for q in quantizers:  # what this forward gathered goes (what was there stays)
+        if id(q) in pending:
+            q.set_extra_state(pending[id(q)])
+        elif q.pending_stats() is not None:
+            q.set_extra_state(None)
+    got = (f"a {str(loss.dtype).removeprefix('torch.')} tensor of shape {list(loss.shape)}"
+           if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}")
+    raise QCompileError(f"train_step: loss_fn returned {got}, not a scalar: backward needs "
+                        "one number per step",
+                        fix="reduce it in loss_fn, e.g. lambda out, y: "
+                            "torch.nn.functional.mse_loss(out, y) or (...).mean()")
+
+
 def train_step(model: nn.Module, optimizer: Any, inputs: Any, target: Any, loss_fn: Any,
                *, accumulate: int | None = None, spec: Any = None) -> float:
     """One optimizer step over a batch split into ``accumulate`` micro-batches (default
     ``spec.train.accumulate``). Under DDP the gradient all-reduce runs once, on the last
     micro-batch (``no_sync`` on the others); the loss is the mean over micro-batches.
+
+    When the step communicates (DDP, FSDP2, observers kept in sync by ``wrap``), the ranks
+    first agree, at every step, on the call, the model (its fingerprint: spec, graph code,
+    tensors' shapes, as digests computed once per graph), ``accumulate`` and the batch's
+    shapes apart from the batch dimension (``agree``: a few store round trips, no
+    collective): a misshaped batch, another model or a step taken on some ranks only is
+    the same ``QCompileError`` on every rank, naming the rank and what differs, instead of
+    a size error on one rank and a hang or a lost connection on the others.
 
     Example:
         >>> import torch, qcompile as qc
@@ -502,9 +732,20 @@ def train_step(model: nn.Module, optimizer: Any, inputs: Any, target: Any, loss_
         >>> isinstance(loss, float)
         True
     """
+    _check_step_arguments(optimizer, loss_fn, accumulate)
     n = accumulate or (as_spec(spec).train.accumulate if spec is not None else 1)
     xs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-    if any(isinstance(x, torch.Tensor) and x.shape[0] % n for x in (*xs, target)):
+    rows = [x.shape[0] for x in (*xs, target) if isinstance(x, torch.Tensor) and x.dim()]
+    misfit = next((r for r in rows if r % n), None)
+    communicates, group = _step_group(model)
+    if communicates and initialised():  # every step: before the step's first collective
+        agree("qc.distributed.train_step", {
+            "model": model_fingerprint(model), "accumulate": n,
+            "inputs": batch_shapes(list(xs)), "target": batch_shapes(target),
+            "split": "fits" if misfit is None else
+                     f"a batch of {misfit} rows does not split into {n} micro-batches"},
+            group, fixes=_STEP_FIXES)
+    if misfit is not None:
         raise QCompileError(f"train.accumulate = {n} does not divide the batch",
                             fix="use a batch size that is a multiple of train.accumulate")
     chunks = list(zip(*(x.chunk(n) for x in xs)))
@@ -516,7 +757,10 @@ def train_step(model: nn.Module, optimizer: Any, inputs: Any, target: Any, loss_
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else (
             model.no_sync())
         with sync:
-            loss = loss_fn(model(*chunk), tgt) / n
+            if i == 0:  # its loss checked before anything is applied
+                loss = _first_loss(model, chunk, tgt, loss_fn) / n
+            else:
+                loss = loss_fn(model(*chunk), tgt) / n
             loss.backward()
         total += loss.item()
     optimizer.step()

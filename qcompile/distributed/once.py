@@ -588,6 +588,14 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
     collective the ranks agree on the spec, ``cache_dir``, ``checkpoint`` given or not, the
     example inputs' shapes and then the graph's code; a build, compile or calibration batch
     that fails on one rank fails every rank with that rank's message, never a hang."""
+    if isinstance(build_model, nn.Module) or not callable(build_model):
+        what = (f"a {type(build_model).__name__} instance (the model itself)"
+                if isinstance(build_model, nn.Module) else f"a {type(build_model).__name__}")
+        raise QCompileError(
+            f"compile_once: build_model is {what}, not a function that builds the model",
+            fix="pass the class or a factory, e.g. compile_once(MyModel, ...) or "
+                "compile_once(lambda: MyModel(config), ...): every rank builds it, on the "
+                "meta device where it needs no memory")
     spec = as_spec(spec)
     if spec.quant.search is not None:
         raise QCompileError("quant.search: this spec describes a search, not one "

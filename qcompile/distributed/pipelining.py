@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from qcompile.distributed.agree import agree, collective_phase, digest
+from qcompile.distributed.agree import agree, collective_phase, digest, tensors_of
 from qcompile.errors import QCompileError
 from qcompile.graph.meta import TIED_KEY
 from qcompile.passes.partition import stage_devices
@@ -44,12 +45,22 @@ class PipelineSchedule:
     stages on different ranks, ``train.accumulate`` (the batch in that many schedule steps,
     gradients averaged, for one optimizer step) and, with pipeline x data parallel, one
     observer synchronisation over the stage's dp group per step (``last_sync``: its
-    collectives and bytes). Every other attribute is the torch schedule's."""
+    collectives and bytes). Every other attribute is the torch schedule's.
+
+    Each ``step`` first has the ranks of ``group`` (the pipeline's ranks; the world with
+    pipeline x data parallel) agree on the call, the schedule (``fingerprint``: spec and
+    graph digests) and whether this rank's own inputs were refused (a batch size the
+    micro-batches do not divide, an unknown input name): a step taken on some ranks only,
+    or refused on one, is the same ``QCompileError`` on every rank, never a rank waiting
+    in a send or receive."""
 
     def __init__(self, schedule: Any, input_names: list[str], microbatches: int,
                  tied: list[tuple[list[torch.Tensor], Any]], params: list[torch.Tensor],
-                 sync: Any = None, dp_group: Any = None, accumulate: int = 1) -> None:
+                 sync: Any = None, dp_group: Any = None, accumulate: int = 1,
+                 group: Any = None, fingerprint: dict[str, Any] | None = None) -> None:
         self.schedule = schedule
+        self.group = group  # the ranks that step together
+        self.fingerprint = fingerprint or {}
         self.accumulate = accumulate  # train.accumulate: schedule steps per optimizer step
         self.sync = sync  # pipeline x data parallel: observer sync over the dp group
         self.dp_group = dp_group
@@ -64,6 +75,23 @@ class PipelineSchedule:
 
     def step(self, *args: Any, target: Any = None, losses: list | None = None,
              **inputs: Any) -> Any:
+        try:
+            args = self._inputs(args, target, inputs)
+            refused = None
+        except QCompileError as e:  # agreed on first: every rank raises it, none waits
+            refused = e
+        agree("PipelineSchedule.step", {
+            "schedule": self.fingerprint,
+            "refused": None if refused is None else refused.message}, self.group,
+            fixes={"schedule": "give every rank the same spec and graph, then launch again",
+                   "refused": "fix the inputs that rank refused (its message says why)"})
+        if refused is not None:
+            raise refused
+        return self._step(args, target, losses)
+
+    def _inputs(self, args: tuple, target: Any, inputs: dict[str, Any]) -> tuple:
+        """The first stage's positional inputs (``inputs`` by name appended), after the
+        batch-size check; a ``QCompileError`` for what this rank was given wrong."""
         if inputs:  # model inputs by name -> the first stage's positional inputs
             unknown = sorted(set(inputs) - set(self.input_names))
             if unknown:
@@ -85,6 +113,10 @@ class PipelineSchedule:
                 raise QCompileError(
                     f"pipeline step: batch size {a.shape[0]} is not divisible by {what}",
                     fix="use a batch size that is a multiple of the micro-batch count")
+        return args
+
+    def _step(self, args: tuple, target: Any, losses: list | None) -> Any:
+        n, m = self.accumulate, self.microbatches
         backward = getattr(self.schedule, "_has_backward", True)
         # gradients already there (accumulating over several steps) are left as they are:
         # only this step's share is averaged and summed over tied holders
@@ -263,11 +295,12 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
                             "torch.distributed.init_process_group() first")
     # before anything that differs by rank: a schedule, a stage count or a graph of one
     # rank's own would leave the others waiting in the schedule until the timeout
+    dumped = spec.model_dump(mode="json", exclude={"cache_dir"})
+    code = digest("\n".join([str(getattr(gm, "code", ""))] + [
+        str(getattr(c, "code", "")) for n, c in gm.named_children()
+        if n.startswith("stage_")]))
     agree("qc.distributed.pipeline", {
-        "spec": spec.model_dump(mode="json", exclude={"cache_dir"}),
-        "graph": digest("\n".join([str(getattr(gm, "code", ""))] + [
-            str(getattr(c, "code", "")) for n, c in gm.named_children()
-            if n.startswith("stage_")])),
+        "spec": dumped, "graph": code, "tensors": tensors_of(gm),
         "loss_fn": loss_fn is not None}, group,
         fixes={"loss_fn": "pass loss_fn= on every rank (the last stage computes the loss)"})
     if spec.pipeline is None:  # after agreeing: every rank raises it, none waits
@@ -278,6 +311,7 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
         raise QCompileError(f"qc.distributed.pipeline: the graph has no {missing[0]}",
                             fix="pass the GraphModule qc.qcompile returned for this spec")
     hybrid = spec.data_parallel.kind != "none"
+    step_group = None if hybrid else group  # with data parallel, every rank steps together
     dp_group = dp_mesh = None
     columns: list[list[int]] | None = None
     if hybrid:  # pipeline x data parallel: validated before any communication
@@ -332,7 +366,7 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
     params = list({id(p): p for st in stages for p in st.submod.parameters()}.values())
     inputs = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
     tied = _tied_groups(gm, stage_rank, mine, group, columns)
-    from qcompile.distributed.data_parallel import apply_pending, sync_observers
+    from qcompile.distributed.data_parallel import apply_pending, reduce_observers
 
     synced = hybrid and spec.quant.sync_observers
 
@@ -341,11 +375,13 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
         this rank's own step updates applied (each stage's quantizers live on one rank)."""
         stats = {"collectives": 0, "bytes": 0}
         for mod in modules.values():
-            done = (sync_observers(mod, dp_group, weights=spec.data_parallel.kind != "ddp")
+            done = (reduce_observers(mod, dp_group, weights=spec.data_parallel.kind != "ddp")
                     if synced else apply_pending(mod, sync=False))
             for key, value in done.items():
                 stats[key] += value
         return stats
     return (stages if kind == "interleaved_1f1b" else stages[0],
             PipelineSchedule(schedule, inputs, m, tied, params, sync=sync, dp_group=dp_group,
-                             accumulate=spec.train.accumulate))
+                             accumulate=spec.train.accumulate, group=step_group,
+                             fingerprint={"spec": digest(json.dumps(dumped, sort_keys=True)),
+                                          "graph": code, "loss_fn": loss_fn is not None}))

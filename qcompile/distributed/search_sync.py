@@ -2,6 +2,11 @@
 reduced before the choice, so every rank chooses from the same scores and returns the
 same spec.
 
+Before anything else the ranks agree (``agree_to_search``) on the call, the spec and the
+model: its tensors' names, dtypes and shapes and a checksum of their values, so ranks
+holding different models (another architecture, other weights) or a search made on some
+ranks only raise the same ``QCompileError`` everywhere instead of returning one spec.
+
 Every score ``qc.search`` computes is a sum over batches divided by the number of batches
 (output noise and signal energies, loss sums, squared-gradient sums), so one ``all_reduce``
 (SUM) of the sums and the batch count gives every rank what one process scoring all the
@@ -11,7 +16,8 @@ same error everywhere instead of reducing mismatched tensors.
 
 Example:
     >>> import torch
-    >>> from qcompile.distributed.search_sync import reduce_scores, world_size
+    >>> from qcompile.distributed.search_sync import agree_to_search, reduce_scores, world_size
+    >>> agree_to_search(torch.nn.Linear(2, 2), {"quant": {"mode": "static"}})  # no group
     >>> reduce_scores(torch.tensor([1.0, 2.0]), {"groups": ["fc1"]})  # no process group
     tensor([1., 2.])
     >>> world_size()
@@ -26,10 +32,28 @@ from typing import Any
 
 import torch
 
-from qcompile.distributed.agree import _active, agree, collective_phase
+from qcompile.distributed.agree import _active, agree, collective_phase, model_fingerprint
 
 _FIX = ("run qc.search with the same model, spec and candidates on every rank (only the "
         "batches differ), then launch again")
+
+
+def agree_to_search(model: torch.nn.Module, spec: Any, group: Any = None, *,
+                    loss_fn: bool = False) -> None:
+    """Before the search's first collective: every rank of ``group`` is in ``qc.search``
+    with the same spec, the same model (``model_fingerprint`` with its weights' checksum)
+    and a ``loss_fn`` given or not alike, else every rank raises the same error. Does
+    nothing without a process group of two or more ranks."""
+    if not _active(group):
+        return
+    dumped = (spec.model_dump(mode="json", exclude={"cache_dir"})
+              if hasattr(spec, "model_dump") else spec)
+    agree("qc.search", {"spec": dumped,
+                        "model": model_fingerprint(model, detailed=True, weights=True),
+                        "loss_fn": loss_fn}, group,
+          fixes={"spec": _FIX, "loss_fn": _FIX,
+                 "model": "give every rank the same model (the same architecture and "
+                          "weights: load one checkpoint on every rank), then launch again"})
 
 
 def world_size(group: Any = None) -> int:

@@ -47,6 +47,10 @@ STAGE_NAMES_KEY = "qcompile.stage_names"
 TIED_KEY = "qcompile.tied"
 #: compile_once: the graph is already ``fully_shard``-ed per block (``wrap`` returns it as is)
 SHARDED_KEY = "qcompile.sharded"
+#: wrap / compile_once: the graph's data-parallel group (``distributed.agree.GroupCheck``);
+#: ``check(call, gm)`` has its ranks agree on the call and the model before a collective
+#: (how ``save_adapters`` checks before gathering a sharded graph); None once pickled
+COLLECTIVES_KEY = "qcompile.collectives"
 #: fold_bn: for each folded weight (and bias), the model tensors and BatchNorm it was
 #: computed from (``passes.fold_bn.Fold``): how a checkpoint's tensors become the graph's
 FOLDS_KEY = "qcompile.folds"

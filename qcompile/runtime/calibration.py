@@ -28,6 +28,7 @@ from torch.fx import GraphModule
 from qcompile.errors import QCompileError
 from qcompile.runtime import kernels
 from qcompile.runtime.fake_quant import FakeQuantize
+from qcompile.runtime.observers import MovingAverageObserver
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class GraphInput:
 
 def quantizers(gm: nn.Module) -> dict[str, FakeQuantize]:
     """Every ``FakeQuantize`` in ``gm`` by qualified name."""
+    if not isinstance(gm, nn.Module):
+        raise QCompileError(f"quantizers takes the graph qc.qcompile returned, got "
+                            f"{type(gm).__name__}", fix="pass gm = qc.qcompile(model, spec, ...)")
     return {name: m for name, m in gm.named_modules() if isinstance(m, FakeQuantize)}
 
 
@@ -225,12 +229,166 @@ def check_calibratable(mode: str | None) -> None:
                             fix=fix + "; to calibrate, compile with quant.mode: static")
 
 
+def _is_weight(q: FakeQuantize) -> bool:
+    # ``per_example`` too: graphs pickled before ``weight`` existed read its default
+    return q.weight or not q.per_example
+
+
+def _combined(q: FakeQuantize) -> str | None:
+    """How calibration across ranks (``RankCombine``) combines ``q``'s statistics:
+    ``"histogram"`` (in its observer's ``observe``), ``"now"`` (an enabled min-max or
+    moving-average quantizer: its batch range reduced before it quantizes, in the
+    forward), ``"defer"`` (a disabled moving average: its batch ranges reduced after the
+    forward, then folded in order), or None (weights, which every rank holds alike;
+    running min / max, which the reduction at the end combines exactly)."""
+    if (q.observer is None or q.learnable or q.dynamic or q.granularity == "per_token"
+            or _is_weight(q)):
+        return None
+    if getattr(q.observer, "needs_data", False):
+        return "histogram"
+    if q.enabled:
+        return "now"
+    return "defer" if isinstance(q.observer, MovingAverageObserver) else None
+
+
+class RankCombine:
+    """Calibration across data-parallel ranks that ends with the statistics one process
+    observing the global batches would have (every rank on its slice of each batch).
+
+    A running minimum / maximum needs nothing more than the reduction at the end (min of
+    minima, max of maxima). What depends on each batch's global values is combined as
+    the batches are observed, through ``across`` (``RankReduction``):
+
+    - histogram-based observers agree on each batch's range and sum its histograms in
+      ``observe`` (two collectives per quantizer and batch: collectives inside the
+      forward);
+    - a moving average folds each batch's global minimum / maximum once, in batch order:
+      its observer is paused while the batches run (``observe`` off; a forward pre-hook
+      records the batch's range), and ``fold`` reduces every recorded range in one
+      collective and folds them. A quantizer that is enabled (its output depends on its
+      qparams, e.g. calibrating a second time), min-max ones included, reduces its
+      range in the pre-hook instead, before it quantizes.
+
+    ``in_forward(gm)``: whether the forwards run collectives (then every rank must run
+    the same batches, agreed beforehand; ``fold`` runs after each batch). Otherwise the
+    recorded ranges wait for ``fold`` after the last batch, outside the forwards.
+    ``quantizers``: those whose statistics are global already (the reduction at the end
+    leaves them out).
+
+    Example (one process, whose reduction is the identity: the same as without it):
+        >>> import copy, torch, qcompile as qc
+        >>> class Alone:
+        ...     def extremes(self, mn, mx, count=0): return mn, mx, count
+        ...     def total(self, counts, largest): return counts
+        >>> gm = qc.qcompile(torch.nn.Linear(4, 4), {"quant": {"mode": "static", "rules": [
+        ...     {"match": {"module": "Linear"}, "weight": {"dtype": "int8"}, "activation": {
+        ...      "dtype": "uint8", "observer": "moving_average"}}]}},
+        ...     example_inputs=(torch.randn(2, 4),))
+        >>> batches = [torch.randn(2, 4) for _ in range(3)]
+        >>> ref = collect_statistics(copy.deepcopy(gm), batches)
+        >>> combine = RankCombine(Alone())
+        >>> _ = collect_statistics(gm, batches, combine=combine)
+        >>> combine.fold()
+        >>> [n for n, q in quantizers(gm).items() if q in combine.quantizers]
+        ['linear_fake_quant']
+        >>> all(torch.equal(q.scale, quantizers(ref)[n].scale)
+        ...     for n, q in quantizers(gm).items())
+        True
+    """
+
+    def __init__(self, across: Any) -> None:
+        self.across = across
+        self.quantizers: list[FakeQuantize] = []
+        self._records: list[tuple[FakeQuantize, torch.Tensor, torch.Tensor]] = []
+        self._seen: set[int] = set()
+        self._undo: list[Callable[[], None]] = []
+        self.per_batch = False
+
+    @staticmethod
+    def in_forward(gm: nn.Module) -> bool:
+        """Whether calibrating ``gm`` this way runs collectives inside its forwards."""
+        return any(_combined(q) in ("histogram", "now") for q in quantizers(gm).values())
+
+    def start(self, qs: dict[str, FakeQuantize], observing: Sequence[str]) -> None:
+        """Set up the quantizers named in ``observing`` (undone by ``stop``)."""
+        kinds = {n: _combined(qs[n]) for n in observing}
+        self.per_batch = any(k in ("histogram", "now") for k in kinds.values())
+        for n, kind in kinds.items():
+            q = qs[n]
+            if kind is None:
+                continue
+            self.quantizers.append(q)
+            if kind == "histogram":
+                obs, before = q.observer, q.observer.__dict__.get("across")
+                obs.across = self.across
+                self._undo.append(lambda o=obs, b=before: setattr(o, "across", b)
+                                  if b is not None else o.__dict__.pop("across", None))
+                continue
+            q.observe = False  # the pre-hook observes (collect_statistics restores it)
+            handle = q.register_forward_pre_hook(self._range_of)
+            self._undo.append(handle.remove)
+
+    def _range_of(self, q: FakeQuantize, args: tuple) -> None:
+        x = args[0] if args else None
+        # what FakeQuantize observes: floating-point tensors with values
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
+            return
+        mn, mx = q._minmax(x.detach().float())
+        self._seen.add(id(q))
+        if q.enabled:  # before it quantizes with them, as one process would
+            mn, mx, _ = self.across.extremes(mn, mx)
+            q.observe_range(mn, mx)
+        else:
+            self._records.append((q, mn, mx))
+
+    def saw(self, q: FakeQuantize) -> bool:
+        """Whether ``q`` recorded a range (its observer may still wait for ``fold``)."""
+        return id(q) in self._seen
+
+    def nonfinite(self) -> FakeQuantize | None:
+        """The first quantizer whose range recorded since the last ``fold`` is NaN or
+        infinite (what an observer would hold after such a batch)."""
+        for q, mn, mx in self._records:
+            if not _finite_stats(mn, mx):
+                return q
+        return None
+
+    @torch.no_grad()
+    def fold(self) -> None:
+        """Reduce every recorded range across the ranks (one collective) and fold them
+        into their observers in the order they were recorded; then the qparams."""
+        records, self._records = self._records, []
+        if not records:
+            return
+        mn = torch.cat([r[1].reshape(-1) for r in records])
+        mx = torch.cat([r[2].reshape(-1) for r in records])
+        mn, mx, _ = self.across.extremes(mn, mx)
+        last = {id(q): i for i, (q, _, _) in enumerate(records)}
+        offset = 0
+        for i, (q, a, _) in enumerate(records):
+            n = a.numel()
+            device = q.observer.min_val.device
+            lo = mn[offset:offset + n].view_as(a).to(device)
+            hi = mx[offset:offset + n].view_as(a).to(device)
+            offset += n
+            if last[id(q)] == i:  # its last range: the observer, then the qparams
+                q.observe_range(lo, hi)
+            else:
+                q.observer.update(lo, hi)
+
+    def stop(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo = []
+
+
 def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
                        sync: Callable[[nn.Module], Any] | None = None,
                        progress: bool = True,
                        inputs: Callable[[Any], Any] | None = None,
                        signature: Sequence[GraphInput] = (),
-                       fixed: Iterable[str] = ()) -> nn.Module:
+                       fixed: Iterable[str] = (),
+                       combine: RankCombine | None = None) -> nn.Module:
     """What ``qc.calibrate`` does, for any mode: observe ``batches``, then ``sync(gm)``
     (when given), then freeze. (The inspect tool's per-layer error uses it to give QAT
     graphs data-derived ranges.)
@@ -244,6 +402,7 @@ def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
     inputs, ``qcompile.graph.signature.graph_inputs``) lets errors say what the graph
     takes. The quantizers named in ``fixed`` keep their qparams (weights an algorithm put
     on their grid)."""
+    refuse_batches_misuse(batches, inputs, "calibrate")
     qs = quantizers(gm)
     if not qs:
         raise QCompileError("calibrate: the graph has no quantizers",
@@ -260,6 +419,8 @@ def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
         if q.observer is not None and not q.learnable and n not in keep:
             q.observe = True
             observing.append(n)
+    if combine is not None:
+        combine.start(qs, observing)
     seen = 0
     if progress and sys.stderr.isatty():
         from tqdm import tqdm
@@ -279,14 +440,20 @@ def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
                         raise  # a peer or the network failed, not this batch
                     raise misfit(e, seen, args, kwargs, signature) from e
                 seen += 1
-                bad = [n for n, q in qs.items() if q.observer is not None
-                       and not _finite_stats(q.observer.min_val, q.observer.max_val)]
+                if combine is not None and combine.per_batch:
+                    combine.fold()  # (collectives in the forwards: one more per batch)
+                deferred = combine.nonfinite() if combine is not None else None
+                bad = [n for n, q in qs.items() if q.observer is not None and (
+                       q is deferred or not _finite_stats(q.observer.min_val,
+                                                          q.observer.max_val))]
                 if bad:
-                    raise _nonfinite_batch(seen - 1, bad[0], args, kwargs, signature)
+                    raise _nonfinite_batch(seen - 1, bad[0], args, kwargs, signature,
+                                           across=combine is not None)
         if seen == 0:
             raise QCompileError("calibrate: no batches were given",
                                 fix="pass a non-empty iterable")
-        empty = [n for n in observing if _never_observed(qs[n])]
+        empty = [n for n in observing if _never_observed(qs[n])
+                 and not (combine is not None and combine.saw(qs[n]))]
         if empty:
             raise QCompileError(
                 f"calibrate: {empty[0]} observed no data in {seen} batch(es)"
@@ -295,11 +462,15 @@ def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
                 fix="give (more) batches whose data reaches that layer, or keep it in "
                     "float with a rule {match: {name: <its module>}, skip: true}")
     except BaseException:
+        if combine is not None:
+            combine.stop()
         for n, q in qs.items():  # a refused calibration leaves the graph as it was
             state, q.enabled, q.observe = saved[n]
             q.load_state_dict(state)
         raise
     finally:
+        if combine is not None:
+            combine.stop()
         gm.train(was_training)
     if sync is not None:
         sync(gm)  # e.g. reduce across data-parallel ranks: every rank ends with the same qparams
@@ -307,6 +478,19 @@ def collect_statistics(gm: nn.Module, batches: Iterable[Any], *,
         q.observe = False
         q.enabled = True
     return gm
+
+
+def refuse_batches_misuse(batches: Any, inputs: Any, what: str) -> None:
+    """A tensor given as the batches (iterating it would give its rows, one at a time, as
+    inputs of a rank less) and an ``inputs`` that is not a function: refused by name."""
+    if isinstance(batches, torch.Tensor):
+        raise QCompileError(
+            f"{what}: batches is one tensor ({str(batches.dtype).removeprefix('torch.')}"
+            f"{list(batches.shape)}); iterating it would feed its rows one by one",
+            fix="pass a list of batches, e.g. [x] for one batch or [(x,), ...]")
+    if inputs is not None and not callable(inputs):
+        raise QCompileError(f"{what}: inputs= is a {type(inputs).__name__}, not a function",
+                            fix="pass inputs=lambda batch: batch[0] (batch -> model inputs)")
 
 
 def return_freed_memory() -> bool:
@@ -346,10 +530,13 @@ def _never_observed(q: FakeQuantize) -> bool:
 
 
 def _nonfinite_batch(index: int, quantizer: str, args: tuple, kwargs: dict,
-                     signature: Sequence[GraphInput]) -> QCompileError:
+                     signature: Sequence[GraphInput], *, across: bool = False
+                     ) -> QCompileError:
     """The error for calibration batch ``index`` putting NaN / Inf into ``quantizer``'s
     observer: blamed on the batch when one of its tensors holds such values, else on the
-    model's computation (the weights were checked before: they are finite)."""
+    model's computation (the weights were checked before: they are finite), or with
+    ``across`` (statistics combined across ranks as they are gathered) on another rank's
+    batch or computation."""
     names = [i.name for i in signature if not i.variadic]
     given = [(names[i] if i < len(names) else f"input {i}", v) for i, v in enumerate(args)]
     given += list(kwargs.items())
@@ -361,6 +548,13 @@ def _nonfinite_batch(index: int, quantizer: str, args: tuple, kwargs: dict,
                 return QCompileError(f"{where}: its input {name} has {_counted(nan, inf)}",
                                      fix="remove NaN/Inf values from the calibration data "
                                          f"(torch.isfinite({name}).all() for each batch)")
+    if across:
+        return QCompileError(
+            f"{where}, though this rank's inputs and the model's weights are finite: "
+            "another data-parallel rank's batch holds NaN/Inf, or the model computes them "
+            "there (the batch's statistics are combined across the ranks)",
+            fix="remove NaN/Inf values from the calibration data on every rank "
+                "(that rank's error names the input), or find the op that overflows")
     return QCompileError(
         f"{where}, though the batch's inputs and the model's weights are finite: the "
         f"model computes a NaN or infinite value before {quantizer} (an overflow, e.g. in "

@@ -44,6 +44,8 @@ from qcompile.runtime.quant_math import (
 from qcompile.specs.quant import FP8_MAX, REDUCIBLE_DTYPES, Scheme, reduces_activation_range
 
 _FLAG_INDEX = {"enabled": 0, "observe": 1}
+# what qcompile::fake_quant_minmax reads (float16 through float32, as fake_quant does)
+_ONE_PASS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The extra-state entry (``get_extra_state``): its key within the quantizer's prefix (torch's
 # name), and the codes of its ``pending`` field.
 EXTRA_STATE = "_extra_state"
@@ -223,6 +225,8 @@ class FakeQuantize(nn.Module):
     update: str = "forward"  # when a training forward's observation takes effect
     initialised: bool = False  # step updates: the observer has statistics to quantize with
     _pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    # step updates in one pass (``_one_pass``); False: the two passes, for comparison
+    _one_pass_step: bool = True
     # train.check_finite: while set (qcompile.graph.finite, the first training steps), what
     # an error says about this quantizer when its input holds NaN or an infinity
     check_finite: str | None = None
@@ -683,6 +687,19 @@ class FakeQuantize(nn.Module):
         """A training forward with step updates: fold ``x``'s minima / maxima into the
         pending statistics; fake-quantize with the qparams as they are (unchanged until
         ``apply_pending``), or pass ``x`` through while the observer has no statistics."""
+        if self.enabled and self._one_pass(x) and self._ready():
+            # one C++ pass (qcompile::fake_quant_minmax): the fake-quant and its mask, and
+            # the min / max folded into the pending statistics, x read once; the same bits
+            # as the two passes below
+            pending = self._pending
+            if pending is None:
+                obs = self.observer
+                pending = (torch.full_like(obs.min_val, float("inf")),
+                           torch.full_like(obs.max_val, float("-inf")))
+                self.__dict__["_pending"] = pending
+            return torch.ops.qcompile.fake_quant_minmax(
+                x, self._shaped(self.scale, x), self._shaped(self.zero_point, x),
+                self.quant_min, self.quant_max, pending[0], pending[1])
         with torch.no_grad():
             pending = self._pending
             if self._fusable(x) is not None:
@@ -717,10 +734,46 @@ class FakeQuantize(nn.Module):
                 ready = torch.isfinite(self.observer.min_val).any()
                 return torch.where(ready, self._fake_quant(x, self.scale, self.zero_point,
                                                            shaped=False), x)
-            if not bool(torch.isfinite(self.observer.min_val).any()):
+            if not self._ready():
                 return x
-            self.__dict__["initialised"] = True
         return self._fake_quant(x, self.scale, self.zero_point, shaped=False)
+
+    def _ready(self) -> bool:
+        """The observer has statistics to quantize with (``initialised``, set by the first
+        forward that finds them). Not while compiling (a branch on a tensor's value)."""
+        if not self.initialised:
+            if not bool(torch.isfinite(self.observer.min_val).any()):
+                return False
+            self.__dict__["initialised"] = True
+        return True
+
+    def _one_pass(self, x: torch.Tensor) -> bool:
+        """Whether ``qcompile::fake_quant_minmax`` runs this training forward with step
+        updates: a fixed-scale integer quantizer, per-tensor or per-channel; a plain CPU
+        float32, bfloat16 or float16 activation; CPU statistics of one value per scale;
+        nothing tracing; the kernels built. ``_one_pass_step`` (a private switch, True):
+        False takes the two passes (the benchmark's comparison)."""
+        if not self._one_pass_step or self.learnable or self.dtype in FP8_DTYPES:
+            return False
+        if torch.compiler.is_compiling() or weight_cache.tracing():
+            return False  # first: the checks below would break a compiled graph
+        if not (type(x) is torch.Tensor and x.dtype in _ONE_PASS_DTYPES and x.is_cpu):
+            return False
+        n = self.zero_point.numel()
+        if self.granularity == "per_channel":
+            if not (-x.dim() <= self.axis < x.dim() and x.shape[self.axis] == n):
+                return False
+        elif self.granularity != "per_tensor":
+            return False
+        state = (self.scale, self.zero_point, self.observer.min_val, self.observer.max_val)
+        if not all(type(t) is torch.Tensor and t.is_cpu for t in state):
+            return False
+        pending = self._pending
+        if pending is not None and not all(
+                t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() and t.numel() == n
+                for t in pending):
+            return False
+        return kernels.available()
 
     def pending_stats(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The pending (min, max) of step updates, or None when there are none."""

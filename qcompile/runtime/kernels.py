@@ -26,6 +26,12 @@ under ``torch.compile`` and ``torch.export``):
   ``fake_quant`` with the new qparams, in one call, with the straight-through node; a
   weight's rows are read once (each row's min / max, its qparams, then its forward while
   the row is in cache). What an observing quantizer's forward runs.
+- ``qcompile::fake_quant_minmax(x, scale, zero_point, quant_min, quant_max, min_val,
+  max_val)``: ``fake_quant`` (the same bits, the same straight-through node), and ``x``'s
+  minimum and maximum per scale (per-tensor or per-channel) folded into ``min_val`` /
+  ``max_val`` in place (``torch.minimum`` / ``torch.maximum``, NaN propagating), in one pass
+  over ``x`` (float32, bfloat16; float16 through float32): what a training forward with
+  step observer updates runs (the step's qparams, its pending statistics).
 - ``qcompile::block_fake_quant(x, fmt, block)``: the block-scaled formats' fake-quant (MX,
   NVFP4, NF4; ``fmt`` a name of ``block_formats.FORMATS``) over consecutive ``block``-element
   blocks of the contiguous ``x`` (float32, bfloat16 or float16), with a straight-through

@@ -17,10 +17,31 @@ Example:
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
 from qcompile.errors import QCompileError
+
+
+class RankReduction(Protocol):
+    """How statistics are combined across data-parallel ranks while they are gathered
+    (``qcompile.distributed.data_parallel.RankSync`` provides it; this layer does not
+    import torch.distributed). Every rank of the group makes the same calls in the same
+    order: each is one collective."""
+
+    def extremes(self, mn: torch.Tensor, mx: torch.Tensor, count: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The minimum of every rank's ``mn`` and the maximum of every rank's ``mx``
+        (elementwise; an entry NaN on any rank is NaN on every rank), and the largest
+        ``count`` any rank gave."""
+        ...
+
+    def total(self, counts: torch.Tensor, largest: int) -> torch.Tensor:
+        """The sum of every rank's integer ``counts`` (no rank gives more than
+        ``largest`` in all), exactly."""
+        ...
 
 
 def add_buffers(module: nn.Module, **tensors: torch.Tensor) -> None:
@@ -91,6 +112,12 @@ class HistogramObserver(MinMaxObserver):
     noise ``step^2 / 12`` for values inside, squared distance to the range outside."""
 
     needs_data = True
+    # Under data parallelism (set by qcompile.distributed for the activation quantizers of
+    # a graph whose observers it keeps in sync, and by qc.calibrate): each batch's range
+    # and histogram are combined across the ranks in ``observe`` (two collectives per
+    # call), so every rank holds the histogram of the global batch, as one process
+    # observing it would. A plain attribute, not state: a pickled graph forgets it.
+    across: RankReduction | None = None
 
     def __init__(self, channels: int = 1, bins: int = 2048, levels: int = 256) -> None:
         super().__init__(channels)
@@ -111,9 +138,19 @@ class HistogramObserver(MinMaxObserver):
 
     @torch.no_grad()
     def observe(self, x: torch.Tensor) -> None:
+        """Fold ``x`` into the histogram (re-binned first when ``x`` widens the range) and
+        choose the range. With ``across`` (data parallelism) the ranks first agree on the
+        batch's range (the global batch's minimum and maximum), bin their own values on
+        it and sum the counts: exactly the histogram of the global batch, since every
+        value falls into the bin it would fall into in one process."""
         x = x.detach().float().reshape(-1)
-        lo = torch.minimum(self.data_min, x.min().reshape(1))
-        hi = torch.maximum(self.data_max, x.max().reshape(1))
+        mn, mx = torch.aminmax(x)
+        mn, mx = mn.reshape(1), mx.reshape(1)
+        largest = 0
+        if self.across is not None:
+            mn, mx, largest = self.across.extremes(mn, mx, x.numel())
+        lo = torch.minimum(self.data_min, mn)
+        hi = torch.maximum(self.data_max, mx)
         if not bool(torch.isinf(self.data_min)):  # re-bin what we have into the new range
             centers = torch.linspace(float(self.data_min), float(self.data_max), self.bins + 1,
                                      dtype=torch.float64)
@@ -123,8 +160,12 @@ class HistogramObserver(MinMaxObserver):
             self.histogram.zero_().index_add_(0, idx, old)
         self.data_min.copy_(lo)
         self.data_max.copy_(hi)
-        self.histogram.index_add_(0, self._bin(x.double(), lo, hi),
-                                  torch.ones(x.numel(), dtype=torch.float64))
+        if self.across is None:
+            self.histogram.index_add_(0, self._bin(x.double(), lo, hi),
+                                      torch.ones(x.numel(), dtype=torch.float64))
+        else:  # integer counts: summed exactly, added exactly (float64 holds them)
+            counts = torch.bincount(self._bin(x.double(), lo, hi), minlength=self.bins)
+            self.histogram.add_(self.across.total(counts, largest).to(torch.float64))
         a, b = self.choose()
         self.min_val.fill_(a)
         self.max_val.fill_(b)

@@ -181,9 +181,18 @@ def _sequence(kind: str, input: Tensor, hx: Any, weights: Sequence[Tensor], *,
     _refuse_packed(input, name)
     lstm_ = kind == "lstm"
     if input.dim() not in (2, 3):
-        raise ValueError(f"{name}: expected a 2-D or 3-D input, got {input.dim()}-D")
+        raise QCompileError(f"{name}: expected a 2-D or 3-D input, got "
+                            f"{str(input.dtype).removeprefix('torch.')}{list(input.shape)}",
+                            fix=f"pass {name} a [seq, features] or [batch, seq, features] "
+                                f"tensor (batch_first={batch_first})")
     batched = input.dim() == 3
     batch_dim = 0 if batch_first else 1
+    seq_dim = 1 if batched and batch_first else 0
+    if input.shape[seq_dim] == 0:  # torch's own kernels refuse it deep inside
+        raise QCompileError(f"{name}: the input sequence has length 0 "
+                            f"({str(input.dtype).removeprefix('torch.')}{list(input.shape)}, "
+                            f"batch_first={batch_first})",
+                            fix="pass sequences of at least one step (drop empty ones)")
     if not batched:
         input = input.unsqueeze(batch_dim)
         if hx is not None:

@@ -338,6 +338,43 @@ def case_accumulate_forward() -> dict[str, Any]:
     return train(qat_spec("ddp", update="forward"), how="alone", accumulate=4)
 
 
+OBSERVER_KINDS = ("minmax", "moving_average", "histogram", "percentile", "mse")
+
+
+def kind_spec(kind: str, mode: str) -> dict[str, Any]:
+    """Every activation quantizer (the Linears' outputs and the adds) with observer
+    ``kind``; weights per-channel min-max; DDP."""
+    act = {"dtype": "uint8", "symmetric": False, "observer": kind}
+    weight = {"dtype": "int8", "granularity": "per_channel", "observer": "minmax"}
+    return {"version": 1, "data_parallel": {"kind": "ddp"},
+            "quant": {"mode": mode, "target": "x86", "sync_observers": True, "rules": [
+                {"match": {"module": "Linear"}, "weight": weight, "activation": act},
+                {"match": {"op": "add"}, "activation": act}]}}
+
+
+def calibrated(kind: str) -> dict[str, Any]:
+    """``qc.calibrate`` on 3 global batches: each rank on its slice (statistics reduced
+    across the ranks), against one process on the whole batches."""
+    spec = kind_spec(kind, "static")
+    batches = [global_batch(s)[0] for s in range(3)]
+    gm = qc.qcompile(Model(), spec, example_inputs=example())
+    qc.calibrate(gm, [(local(x),) for x in batches], progress=False)
+    ref = qc.qcompile(Model(), reference_spec(spec), example_inputs=example())
+    qc.calibrate(ref, [(x,) for x in batches], sync=False, progress=False)
+    out = diffs(state(gm), state(ref))
+    out["uninitialised"] = {"graph": uninitialised(gm), "reference": uninitialised(ref)}
+    out["observers"] = sorted({type(q.observer).__name__ for q in qc.quantizers(gm).values()
+                               if q.observer is not None})
+    return out
+
+
+def case_observer_kinds() -> dict[str, Any]:
+    """For each observer kind: calibration on 2 ranks and 4 QAT steps under DDP (each
+    rank on its slice), against one process on the global batches."""
+    return {kind: {"calibrate": calibrated(kind), "qat": train(kind_spec(kind, "qat"), steps=4)}
+            for kind in OBSERVER_KINDS}
+
+
 class CountAllReduce:
     """Counts Python-level ``all_reduce`` calls and their bytes while active (DDP's
     gradient buckets go through its C++ reducer, not through this function)."""

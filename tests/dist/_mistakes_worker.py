@@ -8,6 +8,12 @@ hang a rank until the process-group timeout or abort it (a ``cache_dir``, a sche
 scheme or a bad batch on one rank only, a model factory that wraps in DDP); each must raise
 a ``QCompileError`` on both ranks, and the group must still work afterwards (the next
 mistake runs in it). The group's timeout is short (``PG_TIMEOUT``): a hang fails in seconds.
+``calls`` makes the mistakes of a call made on some ranks only, of different models on
+the two ranks and of a misshaped batch, for every public call that communicates
+(``train_step``, ``wrap``, ``qc.search``, ``save_adapters`` of an FSDP2 graph,
+``compile_once``, ``qc.calibrate``, a pipeline schedule's ``step``, ``sync_observers``):
+each is the same ``QCompileError`` on both ranks, and the group, and the agreement itself,
+still work afterwards (a good step on both ranks ends the case).
 ``calibrate_wrapped`` calibrates graphs ``qc.distributed.wrap`` returned; ``train_step``
 checks which micro-batch synchronises gradients under DDP.
 """
@@ -16,8 +22,11 @@ from __future__ import annotations
 
 import copy
 import datetime
+import os
 import re
 import sys
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +149,137 @@ def case_mistakes() -> dict[str, Any]:
         lambda: DistributedDataParallel(model), static_spec(), (x,)))
     mistake(out, "factory_ddp_built", lambda: qc.distributed.compile_once(
         lambda: DistributedDataParallel(mlp()), static_spec(), (x,)))
+    return out
+
+
+# -- a call on some ranks only, different models, a misshaped batch ------------------------------
+class Doubled(nn.Module):
+    """``mlp()``'s layers (the same parameters) and one more operation: another graph that
+    DistributedDataParallel's own parameter-shape check lets through."""
+
+    def __init__(self, double: bool) -> None:
+        super().__init__()
+        self.net, self.double = mlp(), double
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.net(x)
+        return y * 2.0 if self.double else y
+
+
+def wide_mlp(width: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D_IN, width), nn.ReLU(), nn.Linear(width, D_OUT))
+
+
+SEARCH = {"quant": {"mode": "static",
+                    "rules": [{"match": {"module": "Linear"}, "weight": {"dtype": "int8"}}],
+                    "search": {"candidates": [
+                        {"weight": {"dtype": "int4", "granularity": "per_group",
+                                    "group_size": 8}},
+                        {"weight": {"dtype": "int8", "granularity": "per_channel"}}],
+                        "budget": {"avg_weight_bits": 6.0}}}}
+
+
+def timed(out: dict[str, Any], name: str, fn: Any) -> None:
+    """``mistake``, with the seconds this rank spent in ``fn``."""
+    start = time.monotonic()
+    mistake(out, name, fn)
+    out[name]["seconds"] = round(time.monotonic() - start, 2)
+
+
+def case_calls() -> dict[str, Any]:
+    rank = dist.get_rank()
+    x, y = torch.randn(LOCAL, D_IN), torch.randn(LOCAL, D_OUT)
+    mse = nn.functional.mse_loss
+    out: dict[str, Any] = {}
+    # what every call below needs, built on both ranks (these calls agree: no mistake yet)
+    ddp_spec = {"quant": {"mode": "none"}, "data_parallel": {"kind": "ddp"}}
+    gm = qc.qcompile(mlp(), ddp_spec, example_inputs=(x,))
+    ddp = qc.distributed.wrap(gm, ddp_spec)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    other = qc.qcompile(mlp(), static_spec(), example_inputs=(x,))  # for sync_observers
+    lora = {"quant": {"mode": "none"}, "data_parallel": {"kind": "fsdp2"},
+            "adapters": [{"match": {"module": "Linear"}, "rank": 2}]}
+    sharded = qc.distributed.wrap(qc.qcompile(mlp(), lora, example_inputs=(x,)), lora)
+    pipe = {"pipeline": {"stages": 2, "devices": ["cpu", "cpu"], "microbatches": 2}}
+    stage, schedule = qc.distributed.pipeline(qc.qcompile(mlp(), pipe, example_inputs=(x,)),
+                                              pipe, loss_fn=mse)
+    static = qc.qcompile(mlp(), static_spec(), example_inputs=(x,))
+
+    def pipeline_step() -> None:
+        if stage.is_first:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=[])
+
+    # each public call on rank 0 only, while rank 1 goes on to another call
+    calls = {
+        "train_step": lambda: qc.distributed.train_step(ddp, opt, x, y, mse),
+        "wrap": lambda: qc.distributed.wrap(gm, ddp_spec),
+        "search": lambda: qc.search(mlp(), SEARCH, batches(rank, 2)),
+        "save_adapters": lambda: qc.save_adapters(sharded, OUTDIR / "adapters"),
+        "compile_once": lambda: qc.distributed.compile_once(mlp, static_spec(), (x,)),
+        "calibrate": lambda: qc.calibrate(static, batches(rank), progress=False),
+        "pipeline_step": pipeline_step,
+        "sync_observers": lambda: qc.distributed.sync_observers(other),
+    }
+    for name, call in calls.items():
+        theirs = (calls["train_step"] if name in ("save_adapters", "sync_observers")
+                  else calls["sync_observers"])
+        timed(out, f"only_{name}", call if rank == 0 else theirs)
+
+    # save_adapters on rank 0 while rank 1 makes no qcompile call at all: rank 0 gives up
+    # after QCOMPILE_AGREE_TIMEOUT; rank 1's next call skips the meeting it missed
+    os.environ["QCOMPILE_AGREE_TIMEOUT"] = "2"
+    timed(out, "absent", calls["save_adapters"] if rank == 0 else lambda: None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        timed(out, "after_absent", calls["train_step"])
+    out["after_absent"]["warnings"] = [str(w.message) for w in seen
+                                       if "without this rank" in str(w.message)]
+    # ... and rank 1 making the same call after rank 0 gave up on it: it came too late
+    gave_up = OUTDIR / "rank0_gave_up"
+    if rank == 0:
+        out["late"] = error_of(calls["save_adapters"])
+        gave_up.touch()
+    else:
+        while not gave_up.exists():
+            time.sleep(0.05)
+        out["late"] = error_of(calls["save_adapters"])
+    del os.environ["QCOMPILE_AGREE_TIMEOUT"]
+    dist.barrier()
+    timed(out, "after_late", calls["train_step"])
+
+    # different models on the two ranks
+    wide = {"quant": {"mode": "none"}, "data_parallel": {"kind": "ddp"}}
+    mine = qc.qcompile(wide_mlp(16 if rank == 0 else 32), wide, example_inputs=(x,))
+    timed(out, "models_wrap", lambda: qc.distributed.wrap(mine, wide))
+    mine = qc.qcompile(wide_mlp(16 if rank == 0 else 32), static_spec(), example_inputs=(x,))
+    timed(out, "models_calibrate", lambda: qc.calibrate(mine, batches(rank), progress=False))
+    torch.manual_seed(rank)  # the same architecture, other weights on rank 1
+    timed(out, "models_search", lambda: qc.search(
+        nn.Sequential(nn.Linear(D_IN, WIDTH), nn.ReLU(), nn.Linear(WIDTH, D_OUT)), SEARCH,
+        batches(rank, 2)))
+    from torch.nn.parallel import DistributedDataParallel
+
+    mine = qc.qcompile(Doubled(rank == 1), {"quant": {"mode": "none"}}, example_inputs=(x,))
+    hand = DistributedDataParallel(mine)  # a hand-written DDP: no wrap to check the models
+    timed(out, "models_train_step", lambda: qc.distributed.train_step(
+        hand, torch.optim.SGD(hand.parameters(), lr=0.1), x, y, mse))
+
+    # a misshaped batch on rank 1 (its features), a batch the micro-batches do not divide
+    bad = torch.randn(LOCAL, D_IN + 3) if rank == 1 else x
+    timed(out, "misshaped", lambda: qc.distributed.train_step(ddp, opt, bad, y, mse))
+    rows = 7 if rank == 1 else 6
+    timed(out, "split", lambda: qc.distributed.train_step(
+        ddp, opt, torch.randn(rows, D_IN), torch.randn(rows, D_OUT), mse, accumulate=2))
+
+    # after all that, a good step on both ranks: the group and the meetings are in step
+    timed(out, "good_step", calls["train_step"])
+    weights = torch.cat([p.detach().reshape(-1) for p in gm.parameters()])
+    theirs = weights.clone()
+    dist.broadcast(theirs, src=0)
+    out["good_step"]["equal_to_rank0"] = torch.equal(theirs, weights)
     return out
 
 

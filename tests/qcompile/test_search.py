@@ -140,6 +140,50 @@ class Pair(nn.Module):
         return self.net(x)
 
 
+# What qc.convert stores for a 64x64 weight, written out (the module docstring's formula):
+# int4 per group of 32: 4096 / 2 bytes of elements, 128 float16 scales, one int32 zero
+# point (symmetric); int8 per channel: 4096 bytes, 64 float32 scales, one int32 zero point.
+BYTES_64x64 = (64 * 64 // 2 + 64 * 64 // 32 * 2 + 4, 64 * 64 + 64 * 4 + 4)
+
+
+EPS = torch.finfo(torch.float32).eps
+
+
+def _int4_per_group(w: torch.Tensor) -> torch.Tensor:
+    g = w.reshape(w.shape[0], -1, 32)
+    scale = (g.abs().amax(-1, keepdim=True) / 7).clamp_min(EPS)  # all-zero groups
+    return (torch.clamp(torch.round(g / scale), -8, 7) * scale).reshape(w.shape)
+
+
+def _int8_per_channel(w: torch.Tensor) -> torch.Tensor:
+    scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(EPS)
+    return torch.clamp(torch.round(w / scale), -128, 127) * scale
+
+
+def reference_sqnr_scores(data: list) -> dict[str, tuple[float, float]]:
+    """Per layer, for int4 per group and int8 per channel: the noise energy of the layer's
+    output with the quantized weight over the float output's energy, over all batches,
+    each layer fed what the float model gives it (float64 sums)."""
+    model = MLP().eval()
+    noise = {n: [0.0, 0.0] for n in LAYERS}
+    signal = dict.fromkeys(LAYERS, 0.0)
+
+    def hook(name: str):
+        def record(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            signal[name] += float(out.double().square().sum())
+            for c, q in enumerate((_int4_per_group, _int8_per_channel)):
+                o = F.linear(args[0], q(m.weight), m.bias)
+                noise[name][c] += float((o.double() - out.double()).square().sum())
+        return record
+
+    for name in LAYERS:
+        getattr(model, name).register_forward_hook(hook(name))
+    with torch.no_grad():
+        for (x,) in data:
+            model(x)
+    return {n: (noise[n][0] / signal[n], noise[n][1] / signal[n]) for n in LAYERS}
+
+
 @pytest.fixture(scope="module")
 def data() -> list:
     return batches()
@@ -198,13 +242,14 @@ def test_details_are_consistent(searched: dict) -> None:
     assert [g.parameters for g in info.groups] == [64 * 64] * 4
     chosen_error = sum(g.scores[info.chosen[g.name]] for g in info.groups)
     assert info.predicted_error == pytest.approx(chosen_error)
-    want_bytes = sum(stored_bytes(Scheme.model_validate([INT4, INT8][c]), (64, 64))
-                     for c in info.chosen.values())
+    want_bytes = sum(BYTES_64x64[c] for c in info.chosen.values())
     assert info.weight_bytes == want_bytes
+    reference = reference_sqnr_scores(inputs(batches()))
     for g in info.groups:  # sqnr: the score is the noise / signal ratio the dB show
         assert len(g.scores) == len(g.sqnr_db) == 2
-        for score, db in zip(g.scores, g.sqnr_db):
-            assert 10 * math.log10(1 / score) == pytest.approx(db, abs=1e-6)
+        for score, db, want in zip(g.scores, g.sqnr_db, reference[g.name]):
+            assert score == pytest.approx(want, rel=1e-4), g.name
+            assert 10 * math.log10(1 / want) == pytest.approx(db, abs=1e-3)
         assert g.scores[1] < g.scores[0]  # int8 per channel beats int4 per group
     pareto = info.pareto
     assert pareto[0].avg_weight_bits == pytest.approx(4.0)
@@ -268,7 +313,9 @@ def test_budget_below_the_cheapest_is_an_error(data: list) -> None:
 
 
 def test_weight_bytes_and_max_loss_increase_budgets(data: list) -> None:
-    int4, int8 = (stored_bytes(Scheme.model_validate(s), (64, 64)) for s in (INT4, INT8))
+    int4, int8 = BYTES_64x64
+    assert (int4, int8) == tuple(stored_bytes(Scheme.model_validate(s), (64, 64))
+                                 for s in (INT4, INT8))
     budget = 3 * int4 + int8 + 10  # room for one int8 layer
     _, info = run(MLP(), spec_of(budget={"weight_bytes": budget}), data, "sqnr")
     assert info.weight_bytes <= budget
@@ -450,3 +497,40 @@ def test_solver_with_merged_states_keeps_its_stated_bound(instance: tuple) -> No
     got = sum(errors[g][c] for g, c in enumerate(choice))
     slack = frontier.merges * frontier.delta
     assert got <= brute(costs, errors, budget - slack) + 1e-9
+
+
+def brute_pareto(costs: list[list[float]], errors: list[list[float]]
+                 ) -> list[tuple[float, float]]:
+    """Every (cost, error) total no other choice beats on both (ties: one of them)."""
+    totals = {(sum(costs[g][c] for g, c in enumerate(ch)),
+               sum(errors[g][c] for g, c in enumerate(ch)))
+              for ch in itertools.product(*(range(len(c)) for c in costs))}
+    return sorted((c, e) for c, e in totals
+                  if not any(c2 <= c and e2 <= e and (c2, e2) != (c, e) for c2, e2 in totals))
+
+
+tied = st.integers(1, 4).flatmap(lambda groups: st.integers(2, 3).flatmap(
+    lambda options: st.tuples(
+        st.lists(st.lists(st.integers(0, 3), min_size=options, max_size=options),
+                 min_size=groups, max_size=groups),
+        st.lists(st.lists(st.integers(0, 3), min_size=options, max_size=options),
+                 min_size=groups, max_size=groups))))
+
+
+@settings(max_examples=40, deadline=None)
+@given(tied)
+def test_solver_frontier_with_ties_is_the_brute_force_pareto_set(instance: tuple) -> None:
+    """Small integer costs and errors: equal costs, equal errors and equal totals reached
+    by different choices everywhere. The frontier is exactly the Pareto set (costs strictly
+    rising, errors strictly falling), and each state's choice adds up to it."""
+    costs = [[float(c) for c in row] for row in instance[0]]
+    errors = [[float(e) for e in row] for row in instance[1]]
+    frontier = solve(costs, errors)
+    got = list(zip(frontier.costs.tolist(), frontier.errors.tolist()))
+    assert got == brute_pareto(costs, errors)
+    for i, (c, e) in enumerate(got):
+        choice = frontier.choice(i)
+        assert sum(costs[g][k] for g, k in enumerate(choice)) == c
+        assert sum(errors[g][k] for g, k in enumerate(choice)) == e
+        assert frontier.within(c) == i
+        assert frontier.cheapest_under(e) == i

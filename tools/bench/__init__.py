@@ -70,7 +70,9 @@ Subcommands:
 
 ``--quick`` runs smaller workloads; ``--format json`` (or ``--json``) prints the result
 dict as JSON instead of text, through the output sink shared with ``qcompile-inspect``
-(``qcompile.tools.output``).
+(``qcompile.tools.output``). ``--help`` lists the suites, one line each (``SUMMARIES``).
+A machine busier than its cores (1-minute load average above the core count) at the
+start or the end of a suite gets a note on stderr: its numbers may be noisy.
 
 The package: ``models`` (the model zoo), ``lm`` (the character LM), ``competitors``
 (torch.ao, torchao and ``symbolic_trace`` adapters), ``measure`` (timing, peak RSS),
@@ -78,26 +80,88 @@ The package: ``models`` (the model zoo), ``lm`` (the character LM), ``competitor
 and the ``SUITES`` registry this command line dispatches on).
 
 Example:
-    >>> from qcompile.tools.bench import deep_mlp
+    >>> from qcompile.tools.bench import busy_note, deep_mlp
     >>> len(list(deep_mlp(3).modules())) > 3
+    True
+    >>> print(busy_note("step", "start", load=3.5, cores=2))  # doctest: +NORMALIZE_WHITESPACE
+    qcompile-bench step: the machine is busy at the start (1-minute load average 3.50 on 2
+    cores): its numbers may be noisy
+    >>> busy_note("step", "end", load=1.5, cores=2) is None
     True
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from qcompile.tools.bench.models import deep_mlp, resnet_like, transformer
 from qcompile.tools.bench.suites import SUITES, Suite
-from qcompile.tools.output import FORMATS, Sink
+from qcompile.tools.output import FORMATS, Sink, note
 
-__all__ = ["SUITES", "Suite", "deep_mlp", "main", "parser", "resnet_like", "transformer"]
+__all__ = ["SUITES", "SUMMARIES", "Suite", "busy_note", "deep_mlp", "main", "parser",
+           "resnet_like", "transformer"]
+
+#: What each suite measures, in one line of ``--help`` (the module docstring says more).
+SUMMARIES: dict[str, str] = {
+    "pipeline": "partitioning time, bytes across cuts (fp32 vs int8), 2-stage GPipe step",
+    "compile-once": "per-rank peak memory of compile_once on 1, 2, 4 ranks vs the naive way",
+    "observer-sync": "collectives and bytes per step keeping 2 DDP ranks' observers equal",
+    "hybrid": "traffic per step: 2 stages x 2 DDP replicas vs 4 replicas vs 4 stages",
+    "compile": "compile time vs symbolic_trace and torch.ao prepare_qat_fx; scaling",
+    "memory": "peak RSS of compile + QAT steps; FSDP2 step memory on 1, 2, 4 ranks",
+    "step": "QAT training-step time vs fp32 eager, qcompile vs prepare_qat_fx",
+    "fakequant": "fake-quant GB/s per granularity next to a copy and torch's own ops",
+    "convert": "int8 latency after qc.convert vs fp32 and torch.ao convert_fx",
+    "convert-presets": "converted int8-static / int8-qat presets vs fp32 and convert_fx",
+    "onnx": "onnxruntime latency and file size of the QDQ export vs fp32 ONNX",
+    "algorithms": "PTQ algorithms (CLE, SmoothQuant, AdaRound, GPTQ, ...) vs rounding",
+    "torch-models": "torch's ~100 quantization test models: qcompile vs torch.ao coverage",
+    "moe": "mixture-of-experts LMs: experts quantized, QAT loss, unchanged routing",
+    "architectures": "every Hugging Face family under the LLM presets (the docs' table)",
+    "llm": "a small LM's perplexity: fp32 vs PTQ, GPTQ and QAT in six formats",
+    "adapters": "LoRA on a frozen quantized base vs peft and bitsandbytes NF4",
+    "search": "qc.search's mixed precision vs uniform int4 / int8 under a bit budget",
+    "cuda": "GPU: fake-quant bandwidth, compiled 8da4w step vs bf16 (needs CUDA)",
+}
+
+
+def busy_note(suite: str, when: str, *, load: float | None = None,
+              cores: int | None = None) -> str | None:
+    """The note for a machine busier than its cores when ``suite`` starts or ends
+    (``when``), or None. ``load`` (the 1-minute load average) and ``cores`` default to
+    this machine's; None where the system has no load average."""
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):  # Windows; a system without /proc/loadavg
+            return None
+    cores = cores if cores is not None else (os.cpu_count() or 1)
+    if load <= cores:
+        return None
+    return (f"qcompile-bench {suite}: the machine is busy at the {when} (1-minute load "
+            f"average {load:.2f} on {cores} cores): its numbers may be noisy")
+
+
+def _note_if_busy(suite: str, when: str) -> None:
+    message = busy_note(suite, when)
+    if message is not None:
+        note(message)  # stderr: the results on stdout stay clean (and valid JSON)
+
+
+def _suites_help() -> str:
+    width = max(map(len, SUITES)) + 2
+    return "suites:\n" + "\n".join(f"  {name:<{width}}{SUMMARIES.get(name, '')}".rstrip()
+                                    for name in SUITES)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qcompile-bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("suite", choices=list(SUITES))
+    p = argparse.ArgumentParser(prog="qcompile-bench", description=__doc__.split("\n\n")[0],
+                                epilog=_suites_help(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("suite", choices=list(SUITES), metavar="SUITE",
+                   help="the suite to run (listed below)")
     p.add_argument("--quick", action="store_true", help="smaller workloads")
     p.add_argument("--format", choices=FORMATS, default="text",
                    help="text (default) or JSON")
@@ -113,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(min(suite.threads, torch.get_num_threads()))
-    Sink(args.format).emit(suite.run(args.quick), suite.text)
+    # a busy machine makes timings noisy: say so when the suite starts and when it ends
+    _note_if_busy(args.suite, "start")
+    result = suite.run(args.quick)
+    _note_if_busy(args.suite, "end")
+    Sink(args.format).emit(result, suite.text)
     return 0
 
 

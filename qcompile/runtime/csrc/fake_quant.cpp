@@ -87,6 +87,8 @@ struct KernelTable {
   void (*bwd_bits)(const Job&, int64_t, int64_t);       // elements [b, e), b % 64 == 0
   void (*lsq_bwd)(const Job&, int64_t, int64_t);        // tasks [b, e)
   void (*minmax)(const float*, int64_t, float*, float*);  // n floats -> min, max
+  // fwd over elements [b, e) (b % 64 == 0), folding them into running minima / maxima
+  void (*fwd_minmax)(const Job&, int64_t, int64_t, float*, float*);
 };
 
 }  // namespace qcompile_fq
@@ -1079,6 +1081,114 @@ Tensor fake_quant_observe_autograd(const Tensor& x, const Tensor& min_val,
   return out;
 }
 
+// -- fake-quant with fixed qparams, gathering statistics (step observer updates) -------------
+// fake_quant_ste_fwd (with_mask) or fake_quant with the given qparams, and x's minimum and
+// maximum per scale folded into min_val / max_val (running extremes, in place, NaN
+// propagating: torch.minimum(min_val, x.amin(...)) and the maximum alike), in one pass over
+// x: what a training forward of FakeQuantize with step observer updates runs (the qparams
+// stay those of the step; the statistics are the step's pending ones). Bit-identical to
+// fake_quant (output, mask) and to the min / max reductions. The threads each fold their
+// share into their own statistics, reduced in a fixed order at the end (min / max are
+// exact in any order).
+static std::tuple<Tensor, Tensor> fwd_minmax(const Tensor& x, const Tensor& scale,
+                                             const Tensor& zero_point, int64_t quant_min,
+                                             int64_t quant_max, const Tensor& min_val,
+                                             const Tensor& max_val, bool with_mask) {
+  auto ok = [&](const Tensor& t) {
+    return t.scalar_type() == at::kFloat && t.is_contiguous() && t.is_cpu() &&
+           t.numel() == min_val.numel();
+  };
+  TORCH_CHECK(ok(min_val) && ok(max_val), "qcompile fake_quant_minmax: expects float32 "
+              "contiguous CPU min_val / max_val of one value per scale");
+  if (!native(x.scalar_type())) {  // float16: through float32, as fake_quant (exact)
+    auto [out, bits] = fwd_minmax(x.to(at::kFloat), scale, zero_point, quant_min, quant_max,
+                                  min_val, max_val, with_mask);
+    return {out.to(x.scalar_type()), bits};
+  }
+  Tensor bits = with_mask ? at::empty({packed_bytes(x.numel())}, x.options().dtype(at::kByte))
+                          : Tensor();
+  if (x.numel() == 0) return {at::empty_like(x), bits};  // nothing to fold in
+  Layout L = make_layout(x, scale, zero_point);
+  TORCH_CHECK(min_val.numel() == L.C && L.scale_index.empty(),
+              "qcompile fake_quant_minmax: min_val / max_val must hold one value per scale "
+              "along one dim of x (", L.C, " here), got ", min_val.numel());
+  Tensor out = empty_out_like(L.x, L.x.scalar_type());
+  Job j = make_job(L, quant_min, quant_max);
+  j.y = out.mutable_data_ptr();
+  j.bits = with_mask ? static_cast<uint8_t*>(bits.mutable_data_ptr()) : nullptr;
+  // the tasks of parallel_blocks (kGrain elements at least), at most one per thread, each
+  // with its own statistics: per channel (row mode) or per element of a period (column)
+  const int64_t blocks = (L.n + 63) / 64, grain = kGrain / 64;
+  const int64_t tasks = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), (blocks + grain - 1) / grain));
+  const int64_t per = (blocks + tasks - 1) / tasks;
+  const int64_t width = j.col ? j.row : L.C;
+  std::vector<float> tmn(tasks * width, INFINITY), tmx(tasks * width, -INFINITY);
+  const auto& k = kernels();
+  at::parallel_for(0, tasks, 1, [&](int64_t tb, int64_t te) {
+    for (int64_t t = tb; t < te; ++t) {
+      const int64_t b = t * per * 64, e = std::min(L.n, (t + 1) * per * 64);
+      if (b < e) k.fwd_minmax(j, b, e, tmn.data() + t * width, tmx.data() + t * width);
+    }
+  });
+  float* mn = min_val.mutable_data_ptr<float>();
+  float* mx = max_val.mutable_data_ptr<float>();
+  const int64_t inner = j.col ? L.inner : 1;  // entries per channel in a task's statistics
+  for (int64_t c = 0; c < L.C; ++c) {
+    float a = mn[c], z = mx[c];
+    for (int64_t t = 0; t < tasks; ++t) {
+      for (int64_t i = 0; i < inner; ++i) {
+        a = nan_min(a, tmn[t * width + c * inner + i]);
+        z = nan_max(z, tmx[t * width + c * inner + i]);
+      }
+    }
+    mn[c] = a;
+    mx[c] = z;
+  }
+  bump({&min_val, &max_val});
+  return {out, bits};
+}
+
+Tensor fake_quant_minmax_cpu(const Tensor& x, const Tensor& scale, const Tensor& zero_point,
+                             int64_t quant_min, int64_t quant_max, const Tensor& min_val,
+                             const Tensor& max_val) {
+  return std::get<0>(fwd_minmax(x, scale, zero_point, quant_min, quant_max, min_val, max_val,
+                                false));
+}
+
+Tensor fake_quant_minmax_meta(const Tensor& x, const Tensor&, const Tensor&, int64_t, int64_t,
+                              const Tensor&, const Tensor&) {
+  return at::empty_like(x);
+}
+
+// With gradients: fake_quant's straight-through node, its mask from the same pass.
+Tensor fake_quant_minmax_autograd(const Tensor& x, const Tensor& scale,
+                                  const Tensor& zero_point, int64_t quant_min,
+                                  int64_t quant_max, const Tensor& min_val,
+                                  const Tensor& max_val) {
+  using MmSig = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
+                       const Tensor&, const Tensor&);
+  static const auto below = op<MmSig>("qcompile::fake_quant_minmax");
+  if (!needs_grad(x, scale)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return below.call(x, scale, zero_point, quant_min, quant_max, min_val, max_val);
+  }
+  TORCH_CHECK(plain_cpu(x), "qcompile fake_quant_minmax: gradients need a plain CPU tensor; "
+              "elsewhere take the min / max, then call fake_quant");
+  auto node = new_node<FakeQuantSTEBackward>(x, scale);
+  Tensor out, mask;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(out, mask) = fwd_minmax(x.detach(), scale, zero_point, quant_min, quant_max,
+                                     min_val, max_val, true);
+  }
+  node->all_in = all_set(mask, x.numel());
+  if (!node->all_in) node->mask = SavedVariable(mask, false);
+  node->stride = out.sym_strides().vec();
+  torch::autograd::set_history(out, node);
+  return out;
+}
+
 std::string isa() { return kernels().name; }
 
 }  // namespace qcompile_fq
@@ -1106,6 +1216,8 @@ TORCH_LIBRARY(qcompile, m) {
   m.def("fake_quant_observe(Tensor x, Tensor(a!) min_val, Tensor(b!) max_val, "
         "Tensor(c!) scale, Tensor(d!) zero_point, int quant_min, int quant_max, "
         "bool symmetric, float momentum=-1.0) -> Tensor");
+  m.def("fake_quant_minmax(Tensor x, Tensor scale, Tensor zero_point, int quant_min, "
+        "int quant_max, Tensor(a!) min_val, Tensor(b!) max_val) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(qcompile, CPU, m) {
@@ -1117,6 +1229,7 @@ TORCH_LIBRARY_IMPL(qcompile, CPU, m) {
   m.impl("fake_quant_lsq_bwd", &qcompile_fq::fake_quant_lsq_bwd_cpu);
   m.impl("observe_minmax", &qcompile_fq::observe_minmax_cpu);
   m.impl("fake_quant_observe", &qcompile_fq::fake_quant_observe_cpu);
+  m.impl("fake_quant_minmax", &qcompile_fq::fake_quant_minmax_cpu);
 }
 
 TORCH_LIBRARY_IMPL(qcompile, Meta, m) {
@@ -1127,12 +1240,14 @@ TORCH_LIBRARY_IMPL(qcompile, Meta, m) {
   m.impl("fake_quant_ste_bwd", &qcompile_fq::fake_quant_ste_bwd_meta);
   m.impl("fake_quant_lsq_bwd", &qcompile_fq::fake_quant_lsq_bwd_meta);
   m.impl("fake_quant_observe", &qcompile_fq::fake_quant_observe_meta);
+  m.impl("fake_quant_minmax", &qcompile_fq::fake_quant_minmax_meta);
 }
 
 TORCH_LIBRARY_IMPL(qcompile, Autograd, m) {
   m.impl("fake_quant", &qcompile_fq::fake_quant_autograd);
   m.impl("fake_quant_lsq", &qcompile_fq::fake_quant_lsq_autograd);
   m.impl("fake_quant_observe", &qcompile_fq::fake_quant_observe_autograd);
+  m.impl("fake_quant_minmax", &qcompile_fq::fake_quant_minmax_autograd);
 }
 
 #else  // QCOMPILE_FQ_KERNEL_BODY: compiled once per instruction set, inside its namespace
@@ -1208,11 +1323,26 @@ static inline __m256 fq8(__m256 v, __m256 s, __m256 z, __m256 lo, __m256 hi, int
   return _mm256_mul_ps(_mm256_sub_ps(c, z), s);
 }
 
-// float32, 8 at a time; returns how many elements it did (the caller does the rest)
-template <typename P, int kOut>
+// Running minima / maxima of 8 lanes, and whether a lane saw a NaN (min_ps / max_ps drop
+// NaN: it is tracked apart).
+// (Set by the caller: an implicit constructor would be compiled without the ISA target.)
+struct MinMax8 {
+  __m256 mn, mx, nan;
+};
+
+// float32, 8 at a time; returns how many elements it did (the caller does the rest). With
+// kStats, the elements it did are folded into *st too, in the same loop: the division
+// bounds the loop, the min / max chains hide under it.
+template <typename P, int kOut, bool kStats = false>
 static int64_t fwd_seg8(const float* __restrict x, float* __restrict y, uint8_t* __restrict m,
-                        int64_t n, P p, float lo_f, float hi_f) {
+                        int64_t n, P p, float lo_f, float hi_f, MinMax8* st = nullptr) {
   const __m256 lo = _mm256_set1_ps(lo_f), hi = _mm256_set1_ps(hi_f);
+  __m256 vmn, vmx, vnan;
+  if constexpr (kStats) {
+    vmn = st->mn;
+    vmx = st->mx;
+    vnan = st->nan;
+  }
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m256 s, z;
@@ -1224,13 +1354,24 @@ static int64_t fwd_seg8(const float* __restrict x, float* __restrict y, uint8_t*
       z = _mm256_loadu_ps(p.z + i);
     }
     int in;
-    _mm256_storeu_ps(y + i, fq8(_mm256_loadu_ps(x + i), s, z, lo, hi, &in));
+    const __m256 v = _mm256_loadu_ps(x + i);
+    if constexpr (kStats) {
+      vmn = _mm256_min_ps(vmn, v);
+      vmx = _mm256_max_ps(vmx, v);
+      vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    _mm256_storeu_ps(y + i, fq8(v, s, z, lo, hi, &in));
     if constexpr (kOut == kMaskBytes) {
       const uint64_t bytes = spread_bits(static_cast<uint32_t>(in));
       std::memcpy(m + i, &bytes, sizeof bytes);
     } else if constexpr (kOut == kMaskBits) {
       m[i / 8] = static_cast<uint8_t>(in);
     }
+  }
+  if constexpr (kStats) {
+    st->mn = vmn;
+    st->mx = vmx;
+    st->nan = vnan;
   }
   return i;
 }
@@ -1584,6 +1725,111 @@ static void minmax(const float* __restrict x, int64_t n, float* mn_out, float* m
   *mx_out = nan ? NAN : mx;
 }
 
-static const KernelTable table{QCOMPILE_FQ_ISA_NAME, fwd, bwd_mask, bwd_bits, lsq_bwd, minmax};
+// NaN-propagating minimum / maximum (torch.minimum / maximum)
+static inline float fold_min(float a, float b) { return (a != a || b != b) ? NAN : (b < a ? b : a); }
+static inline float fold_max(float a, float b) { return (a != a || b != b) ? NAN : (b > a ? b : a); }
+
+// The forward of elements [b, e) (fwd: output and mask, the same code, the same bits),
+// tile by tile, each tile then folded into running statistics while it is still in cache,
+// so x comes from memory once. Row mode: one minimum / maximum per channel (mn[c], mx[c];
+// row r holds channel r % C); column mode: one per element of the period (mn[o], mx[o] for
+// offset o of a row; the caller folds each channel's inner offsets). b % 64 == 0.
+#ifdef QCOMPILE_FQ_AVX2
+// fwd_minmax_t's float32 row-mode loop: each segment's forward (fwd_seg8, as fwd_t runs
+// it; the mask bits straight to j.bits) with its min / max in the same loop; the tail of
+// the tensor as fwd_t does it. Segments start on whole mask bytes.
+template <int kOut>
+static void fwd_minmax_rows(const Job& j, int64_t b, int64_t e, float* __restrict mn,
+                            float* __restrict mx) {
+  const float* x = static_cast<const float*>(j.x);
+  float* y = static_cast<float*>(j.y);
+  for_segments(j, b, e, [&](int64_t at, int64_t n, auto p) {
+    MinMax8 st{_mm256_set1_ps(INFINITY), _mm256_set1_ps(-INFINITY), _mm256_setzero_ps()};
+    const int64_t done = fwd_seg8<decltype(p), kOut, true>(
+        x + at, y + at, kOut == kMaskBits ? j.bits + at / 8 : nullptr, n, p, j.lo, j.hi, &st);
+    alignas(32) float lmn[8], lmx[8];
+    _mm256_store_ps(lmn, st.mn);
+    _mm256_store_ps(lmx, st.mx);
+    float a = INFINITY, z = -INFINITY;
+    for (int k = 0; k < 8; ++k) {
+      a = lmn[k] < a ? lmn[k] : a;
+      z = lmx[k] > z ? lmx[k] : z;
+    }
+    if (_mm256_movemask_ps(st.nan) != 0) a = z = NAN;
+    if (done < n) {  // fewer than 8 left: the tensor's last elements
+      if constexpr (kOut == kMaskBits) {
+        alignas(8) uint8_t mb8[8] = {0};
+        fwd_seg<float, decltype(p), true>(x + at + done, y + at + done, mb8, n - done,
+                                          p.advanced(done), j.lo, j.hi);
+        pack_bits(mb8, j.bits + (at + done) / 8, 1);
+      } else {
+        fwd_seg<float, decltype(p), false>(x + at + done, y + at + done, nullptr, n - done,
+                                           p.advanced(done), j.lo, j.hi);
+      }
+      float ta, tz;
+      minmax(x + at + done, n - done, &ta, &tz);
+      a = fold_min(a, ta);
+      z = fold_max(z, tz);
+    }
+    const int64_t c = (at / j.row) % j.C;
+    mn[c] = fold_min(mn[c], a);
+    mx[c] = fold_max(mx[c], z);
+  });
+}
+#endif
+
+template <typename T>
+static void fwd_minmax_t(const Job& j, int64_t b, int64_t e, float* __restrict mn,
+                         float* __restrict mx) {
+#ifdef QCOMPILE_FQ_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    if (!j.col && !j.bits) {
+      fwd_minmax_rows<kNoMask>(j, b, e, mn, mx);
+      return;
+    }
+    if (!j.col && (j.row % 8 == 0 || j.rows == 1)) {  // segments on whole mask bytes
+      fwd_minmax_rows<kMaskBits>(j, b, e, mn, mx);
+      return;
+    }
+  }
+#endif
+  // elsewhere: the forward of a tile, then its statistics while it is in cache
+  const T* x = static_cast<const T*>(j.x);
+  alignas(64) float buf[kTile];  // a bfloat16 tile as float32 (exact), for minmax
+  for (int64_t t0 = b; t0 < e; t0 += kTile) {
+    const int64_t t1 = std::min(e, t0 + kTile), len = t1 - t0;
+    fwd_t<T>(j, t0, t1);
+    const float* v;
+    if constexpr (std::is_same_v<T, float>) {
+      v = x + t0;
+    } else {
+      for (int64_t i = 0; i < len; ++i) buf[i] = load_f(x, t0 + i);
+      v = buf;
+    }
+    if (j.col) {
+      for (int64_t i = 0, o = t0 % j.row; i < len; ++i) {
+        mn[o] = fold_min(mn[o], v[i]);
+        mx[o] = fold_max(mx[o], v[i]);
+        if (++o == j.row) o = 0;
+      }
+      continue;
+    }
+    for (int64_t at = t0, r = t0 / j.row; at < t1; ++r) {  // segments within a row
+      const int64_t end = std::min(t1, (r + 1) * j.row), c = r % j.C;
+      float a, z;
+      minmax(v + (at - t0), end - at, &a, &z);
+      mn[c] = fold_min(mn[c], a);
+      mx[c] = fold_max(mx[c], z);
+      at = end;
+    }
+  }
+}
+
+static void fwd_minmax(const Job& j, int64_t b, int64_t e, float* mn, float* mx) {
+  j.bf16 ? fwd_minmax_t<uint16_t>(j, b, e, mn, mx) : fwd_minmax_t<float>(j, b, e, mn, mx);
+}
+
+static const KernelTable table{QCOMPILE_FQ_ISA_NAME, fwd, bwd_mask, bwd_bits, lsq_bwd, minmax,
+                               fwd_minmax};
 
 #endif  // QCOMPILE_FQ_KERNEL_BODY

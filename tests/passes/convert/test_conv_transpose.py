@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -39,14 +40,19 @@ class Up(nn.Module):
 
 
 def trained(model: nn.Module, preset: str, shape: tuple[int, ...], seed: int = 0,
-            per_channel: bool = False) -> torch.fx.GraphModule:
+            per_channel: bool = False, axis: int | None = 1, method: str = "auto"
+            ) -> torch.fx.GraphModule:
     """Compiled with ``preset`` (per-tensor transposed-conv weights as shipped, or per
-    channel along axis 1), calibrated or trained two SGD steps, frozen."""
+    channel along ``axis``; None: the axis the compiler infers), calibrated or trained two
+    SGD steps, frozen."""
     spec = qc.load_spec(preset).model_dump()
+    spec["trace"]["method"] = method
     if per_channel:
+        weight = {"dtype": "int8", "granularity": "per_channel"}
+        if axis is not None:
+            weight["axis"] = axis
         spec["quant"]["rules"].insert(0, {
-            "match": {"module": "ConvTranspose*"},
-            "weight": {"dtype": "int8", "granularity": "per_channel", "axis": 1},
+            "match": {"module": "ConvTranspose*"}, "weight": weight,
             "activation": {"dtype": "uint8", "symmetric": False}})
     gen = torch.Generator().manual_seed(seed)
     batches = [(torch.randn(shape, generator=gen),) for _ in range(2)]
@@ -145,6 +151,86 @@ def test_qat_freeze_convert_is_within_one_step(dims: int, cin: int, cout: int, g
                  per_channel=per_channel)
     gen = torch.Generator().manual_seed(seed + 1)
     within_one_step(gm, [torch.randn(shape, generator=gen) for _ in range(2)])
+
+
+def per_channel_axis1(w: torch.Tensor) -> torch.Tensor:
+    """Symmetric int8 along dim 1 (a transposed conv's output channels), written out."""
+    dims = [d for d in range(w.dim()) if d != 1]
+    scale = w.abs().amax(dim=dims, keepdim=True) / 127.0
+    return torch.clamp(torch.round(w / scale), -128, 127) * scale
+
+
+@pytest.mark.parametrize("method", ["symbolic", "export"])
+@pytest.mark.parametrize(("dims", "groups"), [(1, 1), (2, 2), (3, 1)])
+def test_per_channel_axis_is_inferred_as_the_output_channels(dims: int, groups: int,
+                                                             method: str) -> None:
+    """``granularity: per_channel`` without ``axis`` on a transposed conv: both front ends
+    infer dim 1 of its [in, out / groups, k...] weight; the fake-quantized weight is the
+    per-channel reference along dim 1, and convert keeps that axis."""
+    torch.manual_seed(0)
+    cin, cout = 2 * groups, 3 * groups
+    model = Up(dims, cin, cout, 3, 2, groups, bn=False)
+    shape = (2, cin, *([4] * dims))
+    x = torch.randn(shape)
+    spec = {"quant": {"mode": "qat", "rules": [
+        {"match": {"module": "ConvTranspose*"},
+         "weight": {"dtype": "int8", "granularity": "per_channel"}}]},
+        "trace": {"method": method}}
+    fresh = qc.qcompile(model, spec, example_inputs=(x,))
+    fq = qc.quantizers(fresh)["up.weight_fake_quant"]
+    assert fq.axis == 1 and fq.scale.numel() == cout // groups, (fq.axis, fq.scale.shape)
+    with torch.no_grad():  # the first forward observes the weight: the reference's qparams
+        got = fresh.eval()(x)
+        wq = per_channel_axis1(model.up.weight)
+        up = copy.deepcopy(model.up)
+        up.weight.copy_(wq)
+        out_w = model.out.weight
+        scale = out_w.abs().amax(dim=[d for d in range(out_w.dim()) if d != 1],
+                                 keepdim=True) / 127.0
+        model_out = copy.deepcopy(model.out)
+        model_out.weight.copy_(torch.clamp(torch.round(out_w / scale), -128, 127) * scale)
+        want = model_out(torch.relu(up(x)))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    gm = trained(copy.deepcopy(model), "int8-qat", shape, per_channel=True, axis=None,
+                 method=method)
+    assert qc.quantizers(gm)["up.weight_fake_quant"].axis == 1
+    out = within_one_step(gm, [torch.randn(shape) for _ in range(2)])
+    stored = [m for n, m in out.named_modules()
+              if n.startswith("up") and isinstance(m, IntWeight)]
+    assert stored and all(m.axis == 1 for m in stored), [m.axis for m in stored]
+
+
+class BagWeighted(nn.Module):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bag = nn.EmbeddingBag(12, 5, mode=mode)
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        return self.bag(ids, offsets, per_sample_weights=weights)
+
+
+@pytest.mark.parametrize("method", ["symbolic", "export"])
+def test_embedding_bag_per_sample_weights_are_applied(method: str) -> None:
+    """``per_sample_weights`` reach the quantized op: the graph computes the weighted sum
+    of the per-row int8 rows (written out here), on other weights than the example's."""
+    model = BagWeighted("sum")
+    ids, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 11]), torch.tensor([0, 2, 4])
+    example = (ids, offsets, torch.ones(7))
+    spec = {"quant": {"mode": "qat", "rules": [{"match": {"module": "EmbeddingBag"},
+                                                "weight": {"dtype": "int8",
+                                                           "granularity": "per_channel"}}]},
+            "trace": {"method": method}}
+    gm = qc.qcompile(model, spec, example_inputs=example)
+    w = model.bag.weight.detach()
+    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+    wq = torch.clamp(torch.round(w / scale), -128, 127) * scale
+    for weights in (torch.tensor([0.5, 2.0, -1.0, 3.0, 1.0, 0.25, -4.0]), torch.zeros(7)):
+        want = F.embedding_bag(ids, wq, offsets, mode="sum", per_sample_weights=weights)
+        with torch.no_grad():
+            got = gm(ids, offsets, weights)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
 class Bags(nn.Module):

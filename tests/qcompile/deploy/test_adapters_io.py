@@ -245,16 +245,39 @@ def per_channel_int8(w: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.round(w / scale), -128, 127) * scale
 
 
-def merged_reference(gm: nn.Module, x: torch.Tensor, quantize) -> tuple[torch.Tensor, dict]:
-    """The model with each layer's weight ``W + scaling * B @ A`` quantized, in float."""
+def merged_reference(gm: nn.Module, x: torch.Tensor, quantize, alpha: float, rank: int
+                     ) -> tuple[torch.Tensor, dict]:
+    """The model with each layer's weight ``W + alpha / rank * B @ A`` quantized, in float
+    (``alpha`` and ``rank`` as the test's spec gives them, not the graph's own scaling)."""
     weights = {}
-    for name, rec in gm.meta[ADAPTERS_KEY].items():
+    for name in gm.meta[ADAPTERS_KEY]:
         base = gm.get_submodule(f"{name}.weight_frozen").dequantize()
         a = gm.get_submodule(f"{name}.lora_A").weight
         b = gm.get_submodule(f"{name}.lora_B").weight
-        weights[name] = (base + (b @ a) * rec.scaling).detach()
+        assert a.shape[0] == rank
+        weights[name] = (base + (b @ a) * (alpha / rank)).detach()
     h = F.linear(x, quantize(weights["0"]), gm.get_submodule("0").bias)
     return F.linear(torch.relu(h), quantize(weights["2"]), gm.get_submodule("2").bias), weights
+
+
+def test_adapted_forward_and_merge_scale_by_alpha_over_rank() -> None:
+    """alpha 6, rank 3: the update is scaled by 2 (peft's alpha / r; alpha / sqrt(r) would
+    be 3.46, rsLoRA's), in the adapted graph's forward and in the merged weight, against
+    the formula written out here."""
+    model, x = mlp(), torch.randn(8, 64)
+    gm = qc.qcompile(model, spec(None, [{"match": {"name": "0"}, "rank": 3, "alpha": 6}]),
+                     example_inputs=(x,))
+    train(gm, x)
+    a = gm.get_submodule("0.lora_A").weight.detach()
+    b = gm.get_submodule("0.lora_B").weight.detach()
+    w0 = model[0].weight.detach()
+    with torch.no_grad():
+        h = F.linear(x, w0, model[0].bias) + 2.0 * (x @ a.t() @ b.t())
+        want = model[2](torch.relu(h))
+        torch.testing.assert_close(gm.eval()(x), want, atol=1e-5, rtol=0)
+        merged = merge_adapters(gm)
+        torch.testing.assert_close(merged.get_submodule("0").weight, w0 + 2.0 * (b @ a),
+                                   atol=1e-6, rtol=0)
 
 
 def test_merge_int8_frozen_base_requantizes_and_leaves_gm_alone() -> None:
@@ -282,7 +305,7 @@ def test_merge_int8_frozen_base_requantizes_and_leaves_gm_alone() -> None:
     assert sorted(qc.quantizers(merged)) == ["0.weight_fake_quant", "2.weight_fake_quant"]
     assert {q.name for q in qc.report(merged).quantizers} >= set(qc.quantizers(merged))
     with torch.no_grad():
-        ref, weights = merged_reference(gm, x, per_channel_int8)
+        ref, weights = merged_reference(gm, x, per_channel_int8, alpha=8, rank=4)
         for layer in ("0", "2"):
             torch.testing.assert_close(merged.get_submodule(layer).weight, weights[layer],
                                        atol=0, rtol=0)
@@ -308,13 +331,13 @@ def test_merge_nf4_frozen_base_gives_an_nf4_weight_quantizer() -> None:
     merged = merge_adapters(gm)
     fq = merged.get_submodule("0.weight_fake_quant")
     assert fq.block_format == "nf4" and fq.group_size == 64
-    from qcompile.runtime.block_formats import dequantize_blocks, quantize_blocks
+    import block_reference as R  # an independent numpy NF4, not the implementation's
 
     def nf4(w: torch.Tensor) -> torch.Tensor:
-        return dequantize_blocks(quantize_blocks(w, "nf4", 64))
+        return torch.from_numpy(R.reference(w.detach().float().numpy(), "nf4", 64))
 
     with torch.no_grad():
-        ref, _ = merged_reference(gm, x, nf4)
+        ref, _ = merged_reference(gm, x, nf4, alpha=8, rank=4)
         torch.testing.assert_close(merged.eval()(x), ref, atol=1e-5, rtol=0)
 
 
@@ -326,9 +349,9 @@ def test_merge_qat_base_observes_the_merged_weight() -> None:
     train(gm, x)
     old_scale = gm.get_submodule("0.weight_fake_quant").scale.clone()
     merged = merge_adapters(gm)
-    rec = gm.meta[ADAPTERS_KEY]["0"]
+    # the spec's default alpha (8) over rank 4, not the graph's own scaling
     w = (gm.get_submodule("0").weight + gm.get_submodule("0.lora_B").weight
-         @ gm.get_submodule("0.lora_A").weight * rec.scaling).detach()
+         @ gm.get_submodule("0.lora_A").weight * (8.0 / 4)).detach()
     fq = merged.get_submodule("0.weight_fake_quant")
     torch.testing.assert_close(fq.scale, w.abs().amax(dim=1) / 127.0, atol=0, rtol=1e-6)
     assert not torch.equal(fq.scale, old_scale)

@@ -224,3 +224,48 @@ def test_groups_across_the_outputs_are_refused():
     with pytest.raises(QCompileError, match="output dimension"):
         FrozenWeight.from_quantizer(fq, w.t(), transposed=True)
 
+
+
+# -- odd block lengths and bfloat16 against references written outside qcompile --------------
+# (MX and NVFP4 blocks are fixed by their formats: NF4 and integer groups take any size)
+@pytest.mark.parametrize(("scheme", "cols"), [
+    ({"dtype": "nf4", "group_size": 24}, 120), ({"dtype": "nf4", "group_size": 40}, 120),
+    ({"dtype": "int4", "granularity": "per_group", "group_size": 24}, 72),
+    ({"dtype": "int8", "granularity": "per_channel"}, 17),
+], ids=["nf4-24", "nf4-40", "int4-g24", "int8-17"])
+def test_odd_groups_match_the_independent_reference(scheme: dict, cols: int) -> None:
+    import block_reference as R
+
+    w = weight(rows=6, cols=cols, seed=3)
+    w[2, -1] = 50 * float(w[2].abs().max())  # a row's absmax in its last element
+    fw = FrozenWeight.from_quantizer(quantizer(scheme, w), w)
+    if scheme["dtype"] in ("int4", "int8"):
+        g = scheme.get("group_size", cols)
+        qmax = 7 if scheme["dtype"] == "int4" else 127
+        blocks = w.reshape(w.shape[0], -1, g)
+        s = (blocks.abs().amax(-1, keepdim=True) / qmax).clamp_min(torch.finfo().eps)
+        want = (torch.round(blocks / s).clamp(-qmax - 1, qmax) * s).reshape(w.shape)
+    else:
+        want = torch.from_numpy(R.reference(w.numpy(), scheme["dtype"], scheme["group_size"]))
+    got = fw()
+    assert torch.equal(got, want), int((got != want).sum())
+    assert torch.equal(fw.to(torch.bfloat16)(), want.to(torch.bfloat16))
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels")
+@pytest.mark.parametrize("block", [1, 6, 17, 24, 40])
+def test_table_kernels_on_odd_blocks(block: int) -> None:
+    """``dequant_lut8`` / ``dequant_lut4``: ``lut[code] * scale[block]`` for every element
+    (the packed one takes even blocks only)."""
+    ops = kernels.load()
+    g = torch.Generator().manual_seed(block)
+    rows, cols = 3, block * 5
+    lut8, lut4 = torch.randn(256, generator=g), torch.randn(16, generator=g)
+    scale = torch.rand(rows, cols // block, generator=g) + 0.5
+    codes = torch.randint(0, 256, (rows, cols), generator=g, dtype=torch.uint8)
+    per = scale.repeat_interleave(block, dim=1)
+    assert torch.equal(ops.dequant_lut8(codes, lut8, scale, block), lut8[codes.long()] * per)
+    if block % 2 == 0:
+        nib = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)
+        packed = nib[:, 0::2] | (nib[:, 1::2] << 4)
+        assert torch.equal(ops.dequant_lut4(packed, lut4, scale, block), lut4[nib.long()] * per)

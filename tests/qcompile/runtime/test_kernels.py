@@ -557,3 +557,131 @@ def test_kernels_forced_to_avx2_match_eager() -> None:
         assert aten == "AVX2", proc.stdout
     else:
         assert isa in ("avx2", "base"), proc.stdout
+
+
+# -- odd lengths and bfloat16 on every instruction-set variant, against a formula written here --
+# Rows of 17, 24 and 40 elements (the 8- and 16-wide loops, then their tails), per tensor,
+# per row, per column (the last dim), per group and per token, float32 and bfloat16, for
+# each variant QCOMPILE_FQ_ISA picks: the output and the straight-through mask against
+# round-half-even(x / s) + z, clamped, written out here in float32 (not quant_math's).
+ODD_SHAPES = [
+    ("per_tensor", (5, 17), None), ("per_tensor", (3, 40), None),
+    ("per_row", (5, 24), 0), ("per_row", (7, 17), 0), ("per_row", (2, 40), 0),
+    ("per_column", (5, 24), -1), ("per_column", (3, 17), -1),
+    ("per_group", (3, 48), 24), ("per_group", (2, 80), 40),
+    ("per_token", (2, 3, 40), "token"), ("per_token", (5, 17), "token"),
+]
+
+
+def _odd_params(shape: tuple[int, ...], axis: object, gen: torch.Generator
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = torch.randn(shape, generator=gen) * 4
+    if axis is None:
+        pshape = [1]
+    elif axis == "token":
+        pshape = [*shape[:-1], 1]
+    elif isinstance(axis, int) and axis in (0, -1):
+        pshape = [1] * len(shape)
+        pshape[axis] = shape[axis]
+    else:  # per group of `axis` elements: [rows, groups, group]
+        x = x.reshape(shape[0], -1, axis)
+        pshape = [shape[0], x.shape[1], 1]
+    scale = (torch.rand(pshape, generator=gen) * 0.05 + 0.01)
+    zp = torch.randint(-5, 6, pshape, generator=gen, dtype=torch.int32)
+    return x, scale, zp
+
+
+@needs_ext
+@pytest.mark.parametrize("isa", ["", "avx512", "avx2", "base"], ids=lambda s: s or "best")
+@pytest.mark.parametrize(("name", "shape", "axis"), ODD_SHAPES,
+                         ids=[f"{n}-{'x'.join(map(str, s))}" for n, s, _ in ODD_SHAPES])
+def test_odd_lengths_every_isa_against_the_formula(name: str, shape: tuple[int, ...],
+                                                   axis: object, isa: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QCOMPILE_FQ_ISA", isa)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{name}{shape}".encode()))
+    x, scale, zp = _odd_params(shape, axis, gen)
+    qmin, qmax = -8, 7  # int4: a good share of the values clamp
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype).clone().requires_grad_(True)
+        q = torch.round(xd.detach().float() / scale) + zp.float()
+        inside = (q >= qmin) & (q <= qmax)
+        want = ((q.clamp(qmin, qmax) - zp.float()) * scale).to(dtype)
+        assert 0 < int(inside.sum()) < x.numel()  # some clamped, some not
+        got = OPS.fake_quant(xd, scale, zp, qmin, qmax)
+        assert got.dtype == dtype
+        wrong = int((got.detach() != want).sum())
+        assert wrong == 0, f"{name} {shape} {dtype} isa {isa or 'best'}: {wrong} values wrong"
+        g = torch.randn(x.shape, generator=gen).to(dtype)
+        got.backward(g)
+        assert torch.equal(xd.grad, g * inside.to(dtype)), f"{name} {dtype}: gradient mask"
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bits, NaN for NaN (whatever its payload)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    nan = a.isnan()
+    if not torch.equal(nan, b.isnan()):
+        return False
+    ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(a[~nan].view(ints), b[~nan].view(ints))
+
+
+# (shape, channel axis or None for one scale): odd lengths, row mode (a channel's elements
+# in runs of 16 or more), column mode (shorter runs), several threads' tasks
+MINMAX_CASES = [((1,), None), ((7,), None), ((3, 21), None), ((65, 1009), None),
+                ((5, 37), 0), ((3, 6, 5, 7), 1), ((3, 6, 2, 3), 1), ((4, 9, 33), -1),
+                ((40, 24, 70), 1)]
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(("shape", "axis"), MINMAX_CASES, ids=[str(c) for c in MINMAX_CASES])
+def test_fake_quant_minmax_is_fake_quant_and_a_running_min_max(
+        monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, shape: tuple[int, ...],
+        axis: int | None) -> None:
+    """``qcompile::fake_quant_minmax`` (a training forward with step observer updates, in
+    one pass): the eager fake-quant's output and gradient, bit for bit, and the running
+    minimum / maximum that ``torch.minimum`` / ``torch.amin`` give, per scale; NaN and
+    infinities included; every ISA variant."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{shape}-{axis}-{dtype}".encode()))
+    x = torch.randn(shape, generator=gen) * 3
+    flat = x.view(-1)
+    if x.numel() >= 8:  # one channel meets a NaN, others +-inf
+        idx = torch.randperm(x.numel(), generator=gen)[:3]
+        flat[idx] = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    x = x.to(dtype)
+    c = 1 if axis is None else shape[axis]
+    view = [1] * len(shape)
+    if axis is not None:
+        view[axis] = c
+    pow2 = 2.0 ** torch.randint(-5, 0, (c,), generator=gen).float()  # exact .5 ties
+    scale = torch.where(torch.rand(c, generator=gen) < 0.5, pow2,
+                        torch.rand(c, generator=gen) * 0.2 + 0.01)
+    zp = torch.randint(0, 128, (c,), generator=gen, dtype=torch.int32)
+    s, z = scale.view(view), zp.view(view)
+    mn0 = torch.randn(c, generator=gen)  # statistics gathered before: some channels keep them
+    mx0 = mn0 + torch.rand(c, generator=gen) * 4
+    grad = torch.randn(shape, generator=gen).to(dtype)
+    # the references: the eager formula (tensor ops) and torch's reductions
+    xr = x.clone().requires_grad_(True)
+    ref = quant_math.fake_quantize_eager(xr, s, z, 0, 127)
+    ref.backward(grad)
+    rows = x.float().movedim(axis, 0).reshape(c, -1) if axis is not None else x.float().view(1, -1)
+    ref_mn, ref_mx = torch.minimum(mn0, rows.amin(1)), torch.maximum(mx0, rows.amax(1))
+    for isa in ("", "avx512", "avx2", "base"):
+        monkeypatch.setenv("QCOMPILE_FQ_ISA", isa)
+        for grads in (True, False):
+            mn, mx = mn0.clone(), mx0.clone()
+            xa = x.clone().requires_grad_(grads)
+            out = OPS.fake_quant_minmax(xa, s, z, 0, 127, mn, mx)
+            assert _same_bits(out, ref.detach()), (isa, grads)
+            torch.testing.assert_close(mn, ref_mn, rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(mx, ref_mx, rtol=0, atol=0, equal_nan=True)
+            if grads:
+                out.backward(grad)
+                assert _same_bits(xa.grad, xr.grad), isa
+    with pytest.raises(RuntimeError, match="one value per scale"):
+        OPS.fake_quant_minmax(x, s, z, 0, 127, torch.zeros(c + 1), torch.zeros(c + 1))

@@ -120,7 +120,7 @@ def _train(arch: Architecture, gm: torch.nn.Module, spec: qc.CompileSpec,
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses
 
 

@@ -2,7 +2,9 @@
 eager step, qcompile int8-qat next to torch.ao ``prepare_qat_fx`` and, when installed,
 torchao's QAT, on the MLP, the ResNet-18-style CNN and the transformer; and qcompile's
 LLM schemes (full runs): NVFP4 weights only (``nvfp4_w``), ``nvfp4-qat`` (weights and the
-inputs of Linear layers) and ``8da4w-qat``. Prints as ``records`` (one line per model).
+inputs of Linear layers) and ``8da4w-qat``. ``qcompile_two_pass`` is int8-qat with its
+step-update activation quantizers reading each input twice (``two_pass``), next to the one
+pass they make. Prints as ``records`` (one line per model).
 
 Example:
     >>> from qcompile.tools.bench.suites.step import bench_step
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 import qcompile as qc
+from qcompile.graph.meta import CHECK_FINITE_KEY
 from qcompile.tools.bench.competitors import has_torchao, prepare_qat_fx, torchao_qat
 from qcompile.tools.bench.models import workloads
 from qcompile.tools.bench.suites.fakequant import clock
@@ -30,14 +33,33 @@ NVFP4_WEIGHTS = qc.CompileSpec.model_validate({"quant": {
     "rules": [{"match": {"module": "Linear"}, "weight": {"dtype": "nvfp4"}}]}})
 
 
+def two_pass(gm: nn.Module) -> nn.Module:
+    """``gm`` with its step-update activation quantizers reading each input twice (the
+    range into the pending statistics, then the fake-quant), instead of once
+    (``qcompile::fake_quant_minmax``): the same bits, for comparison."""
+    for q in qc.quantizers(gm).values():
+        q.__dict__["_one_pass_step"] = False  # a plain attribute (no __setattr__ work)
+    return gm
+
+
+def warm_up_steps(m: nn.Module) -> int:
+    """1, plus the steps in which a qcompile graph still checks its quantizers' inputs for
+    NaN and infinity (``train.check_finite``, the first 10 by default: one more pass over
+    every quantized tensor, in the first steps of a training run only, not in the steady
+    state the suite measures)."""
+    meta = getattr(m, "meta", None)
+    state = meta.get(CHECK_FINITE_KEY) if isinstance(meta, dict) else None
+    return 1 + (max(int(state[0]), 0) if state else 0)
+
+
 def bench_step(quick: bool) -> dict[str, Any]:
     """Training step (fwd + bwd + SGD) relative to fp32 eager.
 
     The steps of all libraries are interleaved, round by round (a shared machine's load
     changes within seconds: timing one library's steps after another's measured the load
     as much as the step). Medians over the rounds; ``*_vs_fp32_range`` is the
-    interquartile range of the per-round ratios. ``QCOMPILE_BENCH_CLOCK=cpu``: see
-    ``fakequant.clock``."""
+    interquartile range of the per-round ratios. Each contender is warmed up first
+    (``warm_up_steps``). ``QCOMPILE_BENCH_CLOCK=cpu``: see ``fakequant.clock``."""
     out: dict[str, Any] = {}
     rounds = 3 if quick else 15
     for name, (make, x) in workloads(quick).items():
@@ -46,6 +68,7 @@ def bench_step(quick: bool) -> dict[str, Any]:
         builds: list[tuple[str, Any]] = [
             ("fp32", lambda m: m),
             ("qcompile", lambda m, x=x: qc.qcompile(m, "int8-qat", (x,))),
+            ("qcompile_two_pass", lambda m, x=x: two_pass(qc.qcompile(m, "int8-qat", (x,)))),
             ("prepare_qat_fx", lambda m, x=x: prepare_qat_fx(m, x))]
         if not quick:  # the LLM schemes
             builds += [("nvfp4_w", lambda m, x=x: qc.qcompile(m, NVFP4_WEIGHTS, (x,))),
@@ -63,7 +86,8 @@ def bench_step(quick: bool) -> dict[str, Any]:
                 m(x).float().square().mean().backward()
                 opt.step()
 
-            step()  # warm-up: first-call paths, observers initialised
+            for _ in range(warm_up_steps(m)):  # first-call paths, observers initialised
+                step()
             steps[label] = step
         times: dict[str, list[float]] = {label: [] for label in steps}
         now = clock()

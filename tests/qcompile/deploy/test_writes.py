@@ -1,0 +1,151 @@
+"""The deployment writers (``save_adapters``, ``export_encodings``, ``export_onnx``) write
+whole files or none: an interrupted or killed write leaves the previous files and nothing
+the next write does not remove (safetensors' and ONNX's own temporaries included), and
+every file gets the mode the umask gives a new file (safetensors alone gives 0600)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from killed_writer import kill_mid_write
+from safetensors.torch import load_file
+from torch import nn
+
+import qcompile as qc
+
+X = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+ADAPTERS = {"adapters": [{"match": {"module": "Linear"}, "rank": 2}]}
+# what the child builds: the same tiny graph, its adapters set from a seed
+BUILD = """
+    import torch, qcompile as qc
+    def build(seed):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        gm = qc.qcompile(m, {"adapters": [{"match": {"module": "Linear"}, "rank": 2}]})
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for name, p in gm.named_parameters():
+                if "lora_" in name:
+                    p.normal_()
+        return gm
+    """
+
+
+def build(seed: int) -> nn.Module:
+    scope: dict = {}
+    exec(BUILD.replace("\n    ", "\n"), scope)
+    return scope["build"](seed)
+
+
+@pytest.fixture(params=[0o022, 0o077], ids=["umask022", "umask077"])
+def umask(request: pytest.FixtureRequest) -> Iterator[int]:
+    old = os.umask(request.param)
+    try:
+        yield request.param
+    finally:
+        os.umask(old)
+
+
+def modes(folder: Path) -> dict[str, int]:
+    return {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
+
+
+@pytest.fixture(scope="module")
+def calibrated() -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    gm = qc.qcompile(m, "int8-static", example_inputs=(X,))
+    qc.calibrate(gm, [X], progress=False)
+    return gm.eval()
+
+
+# -- save_adapters ----------------------------------------------------------------------------
+def test_adapters_get_the_umask_mode(tmp_path: Path, umask: int) -> None:
+    qc.save_adapters(build(1), tmp_path)
+    want = {0o022: 0o644, 0o077: 0o600}[umask]
+    assert modes(tmp_path) == {"adapter_model.safetensors": want, "adapter_config.json": want}
+
+
+def test_a_killed_save_adapters_leaves_the_previous_adapter(tmp_path: Path) -> None:
+    """Killed inside the weights' write (safetensors has written and renamed its own
+    temporary, nothing is moved yet): the previous pair is intact, and what the killed
+    writer left is one temporary folder, which the next save removes."""
+    qc.save_adapters(build(1), tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    kill_mid_write(BUILD + f"""
+    import safetensors.torch
+    real = safetensors.torch.save_file
+    def save_then_block(tensors, path, metadata=None):
+        real(tensors, path, metadata=metadata)
+        block()
+    safetensors.torch.save_file = save_then_block
+    qc.save_adapters(build(2), {str(tmp_path)!r})
+    """, tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name in before} == before
+    (left,) = (p for p in tmp_path.iterdir() if p.name not in before)
+    assert left.is_dir() and (left / "adapter_model.safetensors").is_file()
+    qc.save_adapters(build(2), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before)
+    ours = build(2).state_dict()
+    saved = load_file(tmp_path / "adapter_model.safetensors")
+    key = next(k for k in saved if "lora_A" in k)
+    assert any(torch.equal(saved[key], v) for k, v in ours.items() if "lora_A" in k)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["r"] == 2
+
+
+# -- export_encodings -------------------------------------------------------------------------
+def test_an_interrupted_export_encodings_leaves_the_previous_file(
+        tmp_path: Path, calibrated: nn.Module, umask: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "m.encodings"
+    qc.export_encodings(calibrated, path)
+    assert modes(tmp_path) == {"m.encodings": {0o022: 0o644, 0o077: 0o600}[umask]}
+    before = path.read_bytes()
+
+    def torn(self: Path, data: str, *args, **kwargs) -> int:
+        with open(self, "w") as f:
+            f.write(data[: len(data) // 2])
+        raise KeyboardInterrupt  # Ctrl-C half-way through
+
+    monkeypatch.setattr(Path, "write_text", torn)
+    with pytest.raises(KeyboardInterrupt):
+        qc.export_encodings(calibrated, path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and list(tmp_path.iterdir()) == [path]
+
+
+# -- export_onnx ------------------------------------------------------------------------------
+def test_onnx_modes_and_an_interrupted_external_data_export(
+        tmp_path: Path, calibrated: nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model with ``.data`` beside it (the hard case: ir.save writes the data through a
+    temporary of its own): both files get the umask's mode, none of ir.save's temporaries
+    stays; an export interrupted after the data was written leaves both previous files."""
+    onnx = pytest.importorskip("onnx")
+    path = tmp_path / "m.onnx"
+    monkeypatch.setattr("qcompile.deploy.onnx._EXTERNAL_DATA_BYTES", 0)
+    old = os.umask(0o022)
+    try:
+        qc.export_onnx(calibrated, path, example_inputs=(X,))
+    finally:
+        os.umask(old)
+    assert modes(tmp_path) == {"m.onnx": 0o644, "m.onnx.data": 0o644}
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real = onnx.save
+
+    def interrupted(proto, f, *args, **kwargs):  # the data is written; the model half-way
+        real(proto, f, *args, **kwargs)
+        Path(f).write_bytes(Path(f).read_bytes()[:10])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(onnx, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        qc.export_onnx(calibrated, path, example_inputs=(X,))
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    onnx.checker.check_model(str(path))  # the previous model and its data still load
