@@ -157,7 +157,11 @@ def unmark(folder: str | os.PathLike[str]) -> None:
 
 def sync_file(path: str | os.PathLike[str]) -> None:
     """fsync ``path``'s data to disk (a no-op where the filesystem cannot)."""
-    fd = os.open(path, os.O_RDONLY if os.name == "posix" else os.O_RDWR)
+    _fsync_and_close(os.open(path, os.O_RDONLY if os.name == "posix" else os.O_RDWR))
+
+
+def _fsync_and_close(fd: int) -> None:
+    """fsync ``fd`` (skipped where the filesystem cannot), then close it."""
     try:
         os.fsync(fd)
     except OSError as e:
@@ -188,13 +192,7 @@ def sync_folder(path: str | os.PathLike[str]) -> None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:
         return
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno not in _UNSUPPORTED:
-            raise
-    finally:
-        os.close(fd)
+    _fsync_and_close(fd)
 
 
 def write_synced(path: str | os.PathLike[str], data: str | bytes) -> None:

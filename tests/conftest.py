@@ -30,6 +30,16 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # Two cores: keep intra-op threads fixed so runs are comparable and reproducible.
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+# Inductor's FX graph cache key leaves out ATEN_CPU_CAPABILITY: with torch 2.13, a graph
+# compiled by a default run and served from the cache to an ATEN_CPU_CAPABILITY=avx2 run
+# on the same machine computes garbage. A run that forces an instruction set keeps its
+# own cache (workers and subprocesses inherit it).
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        default_cache_dir(), "aten-" + os.environ["ATEN_CPU_CAPABILITY"])
+
 
 # -- golden files ---------------------------------------------------------------------
 import pytest  # noqa: E402

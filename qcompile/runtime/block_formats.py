@@ -144,9 +144,11 @@ def _floor_log2(a: torch.Tensor) -> torch.Tensor:
 def _exp2(e: torch.Tensor) -> torch.Tensor:
     """2^e as float32 for integer ``e`` (int32) in [-149, 127], exact: built from its bits
     (``pow`` / ``ldexp`` go through a vectorised ``pow`` that need not be exact)."""
-    normal = (torch.clamp(e, min=-126) + 127) << 23
-    subnormal = 1 << torch.clamp(e + 149, 0, 22)
-    return torch.where(e >= -126, normal, subnormal).view(torch.float32)
+    normal = ((torch.clamp(e, min=-126) + 127) << 23).view(torch.float32)
+    subnormal = (1 << torch.clamp(e + 149, 0, 22)).view(torch.float32)
+    # chosen as float32, not as int32 bits: Inductor's AVX2 code for an int32 torch.where
+    # picked the wrong side (torch 2.13), so a compiled MX / NVFP4 fake-quant was wrong
+    return torch.where(e >= -126, normal, subnormal)
 
 
 def _round_element(v: torch.Tensor, f: BlockFormat) -> torch.Tensor:
