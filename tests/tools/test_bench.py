@@ -39,6 +39,7 @@ def test_quick_suite_prints_json(capsys: pytest.CaptureFixture[str], suite: str)
         assert set(data["scaling_s"]) == {"50", "100"}
 
 
+@pytest.mark.e2e
 def test_quick_onnx_suite(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
@@ -107,6 +108,7 @@ def test_text_and_json_come_from_one_sink(capsys: pytest.CaptureFixture[str],
     assert json.loads(capsys.readouterr().out) == result
 
 
+@pytest.mark.e2e
 def test_hybrid_counts_traffic_per_layout(capsys: pytest.CaptureFixture[str]) -> None:
     """4 ranks per layout: gradient buckets only with replicas, observer sync in one
     collective per step and rank (the step's minima and maxima together; DDP replicas
@@ -123,6 +125,7 @@ def test_hybrid_counts_traffic_per_layout(capsys: pytest.CaptureFixture[str]) ->
     assert all(row["step_s"] > 0 for row in data.values())
 
 
+@pytest.mark.e2e
 def test_compile_once_shards_every_variant(capsys: pytest.CaptureFixture[str]) -> None:
     """1 and 2 ranks, tiny model: every rank's peak is recorded and every variant ends
     FSDP2-sharded (each rank holds 1/N of the parameters); in the stream variant only

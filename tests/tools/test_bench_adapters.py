@@ -8,6 +8,7 @@ import pytest
 pytest.importorskip("peft")
 
 
+@pytest.mark.e2e
 def test_quick_adapters_suite() -> None:
     from qcompile.tools.bench.suites import SUITES
     from qcompile.tools.bench.suites.adapters import VARIANTS, adapters_text, bench_adapters
