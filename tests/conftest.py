@@ -76,6 +76,18 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+# -- file modes -------------------------------------------------------------------------
+@pytest.fixture(params=[0o022, 0o077], ids=["umask022", "umask077"])
+def umask(request: pytest.FixtureRequest):
+    """Run the test under this umask (the process's; restored after): what qcompile writes
+    must get ``0o666 & ~umask`` (files) and ``0o777 & ~umask`` (folders)."""
+    old = os.umask(request.param)
+    try:
+        yield request.param
+    finally:
+        os.umask(old)
+
+
 # -- end-to-end runs kept out of the default suite ---------------------------------------
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``e2e`` (a tool's whole quick run, tens of seconds, process groups

@@ -390,17 +390,18 @@ def _dtype_shape(t: torch.Tensor, rows: bool = True) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}[{', '.join(map(str, shape))}]"
 
 
-def _shapes(batch: Any) -> list[str]:
-    return [f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
-            for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+def shapes_of(batch: Any, rows: bool = True) -> list[str]:
+    """Every tensor of ``batch`` (a tensor, or nested tuples, lists and dicts of them) as
+    ``_dtype_shape`` writes it."""
+    return [_dtype_shape(t, rows) for t in torch.utils._pytree.tree_leaves(batch)
+            if isinstance(t, torch.Tensor)]
 
 
 def batch_shapes(batch: Any) -> list[str]:
-    """Every tensor of ``batch`` (a tensor, or nested tuples, lists and dicts of them) as
-    ``dtype[*, d1, ...]``: what ranks stepping together must share (the batch dimension
-    may differ: DDP and FSDP2 take batches of different sizes on different ranks)."""
-    return [_dtype_shape(t, rows=False) for t in torch.utils._pytree.tree_leaves(batch)
-            if isinstance(t, torch.Tensor)]
+    """Every tensor of ``batch`` as ``dtype[*, d1, ...]``: what ranks stepping together
+    must share (the batch dimension may differ: DDP and FSDP2 take batches of different
+    sizes on different ranks)."""
+    return shapes_of(batch, rows=False)
 
 
 def tensors_of(model: nn.Module) -> dict[str, str]:
@@ -530,7 +531,7 @@ def calibration_fingerprint(gm: nn.Module, batches: Any, *, sharded: bool
     if sharded:
         batches = list(batches)
         fingerprint["batches"] = {"count": len(batches),
-                                  "shapes": [" ".join(_shapes(b)) for b in batches]}
+                                  "shapes": [" ".join(shapes_of(b)) for b in batches]}
     return fingerprint, batches
 
 

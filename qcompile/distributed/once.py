@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qcompile.distributed.agree import agree, collective_phase, digest
+from qcompile.distributed.agree import agree, collective_phase, digest, shapes_of
 from qcompile.distributed.cache import CompileCache, cache_key, misfit
 from qcompile.distributed.checkpoint import Checkpoint
 from qcompile.distributed.data_parallel import (
@@ -231,11 +231,6 @@ def _meta_copy(model: nn.Module) -> nn.Module:
             memo[id(t)] = (nn.Parameter(empty, requires_grad=t.requires_grad)
                            if isinstance(t, nn.Parameter) else empty)
     return copy.deepcopy(model, memo)
-
-
-def _shapes(value: Any) -> list[str]:
-    return [f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
-            for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _digest(batches: list[Any] | None) -> str:
@@ -630,8 +625,8 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
             "spec": spec.model_dump(mode="json", exclude={"cache_dir"}),
             "cache_dir": None if directory is None else str(directory),
             "checkpoint": "given" if ckpt is not None else None,
-            "example_inputs": _shapes(inputs),
-            "example_kwargs": {k: _shapes(v) for k, v in sorted((example_kwargs or {}).items())},
+            "example_inputs": shapes_of(inputs),
+            "example_kwargs": {k: shapes_of(v) for k, v in sorted((example_kwargs or {}).items())},
         }, group, fixes=_FIXES)
     if ckpt is None and not shard and (not on or spec.quant.algorithms):
         gm, source = _replicated_from_rank0(build_model, spec, inputs, example_kwargs,
@@ -644,7 +639,7 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
     produced = _produced(gm, source["weights"])
     # each rank's calibration data goes into the cache key; the counts are checked anyway
     mine = (_digest(batches) if directory is not None else None, _count(batches),
-            [" ".join(_shapes(b)) for b in batches] if shard and batches is not None else None)
+            [" ".join(shapes_of(b)) for b in batches] if shard and batches is not None else None)
     digests: list[Any] = [mine]
     if on:
         digests = [None] * world

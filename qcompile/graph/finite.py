@@ -13,8 +13,9 @@ checks go and the hook removes itself: one comparison per forward remains until 
 nothing after. Under ``torch.compile`` the hook and the checks stand aside (the check reads
 a value, which would break the graph).
 
-A check costs one pass over the tensor (``torch.isfinite(x).all()``) per quantizer call, in
-the first steps only.
+A check costs one pass over the tensor per quantizer call, in the first steps only: its
+float32 sum, finite unless a NaN or an infinity is in it (``torch.isfinite(x).all()`` only
+when a finite tensor's sum overflows).
 
 Example:
     >>> import torch, qcompile as qc

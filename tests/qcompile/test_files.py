@@ -9,7 +9,6 @@ import os
 import stat
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -56,16 +55,6 @@ def test_stale_temporaries_of_the_target_go_young_and_foreign_ones_stay(tmp_path
 
 
 # -- what a write leaves: modes, fsync, third-party temporaries -----------------------------
-@pytest.fixture(params=[0o022, 0o077], ids=["umask022", "umask077"])
-def umask(request: pytest.FixtureRequest) -> Iterator[int]:
-    """Run the test under this umask (the process's; restored after)."""
-    old = os.umask(request.param)
-    try:
-        yield request.param
-    finally:
-        os.umask(old)
-
-
 def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 

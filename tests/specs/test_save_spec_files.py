@@ -5,9 +5,7 @@ before anything is written."""
 
 from __future__ import annotations
 
-import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,15 +13,6 @@ from killed_writer import kill_mid_write
 
 from qcompile.errors import QCompileError
 from qcompile.specs import dump_spec, load_spec, save_spec
-
-
-@pytest.fixture(params=[0o022, 0o077], ids=["umask022", "umask077"])
-def umask(request: pytest.FixtureRequest) -> Iterator[int]:
-    old = os.umask(request.param)
-    try:
-        yield request.param
-    finally:
-        os.umask(old)
 
 
 @pytest.mark.parametrize("name", ["spec.yaml", "spec.json"])

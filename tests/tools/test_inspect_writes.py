@@ -5,10 +5,8 @@ that fails or is interrupted half-way leaves the previous picture and no tempora
 from __future__ import annotations
 
 import errno
-import os
 import stat
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,15 +22,6 @@ MODEL = textwrap.dedent("""\
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
 """)
-
-
-@pytest.fixture(params=[0o022, 0o077], ids=["umask022", "umask077"])
-def umask(request: pytest.FixtureRequest) -> Iterator[int]:
-    old = os.umask(request.param)
-    try:
-        yield request.param
-    finally:
-        os.umask(old)
 
 
 @pytest.fixture(scope="module")

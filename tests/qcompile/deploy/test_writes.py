@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,15 +40,6 @@ def build(seed: int) -> nn.Module:
     scope: dict = {}
     exec(BUILD.replace("\n    ", "\n"), scope)
     return scope["build"](seed)
-
-
-@pytest.fixture(params=[0o022, 0o077], ids=["umask022", "umask077"])
-def umask(request: pytest.FixtureRequest) -> Iterator[int]:
-    old = os.umask(request.param)
-    try:
-        yield request.param
-    finally:
-        os.umask(old)
 
 
 def modes(folder: Path) -> dict[str, int]:

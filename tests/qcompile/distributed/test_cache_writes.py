@@ -5,12 +5,9 @@ previous entry, and its temporary folder goes the next time the cache is opened,
 
 from __future__ import annotations
 
-import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
 from killed_writer import kill_mid_write
 
@@ -18,15 +15,6 @@ from qcompile.distributed.cache import MANIFEST, STATE, CompileCache
 
 KEY = "ab" * 32  # hex, like every real key
 OLD = {"w": torch.arange(6.0).reshape(2, 3), "n": torch.tensor(3)}
-
-
-@pytest.fixture(params=[0o022, 0o077], ids=["umask022", "umask077"])
-def umask(request: pytest.FixtureRequest) -> Iterator[int]:
-    old = os.umask(request.param)
-    try:
-        yield request.param
-    finally:
-        os.umask(old)
 
 
 def mode(path: Path) -> int:
