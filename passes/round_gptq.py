@@ -170,6 +170,12 @@ class _BlockState:
     grid: BlockGrid
     lead: torch.Tensor  # [N] int64
     keep: torch.Tensor  # [N] float32
+    # llama.cpp's grids: the column and value each row's other end takes (Q4_1's minimum
+    # and maximum both set its grid); the lead takes ``keep`` with the lead's own sign
+    # (Q4_0's scale is signed)
+    low: torch.Tensor | None = None  # [N] int64
+    low_value: torch.Tensor | None = None  # [N] float32
+    lead_value: torch.Tensor | None = None  # [N] float32
 
 
 def _block_state(cols: torch.Tensor, fmt: str, tensor_scale: torch.Tensor | None,
@@ -184,6 +190,13 @@ def _block_state(cols: torch.Tensor, fmt: str, tensor_scale: torch.Tensor | None
                                         cols[row, col])
     amax, lead = cols.abs().max(dim=-1, keepdim=True)
     grid = block_scales(cols, fmt, tensor_scale)
+    if FORMATS[fmt].kind == "ggml":  # both ends pinned to their values on the grid
+        hi, lo = cols.argmax(dim=-1, keepdim=True), cols.argmin(dim=-1, keepdim=True)
+        if fmt == "q4_1":
+            lead = hi
+        on_grid = grid.fake_quant(cols)
+        return _BlockState(grid, lead[:, 0], amax[:, 0], lo[:, 0],
+                           on_grid.gather(-1, lo)[:, 0], on_grid.gather(-1, lead)[:, 0])
     keep = grid.fake_quant(amax)  # the block's largest level (NF4, NVFP4)
     f = FORMATS[fmt]
     if f.kind == "mx":  # any magnitude in the top binade keeps the shared exponent
@@ -217,6 +230,10 @@ def gptq_blocks(w: torch.Tensor, gram: torch.Tensor, fmt: str, block: int, *,
     k = w.shape[1]
     if k % block:
         raise ValueError(f"rows of {k} elements do not split into blocks of {block}")
+    if FORMATS[fmt].kind == "ggml_k":
+        raise ValueError(f"GPTQ does not round {fmt}'s super-blocks (their sub-block scales "
+                         "come from the whole super-block): use q4_0, q4_1 or q8_0, or "
+                         "round to nearest")
     original = w.detach().float()
     w, h = _prepare(w, gram)
     tensor_scale, pin = None, None
@@ -255,8 +272,13 @@ def gptq_blocks(w: torch.Tensor, gram: torch.Tensor, fmt: str, block: int, *,
             st = states[b]
             col = cur[:, i]
             q = st.grid.fake_quant(col.unsqueeze(1))[:, 0]
-            q = torch.where(st.lead == pos,
-                            torch.copysign(torch.maximum(q.abs(), st.keep), col), q)
+            if st.lead_value is not None:  # llama.cpp's grids: the grid's ends stay put
+                q = torch.where(st.lead == pos, st.lead_value, q)
+                if fmt == "q4_1":
+                    q = torch.where(st.low == pos, st.low_value, q)
+            else:
+                q = torch.where(st.lead == pos,
+                                torch.copysign(torch.maximum(q.abs(), st.keep), col), q)
             out[:, i1 + i] = q
             err = (col - q) / u_block[i, i]
             cur[:, i:] -= err.unsqueeze(1) * u_block[i, i:].unsqueeze(0)

@@ -30,6 +30,7 @@ _LAZY = {
     "export_encodings": "qcompile.deploy.encodings",
     "load_encodings": "qcompile.deploy.encodings",
     "export_onnx": "qcompile.deploy.onnx",
+    "export_gguf": "qcompile.deploy.gguf",
     "save_adapters": "qcompile.deploy.adapters",
     "merge_adapters": "qcompile.deploy.adapters",
     "sqnr": "qcompile.measure",

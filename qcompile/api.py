@@ -257,6 +257,20 @@ def sharded_by(gm: nn.Module) -> str | None:
     return None
 
 
+def _refuse_ggml(gm: nn.Module) -> None:
+    """llama.cpp's grids run in llama.cpp: qcompile has no kernel that reads them."""
+    from qcompile.runtime.block_formats import GGML_FORMATS
+    from qcompile.runtime.fake_quant import FakeQuantize
+
+    for name, m in gm.named_modules():
+        if isinstance(m, FakeQuantize) and m.block_format in GGML_FORMATS:
+            raise QCompileError(
+                f"convert: quantizer {name!r} uses llama.cpp's {m.block_format} grid, which "
+                "qcompile's integer kernels do not run",
+                fix="write the model for llama.cpp with qc.export_gguf(gm, path); or "
+                    "compile with an int8 / int4 / block-format preset to convert")
+
+
 def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
             instruments: Sequence[Instrument] = ()) -> nn.Module:
     """Lower a calibrated static, trained QAT or dynamic graph to integer kernels for
@@ -300,6 +314,7 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
     from qcompile.deploy.adapters import refuse_adapters
 
     refuse_adapters(gm, "convert")  # lowering the base alone would drop the adapters
+    _refuse_ggml(gm)
     sharded = sharded_by(gm)
     if sharded is not None:
         fsdp1 = any(c.__name__ == "FullyShardedDataParallel"

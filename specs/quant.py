@@ -39,15 +39,23 @@ FLOAT_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 # Block-scaled formats: each element block shares a scale computed from the block itself.
 # Value: (default block size, whether the format allows another). OCP MX v1.0 fixes 32-element
 # blocks with E8M0 scales; NVFP4 16-element blocks with E4M3 scales under one FP32 tensor scale;
-# QLoRA's NF4 uses 64 by default and any (even) block size.
+# QLoRA's NF4 uses 64 by default and any (even) block size. llama.cpp's GGUF types (q8_0,
+# q4_0, q4_1: 32-element blocks with fp16 scales; q4_k, q6_k: 256-element super-blocks of
+# 32 / 16 with 6-bit / 8-bit sub-block scales under fp16 ones; q8_k: the 256-element
+# activation blocks llama.cpp's CPU matmul makes for K-type weights) are fixed by the format.
 BLOCK_SIZES: dict[str, tuple[int, bool]] = {
     "mxfp8_e4m3": (32, False), "mxfp8_e5m2": (32, False), "mxfp6_e3m2": (32, False),
     "mxfp6_e2m3": (32, False), "mxfp4": (32, False), "nvfp4": (16, False), "nf4": (64, True),
+    "q8_0": (32, False), "q4_0": (32, False), "q4_1": (32, False), "q4_k": (256, False),
+    "q6_k": (256, False), "q8_k": (256, False),
 }
 BLOCK_DTYPES = tuple(BLOCK_SIZES)
-# The largest finite element magnitude of each block format (NF4: levels in [-1, 1]).
+# The largest finite element magnitude of each block format (NF4: levels in [-1, 1];
+# llama.cpp's grids: the largest integer code's magnitude).
 BLOCK_ELEMENT_MAX = {"mxfp8_e4m3": 448.0, "mxfp8_e5m2": 57344.0, "mxfp6_e3m2": 28.0,
-                     "mxfp6_e2m3": 7.5, "mxfp4": 6.0, "nvfp4": 6.0, "nf4": 1.0}
+                     "mxfp6_e2m3": 7.5, "mxfp4": 6.0, "nvfp4": 6.0, "nf4": 1.0,
+                     "q8_0": 127.0, "q4_0": 8.0, "q4_1": 15.0, "q4_k": 15.0, "q6_k": 32.0,
+                     "q8_k": 127.0}
 DTYPES = INT_DTYPES + UINT_DTYPES + FLOAT_DTYPES + BLOCK_DTYPES
 
 # The largest finite magnitude of each fp8 format (OCP FP8: e4m3 "fn" variant, e5m2).
@@ -137,7 +145,9 @@ ObserverSpec = Annotated[
 class Scheme(Frozen):
     """How one tensor (a weight, or a node's output) is quantized.
 
-    A block-scaled ``dtype`` (``mxfp8_e4m3`` ... ``mxfp4``, ``nvfp4``, ``nf4``) implies
+    A block-scaled ``dtype`` (``mxfp8_e4m3`` ... ``mxfp4``, ``nvfp4``, ``nf4``, and
+    llama.cpp's GGUF grids ``q8_0``, ``q4_0``, ``q4_1``, ``q4_k``, ``q6_k`` and its
+    activation blocks ``q8_k``) implies
     ``granularity: per_group`` with its block size as ``group_size`` (NF4 may set another,
     even, size); its scales come from each block of each tensor (weights and activations
     alike), so it takes no observer, no learnable scale and no asymmetric range. Blocks run
@@ -197,7 +207,10 @@ class Scheme(Frozen):
     def _granularity_fields(self) -> Scheme:
         if self.dtype in BLOCK_SIZES:
             if not self.symmetric:
-                raise ValueError(f"{self.dtype} is a symmetric format: leave symmetric out")
+                raise ValueError(f"{self.dtype} is a symmetric format: leave symmetric out"
+                                 if self.dtype not in ("q4_1", "q4_k") else
+                                 f"{self.dtype} stores its own minimum per block: leave "
+                                 "symmetric out")
             if self.learnable:
                 raise ValueError(f"{self.dtype} scales come from each block: learnable "
                                  "scales are for integer dtypes")

@@ -6,7 +6,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${QCOMPILE_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 TORCH_REQ="${QCOMPILE_TORCH:-torch==2.13.0}"
-EXTRAS="${QCOMPILE_EXTRAS:-dev,demo,models,onnx}"
+EXTRAS="${QCOMPILE_EXTRAS:-dev,demo,models,onnx,gguf,hf}"
 
 say() { printf '[qcompile setup] %s\n' "$*" >&2; }
 

@@ -31,7 +31,9 @@ block scales from each tensor, so their entry names the format instead of qparam
 entry per quantizer: ``{"bitwidth": 4, "dtype": "float", "is_symmetric": true,
 "block_format": "mxfp4", "block_size": 32, "scale_format": "e8m0", ...}`` (``bitwidth``:
 the element's bits; ``scale_format``: ``e8m0`` for MX, ``e4m3*fp32`` for NVFP4's E4M3 block
-scales under one FP32 tensor scale, ``fp32`` for NF4's absmax). ``load_encodings`` checks
+scales under one FP32 tensor scale, ``fp32`` for NF4's absmax, and for llama.cpp's grids
+(``dtype`` ``int``) ``fp16`` (Q8_0, Q4_0), ``fp16+fp16_min`` (Q4_1),
+``u6*fp16+u6_min*fp16`` (Q4_K), ``int8*fp16`` (Q6_K), ``fp32`` (Q8_K)). ``load_encodings`` checks
 that the format and block size are the quantizer's and refuses any other.
 ``export_encodings`` refuses a graph whose activation ranges were never observed (static:
 not calibrated; QAT: not trained), as ``qc.convert`` does: its qparams are placeholders;
@@ -72,7 +74,7 @@ from qcompile.errors import QCompileError
 from qcompile.files import write_atomically
 from qcompile.graph.algorithms import refuse_pending
 from qcompile.graph.records import report
-from qcompile.runtime.block_formats import FORMATS
+from qcompile.runtime.block_formats import FORMATS, GGML_FORMATS
 from qcompile.runtime.calibration import uncalibrated
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.runtime.quant_math import symmetric_zero_point
@@ -82,7 +84,11 @@ VERSION = "1.0.0"
 
 
 #: how each kind of block format stores its block scales
-_SCALE_FORMATS = {"mx": "e8m0", "nvfp4": "e4m3*fp32", "nf4": "fp32"}
+_SCALE_FORMATS = {"mx": "e8m0", "nvfp4": "e4m3*fp32", "nf4": "fp32",
+                  # llama.cpp's grids: fp16 block scales (Q4_1 with an fp16 minimum); 6-bit
+                  # (Q4_K) or int8 (Q6_K) sub-block scales under fp16 ones; Q8_K's float32
+                  "q8_0": "fp16", "q4_0": "fp16", "q4_1": "fp16+fp16_min",
+                  "q4_k": "u6*fp16+u6_min*fp16", "q6_k": "int8*fp16", "q8_k": "fp32"}
 
 
 def _bits(fq: FakeQuantize) -> int:
@@ -114,7 +120,8 @@ def _block_entry(fq: FakeQuantize) -> dict[str, Any]:
     assert fq.block_format is not None
     return {"bitwidth": _bits(fq), "dtype": _kind(fq), "is_symmetric": fq.symmetric,
             "block_format": fq.block_format, "block_size": fq.group_size,
-            "scale_format": _SCALE_FORMATS[FORMATS[fq.block_format].kind],
+            "scale_format": _SCALE_FORMATS.get(fq.block_format)
+            or _SCALE_FORMATS[FORMATS[fq.block_format].kind],
             "qcompile_dtype": fq.dtype, "granularity": fq.granularity,
             "group_size": fq.group_size}
 
@@ -195,6 +202,8 @@ def _number(value: object) -> float | None:
 
 
 def _kind(fq: FakeQuantize) -> str:
+    if fq.block_format in GGML_FORMATS:  # integer codes under block scales
+        return "int"
     return "float" if fq.dtype.startswith("fp8") or fq.block_format is not None else "int"
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from qcompile.runtime import kernels
@@ -49,6 +50,8 @@ from qcompile.runtime import kernels
 __all__ = [
     "BLOCK_DTYPES",
     "FORMATS",
+    "GGML_FORMATS",
+    "GGUF_WEIGHT_FORMATS",
     "NF4_LEVELS",
     "BlockCodes",
     "BlockFormat",
@@ -59,6 +62,7 @@ __all__ = [
     "dequantize_blocks",
     "fake_quant_eager",
     "fake_quantize_block",
+    "ggml_bytes",
     "nvfp4_tensor_scale",
     "quantize_blocks",
 ]
@@ -79,10 +83,13 @@ class BlockFormat:
     emax: int
     block: int
     scale_bits: int
+    code_bits: int = 0  # llama.cpp's grids: bits of one stored code
 
     @property
     def bits(self) -> int:
         """Bits of one element (sign included)."""
+        if self.code_bits:
+            return self.code_bits
         return 4 if self.kind == "nf4" else 1 + self.ebits + self.mbits
 
     @property
@@ -101,8 +108,23 @@ FORMATS: dict[str, BlockFormat] = {
         BlockFormat("mxfp4", "mx", 2, 1, 6.0, 2, 32, 8),
         BlockFormat("nvfp4", "nvfp4", 2, 1, 6.0, 2, 16, 8),
         BlockFormat("nf4", "nf4", 0, 0, 1.0, 0, 64, 32),
+        # llama.cpp's grids (GGUF types): scale bits per block (super-block for the K types)
+        BlockFormat("q8_0", "ggml", 0, 0, 127.0, 0, 32, 16, code_bits=8),
+        BlockFormat("q4_0", "ggml", 0, 0, 8.0, 0, 32, 16, code_bits=4),
+        BlockFormat("q4_1", "ggml", 0, 0, 15.0, 0, 32, 32, code_bits=4),
+        BlockFormat("q4_k", "ggml_k", 0, 0, 15.0, 0, 256, 128, code_bits=4),
+        BlockFormat("q6_k", "ggml_k", 0, 0, 32.0, 0, 256, 144, code_bits=6),
+        # the activation blocks llama.cpp's CPU matmul makes for K-type weights (float32 d)
+        BlockFormat("q8_k", "ggml_k", 0, 0, 127.0, 0, 256, 32, code_bits=8),
     )
 }
+#: llama.cpp's grids, by the name GGUF gives their type (``Q4_0`` ...)
+GGML_FORMATS: tuple[str, ...] = tuple(n for n, f in FORMATS.items()
+                                      if f.kind in ("ggml", "ggml_k"))
+#: the grids a GGUF file stores weights in (Q8_K is llama.cpp's activation blocks only)
+GGUF_WEIGHT_FORMATS: tuple[str, ...] = tuple(n for n in GGML_FORMATS if n != "q8_k")
+# the formats qcompile::block_fake_quant (csrc/block_quant.cpp) runs: all of them
+_KERNEL_FORMATS = frozenset(FORMATS)
 BLOCK_DTYPES: tuple[str, ...] = tuple(FORMATS)
 
 # QLoRA's NormalFloat4 levels (bitsandbytes' and torchao's table), as float32.
@@ -201,15 +223,50 @@ class BlockGrid:
     """
 
     fmt: str
-    to_grid: torch.Tensor  # [N, 1] float32
-    from_grid: torch.Tensor  # [N, 1] float32
+    to_grid: torch.Tensor  # [N, 1] float32 ([N, block] for llama.cpp's K types)
+    from_grid: torch.Tensor  # [N, 1] float32 (idem)
     nan: torch.Tensor | None  # [N, 1] bool, or None
     zero: torch.Tensor | None  # [N, 1] bool: blocks that are exactly zero (NF4), or None
+    # llama.cpp's grids with a minimum (Q4_1, Q4_K): subtracted before scaling (float32),
+    # and the stored (fp16-rounded) one added after; else None
+    offset: torch.Tensor | None = None
+    offset_out: torch.Tensor | None = None
+
+    def codes(self, cols: torch.Tensor) -> torch.Tensor:
+        """llama.cpp's grids only: the integer codes (float32 values) ``cols`` store."""
+        v = cols.float()
+        if self.fmt == "q8_0":
+            return torch.clamp(_roundf(v * self.to_grid), -127.0, 127.0)
+        if self.fmt == "q4_0":
+            return torch.clamp(torch.trunc(v * self.to_grid + 8.5), 0.0, 15.0)
+        if self.fmt == "q4_1":
+            return torch.clamp(torch.trunc((v - self.offset) * self.to_grid + 0.5), 0.0, 15.0)
+        if self.fmt == "q4_k":
+            q = torch.clamp(torch.round((v + self.offset) * self.to_grid), 0.0, 15.0)
+        elif self.fmt == "q8_k":
+            q = torch.clamp(torch.round(v * self.to_grid), -128.0, 127.0)  # MIN(127, ...)
+        else:  # q6_k
+            q = torch.clamp(torch.round(v * self.to_grid), -32.0, 31.0)
+        return _plus0(q)
+
+    def values(self, q: torch.Tensor) -> torch.Tensor:
+        """llama.cpp's grids only: what codes ``q`` dequantize to, with the operations of
+        gguf-py's (and llama.cpp's reference) dequantization, in their order."""
+        if self.fmt == "q4_0":
+            return (q - 8.0) * self.from_grid
+        if self.fmt == "q4_1":
+            return self.from_grid * q + self.offset_out
+        if self.fmt == "q4_k":
+            return self.from_grid * q - self.offset_out
+        return self.from_grid * q  # q8_0, q6_k, q8_k
 
     def fake_quant(self, cols: torch.Tensor) -> torch.Tensor:
-        """``cols`` ([N, k], float32) on this grid (float32)."""
+        """``cols`` ([N, k], float32) on this grid (float32). llama.cpp's K types: the
+        whole super-blocks (their scales are per sub-block)."""
         f = FORMATS[self.fmt]
-        if f.kind == "nf4":
+        if f.kind in ("ggml", "ggml_k"):
+            out = self.values(self.codes(cols))
+        elif f.kind == "nf4":
             v = cols.float() / self.to_grid
             levels = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=cols.device)
             out = levels[_nf4_round(v)] * self.from_grid
@@ -233,6 +290,175 @@ def _nvfp4_block_scale(amax: torch.Tensor, pts: torch.Tensor) -> torch.Tensor:
     return _round_element(torch.clamp(amax / six / pts, _E4M3_TINY, 448.0), _E4M3)
 
 
+# -- llama.cpp's grids -------------------------------------------------------------------
+def _div(a: torch.Tensor, b: float) -> torch.Tensor:
+    """``a / b`` as an IEEE float32 division on every device (CUDA divides by a Python
+    number through its reciprocal)."""
+    return a / torch.full_like(a, b)
+
+
+def _recip(d: torch.Tensor) -> torch.Tensor:
+    """``1 / d``, and 0 where ``d`` is 0: llama.cpp's ``id = d ? 1.0f/d : 0.0f``; 0 too
+    where ``1 / d`` overflows (a block of float32 subnormals: its fp16 scale is 0, so every
+    code dequantizes to 0, and an infinite ``id`` would make ``0 * inf`` NaN)."""
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    r = torch.ones_like(d) / safe
+    return torch.where((d == 0) | torch.isinf(r), torch.zeros_like(d), r)
+
+
+def _inverse_scale(lead: torch.Tensor, code: float) -> torch.Tensor:
+    """llama.cpp's ``iscale = code / lead`` (Q6_K's, Q8_K's); 0 where ``lead`` is 0 or the
+    division overflows (a subnormal lead: every code then dequantizes to 0)."""
+    safe = torch.where(lead == 0, torch.ones_like(lead), lead)
+    iscale = torch.full_like(lead, code) / safe
+    return torch.where((lead == 0) | torch.isinf(iscale), torch.zeros_like(lead), iscale)
+
+
+def _f16(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to fp16 (nearest-even, as ggml's ``GGML_FP32_TO_FP16``), as float32."""
+    return t.half().float()
+
+
+def _roundf(v: torch.Tensor) -> torch.Tensor:
+    """C's ``roundf`` (halves away from zero), exactly (gguf-py's ``np_roundf``); a zero
+    result is +0.0, as the integer code it becomes."""
+    a = v.abs()
+    fl = torch.floor(a)
+    b = fl + torch.floor(2.0 * (a - fl))  # a - fl is exact: no a + 0.5 rounding
+    return torch.where(v < 0, 0.0 - b, b)
+
+
+def _plus0(q: torch.Tensor) -> torch.Tensor:
+    """+0.0 for a zero integer value (round / a product gives -0.0): a stored integer
+    code or sub-block scale decodes to +0.0."""
+    return torch.where(q == 0, torch.zeros((), device=q.device), q)
+
+
+def _lead(xs: torch.Tensor) -> torch.Tensor:
+    """The signed value of largest magnitude of each row (the first on a tie), as
+    llama.cpp's Q4_0 / Q6_K quantizers pick it."""
+    return xs.gather(-1, xs.abs().argmax(dim=-1, keepdim=True))
+
+
+def _ggml_grid(xb: torch.Tensor, fmt: str) -> tuple[BlockGrid, dict[str, torch.Tensor]]:
+    """llama.cpp's grid of each block (row of ``xb``, float32), and the scale fields a
+    block stores (float32 before their fp16 rounding; K types' sub-block scales as int32).
+    Q8_0 / Q4_0 / Q4_1 are llama.cpp's own reference quantizers (``quantize_row_q*_ref``),
+    so their codes are the ones ``llama-quantize`` writes. Q4_K / Q6_K take each
+    sub-block's range directly (no search) under llama.cpp's 6-bit / 8-bit sub-block
+    scales."""
+    bad = ~torch.isfinite(xb.abs().amax(dim=-1, keepdim=True))
+    if fmt == "q8_0":
+        d = _div(xb.abs().amax(dim=-1, keepdim=True), 127.0)
+        return BlockGrid(fmt, _recip(d), _f16(d), bad, None), {"d": d}
+    if fmt == "q4_0":
+        d = _div(_lead(xb), -8.0)
+        return BlockGrid(fmt, _recip(d), _f16(d), bad, None), {"d": d}
+    if fmt == "q4_1":  # (+0.0 for a zero end: a minimum or maximum of zeros has no sign)
+        hi = _plus0(xb.amax(dim=-1, keepdim=True))
+        lo = _plus0(xb.amin(dim=-1, keepdim=True))
+        d = _div(hi - lo, 15.0)
+        grid = BlockGrid(fmt, _recip(d), _f16(d), bad, None, offset=lo, offset_out=_f16(lo))
+        return grid, {"d": d, "m": lo}
+    n = xb.shape[0]
+    if fmt == "q4_k":  # 8 sub-blocks of 32: w = d * sc * q - dmin * m, sc and m 6-bit
+        xs = xb.reshape(n, 8, 32)
+        lo = _plus0(torch.clamp(xs.amin(dim=-1), max=0.0))  # llama.cpp keeps it <= 0
+        scale, mins = _div(_plus0(xs.amax(dim=-1)) - lo, 15.0), 0.0 - lo
+        d = _div(scale.amax(dim=-1, keepdim=True), 63.0)
+        dmin = _div(mins.amax(dim=-1, keepdim=True), 63.0)
+        sc = _plus0(torch.clamp(torch.round(scale * _recip(d)), 0.0, 63.0))
+        m = _plus0(torch.clamp(torch.round(mins * _recip(dmin)), 0.0, 63.0))
+        scale_el = (_f16(d) * sc).repeat_interleave(32, dim=-1)
+        min_el = (_f16(dmin) * m).repeat_interleave(32, dim=-1)
+        grid = BlockGrid(fmt, _recip(scale_el), scale_el, bad, None, offset=min_el,
+                         offset_out=min_el)
+        return grid, {"d": d, "dmin": dmin, "sc": sc.to(torch.int32), "m": m.to(torch.int32)}
+    if fmt == "q8_k":  # llama.cpp's quantize_row_q8_K_ref: the largest magnitude at -127
+        lead = _lead(xb)
+        iscale = _inverse_scale(lead, -127.0)
+        return BlockGrid(fmt, iscale, _recip(iscale), bad, None), {"d": _recip(iscale)}
+    # q6_k: 16 sub-blocks of 16: w = d * sc * (q - 32), sc int8
+    xs = xb.reshape(n, 16, 16)
+    scale = _div(_lead(xs)[..., 0], -32.0)  # each sub-block's largest magnitude at -32
+    top = _lead(scale)  # the scale of largest magnitude gets code -128
+    iscale = _inverse_scale(top, -128.0)
+    sc = _plus0(torch.clamp(torch.round(iscale * scale), -128.0, 127.0))
+    d = _recip(iscale)
+    scale_el = (_f16(d) * sc).repeat_interleave(16, dim=-1)
+    return BlockGrid(fmt, _recip(scale_el), scale_el, bad, None), \
+        {"d": d, "sc": sc.to(torch.int32)}
+
+
+def _half_bytes(t: torch.Tensor) -> torch.Tensor:
+    """[N, 1] float32 -> [N, 2] uint8: the fp16 value's little-endian bytes."""
+    return t.reshape(-1, 1).half().contiguous().view(torch.uint8).reshape(-1, 2)
+
+
+def _nibbles(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    return (lo | (hi << 4)).to(torch.uint8)
+
+
+def ggml_bytes(x: torch.Tensor, fmt: str) -> np.ndarray:
+    """llama.cpp's block bytes of ``x`` on grid ``fmt`` (``q8_0``, ``q4_0``, ``q4_1``,
+    ``q4_k``, ``q6_k``: ``GGUF_WEIGHT_FORMATS``), one row of ``x.shape[-1]`` elements per
+    row of the result (uint8, ``[rows, row_bytes]``): what a GGUF file stores, so that
+    llama.cpp's dequantization of it (and gguf-py's ``quants.dequantize``) gives
+    ``fake_quant_eager(x, fmt, block)`` bit for bit. Blocks run along the last dim (a
+    weight's rows).
+
+    Example:
+        >>> import torch
+        >>> from gguf import GGMLQuantizationType, quants
+        >>> w = torch.randn(4, 64)
+        >>> raw = ggml_bytes(w, "q4_0")
+        >>> raw.shape                                     # 2 blocks of 18 bytes per row
+        (4, 36)
+        >>> back = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_0))
+        >>> torch.equal(back, fake_quant_eager(w, "q4_0", 32))
+        True
+    """
+    f = FORMATS[fmt]
+    if fmt not in GGUF_WEIGHT_FORMATS:
+        raise ValueError(f"{fmt} is not a GGUF weight type (one of "
+                         f"{', '.join(GGUF_WEIGHT_FORMATS)})")
+    if x.dim() < 1 or x.shape[-1] % f.block:
+        raise ValueError(f"{fmt}: rows of {x.shape[-1] if x.dim() else 0} elements do not "
+                         f"split into blocks of {f.block}")
+    rows = x.numel() // x.shape[-1]
+    xb = _blocks(x.detach().cpu(), f.block)
+    if not bool(torch.isfinite(xb).all()):
+        raise ValueError(f"{fmt}: the tensor holds NaN or inf, which no GGUF block stores")
+    grid, k = _ggml_grid(xb, fmt)
+    q = grid.codes(xb).to(torch.int32)
+    n = xb.shape[0]
+    if fmt == "q8_0":
+        parts = [_half_bytes(k["d"]), q.to(torch.int8).view(torch.uint8)]
+    elif fmt == "q4_0":
+        parts = [_half_bytes(k["d"]), _nibbles(q[:, :16], q[:, 16:])]
+    elif fmt == "q4_1":
+        parts = [_half_bytes(k["d"]), _half_bytes(k["m"]), _nibbles(q[:, :16], q[:, 16:])]
+    elif fmt == "q4_k":
+        sc, m = k["sc"], k["m"]
+        # 12 bytes: sc / m 0-3 in the low 6 bits of bytes 0-3 / 4-7, their 4-7 split into
+        # a low nibble (bytes 8-11) and 2 high bits (the top of bytes 0-3 / 4-7)
+        packed = torch.cat([sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
+                            m[:, :4] | ((m[:, 4:] >> 4) << 6),
+                            (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)], dim=1)
+        qs = q.reshape(n, 4, 2, 32)  # 32 bytes per pair of sub-blocks: low, then high nibble
+        parts = [_half_bytes(k["d"]), _half_bytes(k["dmin"]), packed.to(torch.uint8),
+                 _nibbles(qs[:, :, 0], qs[:, :, 1]).reshape(n, 128)]
+    else:  # q6_k: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, fp16 d
+        u = (q + 32).reshape(n, 2, 4, 32)  # per 128 elements: 4 runs of 32
+        low, high = u & 0xF, u >> 4
+        ql = torch.cat([_nibbles(low[:, :, 0], low[:, :, 2]),
+                        _nibbles(low[:, :, 1], low[:, :, 3])], dim=2).reshape(n, 128)
+        qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4)
+              | (high[:, :, 3] << 6)).to(torch.uint8).reshape(n, 64)
+        parts = [ql, qh, k["sc"].to(torch.int8).view(torch.uint8), _half_bytes(k["d"])]
+    return torch.cat(parts, dim=1).reshape(rows, -1).numpy()
+
+
 def block_scales(x_blocks: torch.Tensor, fmt: str,
                  tensor_scale: torch.Tensor | None = None) -> BlockGrid:
     """The grid of each row of ``x_blocks`` ([N, block]) in format ``fmt``. NVFP4 takes its
@@ -240,6 +466,8 @@ def block_scales(x_blocks: torch.Tensor, fmt: str,
     ``x_blocks``."""
     f = FORMATS[fmt]
     xb = x_blocks.detach().float()
+    if f.kind in ("ggml", "ggml_k"):
+        return _ggml_grid(xb, fmt)[0]
     amax = xb.abs().amax(dim=-1, keepdim=True)
     if f.kind == "mx":
         bad = ~torch.isfinite(amax)
@@ -282,15 +510,16 @@ class _BlockSTE(torch.autograd.Function):
         return grad, None, None
 
 
-def _kernel_ok(x: torch.Tensor) -> bool:
+def _kernel_ok(x: torch.Tensor, fmt: str) -> bool:
     # kernels.available() means the library loaded with block_fake_quant registered
-    return (type(x) in (torch.Tensor, torch.nn.Parameter) and x.is_cpu
+    return (fmt in _KERNEL_FORMATS and type(x) in (torch.Tensor, torch.nn.Parameter)
+            and x.is_cpu
             and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous()
             and not torch.compiler.is_compiling() and kernels.available())
 
 
 def _forward(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
-    if _kernel_ok(x):
+    if _kernel_ok(x, fmt):
         return torch.ops.qcompile.block_fake_quant(x.detach(), fmt, block)
     with torch.no_grad():
         return fake_quant_eager(x, fmt, block)
@@ -310,7 +539,7 @@ def fake_quantize_block(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
     """
     # under torch.compile the Function's forward is the plain formula (``_kernel_ok``),
     # which Inductor fuses; written as x + (q - x).detach() it would turn -0.0 into +0.0
-    if _kernel_ok(x):  # the operator's own C++ autograd node: identity backward
+    if _kernel_ok(x, fmt):  # the operator's own C++ autograd node: identity backward
         return torch.ops.qcompile.block_fake_quant(x, fmt, block)
     if x.requires_grad and torch.is_grad_enabled():
         return _BlockSTE.apply(x, fmt, block)

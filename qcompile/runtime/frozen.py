@@ -43,6 +43,7 @@ from qcompile.errors import QCompileError
 from qcompile.runtime import kernels, recompute
 from qcompile.runtime.block_formats import (
     FORMATS,
+    GGML_FORMATS,
     NF4_LEVELS,
     BlockCodes,
     _element_values,
@@ -84,6 +85,9 @@ def frozen_layout(fq: nn.Module, shape: tuple[int, ...], *, transposed: bool = F
         return f"a {len(shape)}-D weight (frozen storage holds [out, in] matrices)"
     if getattr(fq, "dtype", None) in FP8_DTYPES:
         return f"{fq.dtype} weights (frozen storage holds integers and block formats)"
+    if getattr(fq, "block_format", None) in GGML_FORMATS:
+        return (f"llama.cpp's {fq.block_format} grid (frozen storage holds integers, MX, "
+                "NVFP4 and NF4; write it for llama.cpp with qc.export_gguf)")
     if transposed and fq.granularity == "per_group":
         return "groups along a weight's output dimension (stored [in, out], read as stored)"
     if fq.granularity == "per_channel" and fq.axis % 2 != (1 if transposed else 0):

@@ -47,7 +47,8 @@ GENERATED = ROOT / "docs" / "reference"
 LINKED = (".venv", "examples", "specs", "tools", "docs")
 FLAGS = {"python": {"no-run"}, "bash": {"run"}}
 # a page whose code needs one of these optional extras is skipped without it
-OPTIONAL = {"transformers", "peft", "onnx", "onnxruntime", "onnxscript", "torchao",
+OPTIONAL = {"transformers", "peft", "onnx", "onnxruntime", "onnxscript", "torchao", "gguf",
+            "compressed_tensors", "llama_cpp",
             "lightning", "matplotlib", "sklearn", "bitsandbytes", "expecttest"}
 FENCE = re.compile(r"^(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*?)\s*$")
 

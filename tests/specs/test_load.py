@@ -21,8 +21,9 @@ from qcompile.specs.load import PRESET_DIR
 from qcompile.specs.quant import BLOCK_DTYPES, FLOAT_DTYPES
 
 PRESET_NAMES = sorted(presets())
-EXPECTED_PRESETS = ["8da4w-qat", "int8-dynamic", "int8-qat", "int8-static", "mxfp4-qat",
-                    "mxfp8-qat", "nvfp4-qat", "qlora-nf4", "w4a8-qat", "w8-weight-only"]
+EXPECTED_PRESETS = ["8da4w-qat", "gguf-q4_0-qat", "gguf-q4_k-qat", "gguf-q8_0-qat",
+                    "int8-dynamic", "int8-qat", "int8-static", "mxfp4-qat", "mxfp8-qat",
+                    "nvfp4-qat", "qlora-nf4", "w4a8-qat", "w8-weight-only"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -252,6 +253,12 @@ def test_preset_dtypes_match_name(name: str) -> None:
     elif name == "w8-weight-only":
         assert {w.dtype for w in weights} == {"int8"}
         assert acts == []
+    elif name.startswith("gguf-"):  # llama.cpp's grid, and its matmul's activation blocks
+        grid = name.removeprefix("gguf-").removesuffix("-qat")
+        assert {(w.dtype, w.group_size) for w in weights} == {
+            (grid, 256 if grid.endswith("_k") else 32)}
+        assert {a.dtype for a in acts} == {"q8_k" if grid.endswith("_k") else "q8_0"}
+        assert {r.activation_at for r in spec.quant.rules} == {"input"}
     elif name == "8da4w-qat":  # torchao's LLM QAT scheme: what each Linear reads
         assert {(w.dtype, w.granularity, w.group_size) for w in weights} == {
             ("int4", "per_group", 32)}

@@ -49,6 +49,7 @@ def test_dtypes_cover_the_documented_range() -> None:
     expected = {f"int{b}" for b in range(2, 17)} | {f"uint{b}" for b in range(2, 17)}
     expected |= {"fp8_e4m3", "fp8_e5m2"}
     expected |= {"mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4", "nvfp4", "nf4"}
+    expected |= {"q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "q8_k"}  # llama.cpp's grids
     assert set(DTYPES) == expected
     assert len(DTYPES) == len(set(DTYPES))
 

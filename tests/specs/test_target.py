@@ -78,7 +78,8 @@ def test_presets_say_their_target_explicitly(name: str) -> None:
     where integer kernels read what it simulates, generic for the formats no CPU kernel
     reads (block formats, 8da4w's full-range per-token activations)."""
     raw = yaml.safe_load(presets()[name].read_text(encoding="utf-8"))
-    simulated = name in ("8da4w-qat", "mxfp4-qat", "mxfp8-qat", "nvfp4-qat", "qlora-nf4")
+    simulated = name in ("8da4w-qat", "mxfp4-qat", "mxfp8-qat", "nvfp4-qat", "qlora-nf4") \
+        or name.startswith("gguf-")
     assert raw["quant"]["target"] == ("generic" if simulated else "x86")
     assert load_spec(name).quant.target == raw["quant"]["target"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -306,3 +307,26 @@ def test_saved_bytes_counts_each_storage_once_as_it_is_after_forward() -> None:
         return y
 
     assert saved_bytes(forward_freeing)[1] == 0
+
+
+@pytest.mark.e2e
+def test_quick_llm_deploy_measures_inside_llama_cpp(capsys: pytest.CaptureFixture[str],
+                                                     tmp_path, monkeypatch) -> None:
+    """The whole --deploy flow on the quick LM: llama.cpp evaluates the F32 file as torch
+    does, and qcompile's RTN on the Q4_0 grid exports the very tensors llama.cpp's own
+    quantizer writes (so the same perplexity)."""
+    pytest.importorskip("llama_cpp")
+    monkeypatch.setenv("QCOMPILE_BENCH_CACHE", str(tmp_path))
+    assert main(["llm", "--deploy", "--quick", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)["dense"]
+    assert r["hf_vs_bench_lm_max_abs"] < 1e-4
+    assert math.isclose(r["fp32"], r["fp32_torch"], rel_tol=1e-3)
+    assert r["rtn_tensors_identical"] == 1.0
+    assert r["rtn"] == r["llama_cpp_q4_0"]
+    assert 4.0 < r["bits_per_param"]["llama.cpp Q4_0"] < r["bits_per_param"]["fp32"]
+
+
+def test_deploy_is_for_the_llm_suite_only(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["onnx", "--deploy"])
+    assert "--deploy applies to the llm suite, not onnx" in capsys.readouterr().err

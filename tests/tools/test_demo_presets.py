@@ -38,12 +38,23 @@ def test_every_preset_is_swept() -> None:
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
 def test_demo_ends_with_its_summary(preset: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if preset.stem == "gguf-q4_k-qat":  # 256-element super-blocks: the demo's MLP is 64 wide
+        assert main(["--spec", preset.stem, "--epochs", "1", "--finetune", "1",
+                     "--samples", "64"]) == 1
+        out, err = capsys.readouterr()
+        assert "q8_k blocks of 256 do not divide 64" in out + err
+        return
     assert main(["--spec", preset.stem, "--epochs", "1", "--finetune", "1",
                  "--samples", "64"]) == 0
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err and "error:" not in err, err
     lines = out.strip().splitlines()
-    assert lines[-1].startswith("test accuracy: fp32 ") and " converted " in lines[-1], lines[-1]
+    assert lines[-1].startswith("test accuracy: fp32 "), lines[-1]
+    if preset.stem.startswith("gguf-"):  # llama.cpp's grids leave through qc.export_gguf
+        assert any(line.startswith("not converted: ") for line in lines)
+        assert "qc.export_gguf" in out and " converted " not in lines[-1]
+        return
+    assert " converted " in lines[-1], lines[-1]
     mode = yaml.safe_load(preset.read_text())["quant"]["mode"]
     if mode == "static":
         assert any(line.startswith("calibrated on 64 digits") for line in lines)

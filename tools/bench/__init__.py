@@ -163,6 +163,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("suite", choices=list(SUITES), metavar="SUITE",
                    help="the suite to run (listed below)")
     p.add_argument("--quick", action="store_true", help="smaller workloads")
+    p.add_argument("--deploy", action="store_true",
+                   help="llm only: the LM exported to GGUF, its perplexity measured inside "
+                        "llama.cpp (needs the llama extra)")
     p.add_argument("--format", choices=FORMATS, default="text",
                    help="text (default) or JSON")
     p.add_argument("--json", dest="format", action="store_const", const="json",
@@ -171,8 +174,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     suite = SUITES[args.suite]
+    if args.deploy:
+        if suite.deploy is None:
+            p.error(f"--deploy applies to the llm suite, not {args.suite}")
+        suite = Suite(suite.deploy, suite.deploy_text, suite.threads)
     if suite.threads is not None:
         import torch
 

@@ -12,6 +12,10 @@
 //     when x holds NaN or inf; signed zeros when pts is 0 or 1 / pts overflows.
 //   nf4: out = level[nearest(x / absmax)] * absmax (the first of equally near levels);
 //     all-zero blocks give zeros, blocks holding NaN or inf NaN.
+//   llama.cpp's grids (q8_0, q4_0, q4_1: blocks of 32; q4_k, q6_k, q8_k: 256): the fp16
+//     (q8_k: float32) block scales and codes of block_formats.py's _ggml_grid, dequantized
+//     as llama.cpp does (Q4_0: (q - 8) * d16; Q4_K: d16 * sc * q - dmin16 * m; ...), scalar
+//     code (the compiler vectorises the loops); blocks holding NaN or inf give NaN.
 // round_elem(v): step = 2^(max(floor_log2|v|, emin) - mbits); q = min(rint(|v| / step) *
 // step, max) with v's sign (round half to even, saturating). floor_log2 reads the float32
 // exponent bits, so every power of two here is built exactly from bits.
@@ -27,6 +31,7 @@
 #ifndef QCOMPILE_BQ_KERNEL_BODY
 
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -56,7 +61,17 @@ struct Elem {
   float max;
 };
 
-enum Kind { kMX = 0, kNVFP4 = 1, kNF4 = 2 };
+enum Kind { kMX = 0, kNVFP4 = 1, kNF4 = 2, kGGML = 3 };
+
+// llama.cpp's grids (kGGML), and the block each one fixes
+enum Ggml { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kQ8_K = 5 };
+struct GgmlName {
+  const char* name;
+  Ggml id;
+  int64_t block;
+};
+constexpr GgmlName kGgml[] = {{"q8_0", kQ8_0, 32},  {"q4_0", kQ4_0, 32},  {"q4_1", kQ4_1, 32},
+                              {"q4_k", kQ4_K, 256}, {"q6_k", kQ6_K, 256}, {"q8_k", kQ8_K, 256}};
 
 // One call's work, as plain values: shared by every ISA variant.
 struct Job {
@@ -69,6 +84,7 @@ struct Job {
   int emax = 0;           // MX: exponent of the element format's largest power of two
   float pts = 0.f;        // nvfp4: the tensor scale, amax / 2688
   float inv_pts = 0.f;    // nvfp4: 1 / pts
+  Ggml ggml = kQ8_0;      // kGGML: which grid
 };
 
 constexpr Elem kE4M3{3, -6, 448.0f};
@@ -178,9 +194,16 @@ static void set_format(Job& j, const std::string& fmt) {
     j.el = kE2M1;
     return;
   }
+  for (const GgmlName& g : kGgml) {
+    if (fmt == g.name) {
+      j.kind = kGGML;
+      j.ggml = g.id;
+      return;
+    }
+  }
   TORCH_CHECK(fmt == "nf4", "qcompile block_fake_quant: unknown format '", fmt,
               "'; expected one of mxfp8_e4m3, mxfp8_e5m2, mxfp6_e3m2, mxfp6_e2m3, mxfp4, "
-              "nvfp4, nf4");
+              "nvfp4, nf4, q8_0, q4_0, q4_1, q4_k, q6_k, q8_k");
   j.kind = kNF4;
 }
 
@@ -208,6 +231,12 @@ static Tensor block_fake_quant_cpu(const Tensor& x_in, c10::string_view fmt_in, 
   Job j;
   set_format(j, fmt);
   TORCH_CHECK(block > 0, "qcompile block_fake_quant: block must be positive, got ", block);
+  if (j.kind == kGGML) {
+    for (const GgmlName& g : kGgml) {
+      TORCH_CHECK(g.id != j.ggml || block == g.block, "qcompile block_fake_quant: ", fmt,
+                  " blocks are ", g.block, " elements, got ", block);
+    }
+  }
   TORCH_CHECK(x_in.numel() % block == 0, "qcompile block_fake_quant: ", fmt, " takes blocks of ",
               block, " consecutive elements, but x ", x_in.sizes(), " has ", x_in.numel(),
               " elements (not a multiple of ", block, ")");
@@ -386,6 +415,160 @@ static void nvfp4_block_scalar(const Job& j, const T* x, T* y, uint32_t amax) {
   nvfp4_scales(j, amax, &recip, &sc);
   for (int64_t i = 0; i < j.block; ++i) {
     store_f(y, i, round_elem(clamp_nan(load_f(x, i) * recip, -6.0f, 6.0f), kE2M1) * sc);
+  }
+}
+
+// -- llama.cpp's grids: block_formats.py's _ggml_grid / BlockGrid.codes / values, the same
+// float32 operations in the same order (no contraction: -ffp-contract=off) -------------
+static inline float f16r(float v) { return static_cast<float>(c10::Half(v)); }  // RNE
+// 1 / d; 0 for d == 0 (llama.cpp's id) and where 1 / d overflows (subnormal d: its fp16
+// scale is 0, and an infinite id would make 0 * inf NaN)
+static inline float recip0(float d) {
+  const float r = d == 0.0f ? 0.0f : 1.0f / d;
+  return std::isinf(r) ? 0.0f : r;
+}
+// llama.cpp's iscale = code / lead (Q6_K, Q8_K); 0 for a zero lead or an overflow
+static inline float inverse_scale(float lead, float code) {
+  const float r = lead == 0.0f ? 0.0f : code / lead;
+  return std::isinf(r) ? 0.0f : r;
+}
+static inline float plus0(float v) { return v == 0.0f ? 0.0f : v; }
+static inline float clampf(float v, float lo, float hi) { return std::min(std::max(v, lo), hi); }
+// trunc and C's roundf from nearbyint (round half to even, which the compiler inlines and
+// vectorises; std::trunc / std::floor / float-to-int conversions stay per-element calls
+// or scalar code under the default -ftrapping-math). Both exact: |v - nearbyint(v)| <= 0.5
+// is computed exactly (Sterbenz), so the corrections below see the true difference.
+static inline float trunc_exact(float v) {
+  const float r = std::nearbyint(v);
+  return std::fabs(r) > std::fabs(v) ? r - std::copysign(1.0f, v) : r;
+}
+// halves away from zero, without the v + 0.5 rounding; +0.0 for a zero result
+static inline float roundf_exact(float v) {
+  const float a = std::fabs(v), r = std::nearbyint(a);
+  const float b = a - r == 0.5f ? r + 1.0f : r;
+  return v < 0.0f ? 0.0f - b : b;
+}
+
+// the first element whose magnitude's bits are amax (the block's largest magnitude, found
+// by absmax_scalar: integer maxima vectorise), with its sign
+template <typename T>
+static inline float lead_of(const T* x, int64_t n, uint32_t amax) {
+  for (int64_t i = 0; i < n; ++i) {
+    if ((bits_of(load_f(x, i)) & 0x7FFFFFFFu) == amax) return load_f(x, i);
+  }
+  return 0.0f;  // (not reached)
+}
+static inline float lead_of(const float* v, int64_t n) {
+  return lead_of(v, n, absmax_scalar(v, n));
+}
+
+// minimum and maximum of n (a multiple of 8) finite values, in 8 lanes the compiler
+// vectorises (a float min / max reduction is not vectorised under IEEE semantics); a zero
+// result's sign is not defined (callers take +0.0)
+template <typename T>
+static inline void minmax8(const T* x, int64_t n, float* lo, float* hi) {
+  float l[8], h[8];
+  for (int k = 0; k < 8; ++k) l[k] = h[k] = load_f(x, k);
+  for (int64_t i = 8; i < n; i += 8) {
+    for (int k = 0; k < 8; ++k) {
+      const float v = load_f(x, i + k);
+      l[k] = v < l[k] ? v : l[k];
+      h[k] = v > h[k] ? v : h[k];
+    }
+  }
+  float a = l[0], b = h[0];
+  for (int k = 1; k < 8; ++k) {
+    a = l[k] < a ? l[k] : a;
+    b = h[k] > b ? h[k] : b;
+  }
+  *lo = a;
+  *hi = b;
+}
+
+template <typename T>
+static void ggml_block_scalar(const Job& j, const T* x, T* y, uint32_t amax) {
+  const int64_t n = j.block;
+  if (amax >= 0x7F800000u) return fill(y, n, NAN);
+  switch (j.ggml) {
+    case kQ8_0: {
+      const float d = float_of(amax) / 127.0f, id = recip0(d), d16 = f16r(d);
+      for (int64_t i = 0; i < n; ++i) {
+        store_f(y, i, d16 * clampf(roundf_exact(load_f(x, i) * id), -127.0f, 127.0f));
+      }
+      return;
+    }
+    case kQ4_0: {
+      const float d = lead_of(x, n, amax) / -8.0f, id = recip0(d), d16 = f16r(d);
+      for (int64_t i = 0; i < n; ++i) {
+        const float q = clampf(trunc_exact(load_f(x, i) * id + 8.5f), 0.0f, 15.0f);
+        store_f(y, i, (q - 8.0f) * d16);
+      }
+      return;
+    }
+    case kQ4_1: {
+      float hi, lo;
+      minmax8(x, n, &lo, &hi);
+      hi = plus0(hi);
+      lo = plus0(lo);
+      const float d = (hi - lo) / 15.0f, id = recip0(d), d16 = f16r(d), m16 = f16r(lo);
+      for (int64_t i = 0; i < n; ++i) {
+        const float q = clampf(trunc_exact((load_f(x, i) - lo) * id + 0.5f), 0.0f, 15.0f);
+        store_f(y, i, d16 * q + m16);
+      }
+      return;
+    }
+    case kQ4_K: {  // 8 sub-blocks of 32
+      float scale[8], mins[8], top_s = 0.0f, top_m = 0.0f;
+      for (int s = 0; s < 8; ++s) {
+        float hi, lo;
+        minmax8(x + 32 * s, 32, &lo, &hi);
+        lo = plus0(std::min(lo, 0.0f));
+        scale[s] = (plus0(hi) - lo) / 15.0f;
+        mins[s] = 0.0f - lo;
+        top_s = std::max(top_s, scale[s]);
+        top_m = std::max(top_m, mins[s]);
+      }
+      const float d = top_s / 63.0f, dmin = top_m / 63.0f;
+      const float d16 = f16r(d), m16 = f16r(dmin), id = recip0(d), im = recip0(dmin);
+      for (int s = 0; s < 8; ++s) {
+        const float sc = plus0(clampf(std::nearbyint(scale[s] * id), 0.0f, 63.0f));
+        const float m = plus0(clampf(std::nearbyint(mins[s] * im), 0.0f, 63.0f));
+        const float big_d = d16 * sc, big_m = m16 * m, inv = recip0(big_d);
+        for (int i = 32 * s; i < 32 * s + 32; ++i) {
+          const float q =
+              plus0(clampf(std::nearbyint((load_f(x, i) + big_m) * inv), 0.0f, 15.0f));
+          store_f(y, i, big_d * q - big_m);
+        }
+      }
+      return;
+    }
+    case kQ6_K: {  // 16 sub-blocks of 16; the scale of largest magnitude gets code -128
+      float scale[16];
+      for (int s = 0; s < 16; ++s) {
+        scale[s] = lead_of(x + 16 * s, 16, absmax_scalar(x + 16 * s, 16)) / -32.0f;
+      }
+      const float top = lead_of(scale, 16);
+      const float iscale = inverse_scale(top, -128.0f), d16 = f16r(recip0(iscale));
+      for (int s = 0; s < 16; ++s) {
+        const float sc = plus0(clampf(std::nearbyint(iscale * scale[s]), -128.0f, 127.0f));
+        const float big_d = d16 * sc, inv = recip0(big_d);
+        for (int i = 16 * s; i < 16 * s + 16; ++i) {
+          const float q =
+              plus0(clampf(std::nearbyint(load_f(x, i) * inv), -32.0f, 31.0f));
+          store_f(y, i, big_d * q);
+        }
+      }
+      return;
+    }
+    case kQ8_K: {  // llama.cpp's activation blocks for K-type weights: float32 d
+      const float lead = lead_of(x, n, amax);
+      const float iscale = inverse_scale(lead, -127.0f), d = recip0(iscale);
+      for (int64_t i = 0; i < n; ++i) {
+        store_f(y, i,
+                d * plus0(clampf(std::nearbyint(load_f(x, i) * iscale), -128.0f, 127.0f)));
+      }
+      return;
+    }
   }
 }
 
@@ -593,11 +776,12 @@ static void blocks_t(const Job& j, int64_t b0, int64_t b1) {
     return;
   }
 #ifdef QCOMPILE_BQ_AVX2
-  if (n % 8 == 0) {
+  if (n % 8 == 0 && j.kind != kGGML) {
     switch (j.kind) {
       case kMX: return mx_blocks8(j, x, y, b1 - b0);
       case kNVFP4: return nvfp4_blocks8(j, x, y, b1 - b0);
       case kNF4: return nf4_blocks8(j, x, y, b1 - b0);
+      case kGGML: break;  // (not reached)
     }
   }
 #endif
@@ -607,6 +791,7 @@ static void blocks_t(const Job& j, int64_t b0, int64_t b1) {
       case kMX: mx_block_scalar(j, x, y, amax); break;
       case kNVFP4: nvfp4_block_scalar(j, x, y, amax); break;
       case kNF4: nf4_block_scalar(j, x, y, amax); break;
+      case kGGML: ggml_block_scalar(j, x, y, amax); break;
     }
   }
 }

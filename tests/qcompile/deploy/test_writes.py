@@ -139,3 +139,43 @@ def test_onnx_modes_and_an_interrupted_external_data_export(
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     onnx.checker.check_model(str(path))  # the previous model and its data still load
+
+
+# -- export_gguf ------------------------------------------------------------------------------
+GGUF_BUILD = """
+    import torch, transformers, qcompile as qc
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, use_cache=False)
+    torch.manual_seed(0)
+    gm = qc.qcompile(transformers.LlamaForCausalLM(cfg), "gguf-q4_0-qat",
+                     example_kwargs={"input_ids": torch.randint(0, 64, (1, 8))})
+"""
+
+
+def test_a_killed_export_gguf_leaves_no_file(tmp_path: Path) -> None:
+    """Killed with half the tensors written: nothing at the path (a half GGUF would load
+    in llama.cpp as a broken model); the next export to the path writes it whole, with the
+    umask's mode, and the dead writer's temporary is gone."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    pytest.importorskip("gguf")
+    pytest.importorskip("transformers")
+    path = tmp_path / "model.gguf"
+    kill_mid_write(GGUF_BUILD + f"""
+    import gguf
+    def half_then_block(self, *args, **kwargs):
+        self.fout[0].write(b"\\0" * 4096)  # some of the tensor data
+        self.fout[0].flush()
+        block()
+    gguf.GGUFWriter.write_tensors_to_file = half_then_block
+    qc.export_gguf(gm, {str(path)!r}, config=cfg)
+    """, tmp_path)
+    assert not path.exists()
+    scope: dict = {}
+    exec(GGUF_BUILD.replace("\n    ", "\n"), scope)
+    qc.export_gguf(scope["gm"], path, config=scope["cfg"])
+    assert modes(tmp_path) == {"model.gguf": 0o666 & ~umask}
+    import gguf
+
+    assert len(gguf.GGUFReader(path).tensors) > 0

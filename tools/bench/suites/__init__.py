@@ -24,6 +24,7 @@ from qcompile.tools.bench.suites.compile import bench_compile, bench_memory, mem
 from qcompile.tools.bench.suites.convert import bench_convert
 from qcompile.tools.bench.suites.convert_presets import bench_convert_presets
 from qcompile.tools.bench.suites.cuda import bench_cuda, cuda_text
+from qcompile.tools.bench.suites.deploy import bench_deploy, deploy_text
 from qcompile.tools.bench.suites.distributed import (
     compile_once_text,
     hybrid_text,
@@ -49,6 +50,9 @@ class Suite:
     run: Callable[[bool], dict[str, Any]]
     text: Callable[[dict[str, Any]], str] = records
     threads: int | None = None  # cap torch's intra-op threads at this many
+    # what --deploy runs instead (the llm suite: the model served by llama.cpp), and its text
+    deploy: Callable[[bool], dict[str, Any]] | None = None
+    deploy_text: Callable[[dict[str, Any]], str] = records
 
 
 SUITES: dict[str, Suite] = {
@@ -67,7 +71,7 @@ SUITES: dict[str, Suite] = {
     "torch-models": Suite(bench_torch_models, torch_models_text, threads=2),
     "moe": Suite(bench_moe, threads=2),
     "architectures": Suite(bench_architectures, architectures_text, threads=2),
-    "llm": Suite(bench_llm, llm_text, threads=2),
+    "llm": Suite(bench_llm, llm_text, threads=2, deploy=bench_deploy, deploy_text=deploy_text),
     "adapters": Suite(bench_adapters, adapters_text, threads=2),
     "search": Suite(bench_search, search_text, threads=2),
     "cuda": Suite(bench_cuda, cuda_text),

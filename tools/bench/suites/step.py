@@ -2,9 +2,11 @@
 eager step, qcompile int8-qat next to torch.ao ``prepare_qat_fx`` and, when installed,
 torchao's QAT, on the MLP, the ResNet-18-style CNN and the transformer; and qcompile's
 LLM schemes (full runs): NVFP4 weights only (``nvfp4_w``), ``nvfp4-qat`` (weights and the
-inputs of Linear layers) and ``8da4w-qat``. ``qcompile_two_pass`` is int8-qat with its
-step-update activation quantizers reading each input twice (``two_pass``), next to the one
-pass they make. Prints as ``records`` (one line per model).
+inputs of Linear layers), ``8da4w-qat``, and llama.cpp's Q4_0 grid on the weights only
+(``gguf_q4_0_w``) and with its Q8_0 activation blocks (``gguf-q4_0-qat``: ``gguf_q4_0``).
+``qcompile_two_pass`` is int8-qat with its step-update activation quantizers reading each
+input twice (``two_pass``), next to the one pass they make. Prints as ``records`` (one
+line per model).
 
 Example:
     >>> from qcompile.tools.bench.suites.step import bench_step
@@ -31,6 +33,10 @@ from qcompile.tools.bench.suites.fakequant import clock
 NVFP4_WEIGHTS = qc.CompileSpec.model_validate({"quant": {
     "mode": "qat", "target": "generic",
     "rules": [{"match": {"module": "Linear"}, "weight": {"dtype": "nvfp4"}}]}})
+# llama.cpp's Q4_0 grid on the weights only (gguf-q4_0-qat without its activation blocks)
+Q4_0_WEIGHTS = qc.CompileSpec.model_validate({"quant": {
+    "mode": "qat", "target": "generic",
+    "rules": [{"match": {"module": "Linear"}, "weight": {"dtype": "q4_0"}}]}})
 
 
 def two_pass(gm: nn.Module) -> nn.Module:
@@ -73,7 +79,9 @@ def bench_step(quick: bool) -> dict[str, Any]:
         if not quick:  # the LLM schemes
             builds += [("nvfp4_w", lambda m, x=x: qc.qcompile(m, NVFP4_WEIGHTS, (x,))),
                        ("nvfp4", lambda m, x=x: qc.qcompile(m, "nvfp4-qat", (x,))),
-                       ("8da4w", lambda m, x=x: qc.qcompile(m, "8da4w-qat", (x,)))]
+                       ("8da4w", lambda m, x=x: qc.qcompile(m, "8da4w-qat", (x,))),
+                       ("gguf_q4_0_w", lambda m, x=x: qc.qcompile(m, Q4_0_WEIGHTS, (x,))),
+                       ("gguf_q4_0", lambda m, x=x: qc.qcompile(m, "gguf-q4_0-qat", (x,)))]
         if has_torchao():  # optional competitor (fake-quantizes Linear layers only)
             builds.append(("torchao_qat", torchao_qat))
         steps: dict[str, Any] = {}
