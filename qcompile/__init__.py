@@ -31,6 +31,7 @@ _LAZY = {
     "load_encodings": "qcompile.deploy.encodings",
     "export_onnx": "qcompile.deploy.onnx",
     "export_gguf": "qcompile.deploy.gguf",
+    "save_pretrained": "qcompile.deploy.pretrained",
     "save_adapters": "qcompile.deploy.adapters",
     "merge_adapters": "qcompile.deploy.adapters",
     "sqnr": "qcompile.measure",

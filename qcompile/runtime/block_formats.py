@@ -315,8 +315,17 @@ def _inverse_scale(lead: torch.Tensor, code: float) -> torch.Tensor:
 
 
 def _f16(t: torch.Tensor) -> torch.Tensor:
-    """``t`` rounded to fp16 (nearest-even, as ggml's ``GGML_FP32_TO_FP16``), as float32."""
-    return t.half().float()
+    """Finite float32 ``t`` rounded to fp16 (nearest-even, as ggml's ``GGML_FP32_TO_FP16``),
+    as float32: the same values as ``t.half().float()``, computed from the float32 bits
+    because Inductor drops a float32 -> float16 -> float32 round trip under torch.compile.
+    Normal fp16 range: the mantissa rounded to 10 bits; below 2^-14, multiples of 2^-24
+    (exact scalings by powers of two around a round-to-even); above 65504, inf."""
+    u = t.view(torch.int32)
+    normal = ((u + 0xFFF + ((u >> 13) & 1)) & ~0x1FFF).view(torch.float32)
+    tiny = torch.round(t * 16777216.0) * (1.0 / 16777216.0)
+    out = torch.where(t.abs() < 2.0 ** -14, tiny, normal)
+    return torch.where(out.abs() > 65504.0, torch.copysign(torch.full_like(t, math.inf), t),
+                       out)
 
 
 def _roundf(v: torch.Tensor) -> torch.Tensor:

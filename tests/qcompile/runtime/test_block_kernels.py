@@ -176,13 +176,18 @@ def test_operator_registration_and_straight_through_gradient() -> None:
 @pytest.mark.filterwarnings("ignore:.*script_method.*:DeprecationWarning")  # torch's inductor
 def test_torch_compile_of_the_eager_formula_gives_the_same_bits() -> None:
     """What ``fake_quantize_block`` runs under torch.compile: Inductor's fused kernel of the
-    eager formula gives the kernel's bits (float32, one format per kind)."""
+    eager formula gives the kernel's bits (float32, one format per kind, two of
+    llama.cpp's)."""
     xs = {fmt: _values(fmt, 6, FORMATS[fmt].block, f"inductor-{fmt}")
-          for fmt in ("mxfp6_e3m2", "nvfp4", "nf4")}
+          for fmt in ("mxfp6_e3m2", "nvfp4", "nf4", "q4_1", "q4_k")}
 
-    def fn(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def fn(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor,
+           e: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # (llama.cpp's grids round their scales to fp16 from the float bits: Inductor
+        # drops a float32 -> float16 -> float32 round trip)
         return (fake_quant_eager(a, "mxfp6_e3m2", 32), fake_quant_eager(b, "nvfp4", 16),
-                fake_quant_eager(c, "nf4", 64))
+                fake_quant_eager(c, "nf4", 64), fake_quant_eager(d, "q4_1", 32),
+                fake_quant_eager(e, "q4_k", 256))
 
     compiled = torch.compile(fn, dynamic=False)
     for out, (fmt, x) in zip(compiled(*xs.values()), xs.items()):
