@@ -62,7 +62,7 @@ import json
 import math
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -73,11 +73,15 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from qcompile.deploy.adapters import refuse_adapters, unwrap
+from qcompile.deploy.whole_graph import (
+    VIEWS,
+    WeightRead,
+    call_name,
+    weight_reads,
+    whole_graph,
+)
 from qcompile.errors import QCompileError
 from qcompile.files import atomic_path
-from qcompile.graph.algorithms import refuse_pending
-from qcompile.graph.meta import REPORT_KEY, STAGE_NAMES_KEY
 from qcompile.graph.records import report
 from qcompile.runtime.block_formats import FORMATS, GGUF_WEIGHT_FORMATS, ggml_bytes
 from qcompile.runtime.fake_quant import FakeQuantize
@@ -128,8 +132,6 @@ ON_THE_FLY: Mapping[str, str] = MappingProxyType({
 # float tensors the converter always writes as F32 whatever the file type: the routers
 _F32_ALWAYS = frozenset({"ffn_gate_inp", "ffn_gate_inp_shexp"})
 # ops between a parameter and its quantizer (or its consumer) that only re-view it
-_VIEWS = frozenset({"reshape", "view", "_unsafe_view", "t", "transpose", "permute",
-                    "contiguous", "alias", "to"})
 _EMBEDDING_OPS = frozenset({"embedding"})
 # general.file_type (gguf.LlamaFileType) by the type holding most weights
 _FILE_TYPES: Mapping[str, str] = MappingProxyType({
@@ -143,106 +145,12 @@ def _require_gguf() -> None:
                             fix="pip install 'qcompile[gguf]'")
 
 
-# -- the graph -----------------------------------------------------------------------------
-def _graph(gm: nn.Module) -> GraphModule:
-    """The compiled graph (inside a DDP wrapper too), refused where a GGUF file cannot hold
-    what it computes yet: pipeline stages, adapters, pending algorithms, sharded or
-    meta-device weights."""
-    inner = unwrap(gm)
-    meta = getattr(inner, "meta", None)
-    if not isinstance(inner, GraphModule) or not isinstance(meta, dict) or REPORT_KEY not in meta:
-        raise QCompileError(f"{WHERE}: the model ({type(gm).__name__}) was not compiled by "
-                            "qcompile", fix="pass the graph qc.qcompile returned for the "
-                            "Hugging Face model (e.g. with the gguf-q4_0-qat preset)")
-    stages = [n for n, c in inner.named_children()
-              if n.startswith("stage_") and isinstance(c, GraphModule)]
-    if stages or meta.get(STAGE_NAMES_KEY):
-        raise QCompileError(f"{WHERE}: the graph is split into pipeline stages "
-                            f"({', '.join(stages) or 'placed'}); a GGUF file holds one "
-                            "whole model",
-                            fix="compile the model without a pipeline section (same spec "
-                            "otherwise), load the trained weights into it and export that")
-    refuse_adapters(inner, f"qc.{WHERE}")
-    refuse_pending(inner, WHERE)
-    for name, t in (*inner.named_parameters(), *inner.named_buffers()):
-        if _is_dtensor(t):
-            raise QCompileError(f"{WHERE}: {name} is a sharded DTensor ({type(t).__name__}); "
-                                "a GGUF file holds whole tensors",
-                                fix="gather the model first (a full state dict: "
-                                "t.full_tensor() for each DTensor, loaded into an "
-                                "unsharded compile of the model) and export that on one rank")
-        if t.device.type == "meta":
-            raise QCompileError(f"{WHERE}: {name} is on the meta device (it has no values)",
-                                fix="allocate and load the weights first (to_empty, a "
-                                "checkpoint, or qc.distributed.compile_once)")
-    return inner
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return any(c.__name__ == "DTensor" for c in type(t).__mro__)
-
-
-def _fn(node: Node) -> str:
-    """The bare name of what a node calls (``aten.view.default`` -> ``view``)."""
-    if node.op == "call_method":
-        return str(node.target)
-    if node.op != "call_function":
-        return ""
-    text = str(node.target)
-    if text.startswith("aten."):
-        return text.split(".")[1]
-    return str(getattr(node.target, "__name__", text)).split(".")[0]
-
-
-def _ends(node: Node) -> Iterator[tuple[list[Node], Node]]:
-    """Each path from ``node`` through view ops to the first node that is not one: (the
-    views, that node)."""
-    for user in node.users:
-        if _fn(user) in _VIEWS and user.args and user.args[0] is node:
-            for views, end in _ends(user):
-                yield [user, *views], end
-        else:
-            yield [], user
-
-
-@dataclass(frozen=True)
-class _Read:
-    """One way the graph reads a parameter: through quantizer ``fq`` (its qualified name,
-    None for the float value) after the view ops ``views``, into ``consumer``."""
-
-    fq: str | None
-    views: tuple[Node, ...]
-    consumer: Node | None
-
-
-def _reads(gm: GraphModule) -> dict[int, list[_Read]]:
-    """id(parameter) -> every read of it in the graph. A parameter read only inside a
-    module call (a leaf module of a symbolic trace) gets no entry: it is read as is."""
-    out: dict[int, list[_Read]] = {}
-    for node in gm.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        try:
-            value = gm.get_parameter(str(node.target))
-        except AttributeError:  # a buffer or a constant
-            continue
-        for views, end in _ends(node):
-            target = end.op == "call_module" and gm.get_submodule(str(end.target))
-            if isinstance(target, FakeQuantize):
-                consumers = [c for _, c in _ends(end)] or [None]
-                out.setdefault(id(value), []).extend(
-                    _Read(str(end.target), tuple(views), c) for c in consumers)
-            else:
-                out.setdefault(id(value), []).append(_Read(None, tuple(views), end))
-    return out
-
-
 def _is_embedding(node: Node | None, gm: GraphModule) -> bool:
     if node is None:
         return False
     if node.op == "call_module":
         return isinstance(gm.get_submodule(str(node.target)), nn.Embedding)
-    return _fn(node) in _EMBEDDING_OPS
+    return call_name(node) in _EMBEDDING_OPS
 
 
 # -- what each GGUF tensor holds -------------------------------------------------------------
@@ -306,7 +214,7 @@ def _qk_rows(hf: str, hp: Mapping[str, Any], family: _Family) -> _Rows:
     return _identity
 
 
-def _one_read(gm: GraphModule, reads: list[_Read], name: str) -> str | None:
+def _one_read(gm: GraphModule, reads: list[WeightRead], name: str) -> str | None:
     """The one quantizer (or None) every read of ``name`` goes through."""
     kinds = {r.fq for r in reads}
     if len(kinds) > 1:
@@ -321,7 +229,7 @@ def _plan(gm: GraphModule, hp: Mapping[str, Any], family: _Family) -> list[_Tens
     """Every tensor of the file, in the graph's parameter order."""
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == family.arch)
     tensor_map = gguf.get_tensor_name_map(arch, int(hp["num_hidden_layers"]))
-    reads = _reads(gm)
+    reads = weight_reads(gm)
     by_id: dict[int, list[str]] = {}
     params: dict[str, torch.Tensor] = {}
     for name, p in gm.named_parameters(remove_duplicate=False):
@@ -356,7 +264,7 @@ def _gguf_name(tensor_map: gguf.TensorNameMap, hf: str, param: str) -> str:
     return found
 
 
-def _tensors_of(gm: GraphModule, mapped: list[tuple[str, str, str, Any]], reads: list[_Read],
+def _tensors_of(gm: GraphModule, mapped: list[tuple[str, str, str, Any]], reads: list[WeightRead],
                 hp: Mapping[str, Any], family: _Family) -> list[_Tensor]:
     """The GGUF tensors of one parameter (several names when tied)."""
     out_names = {"output.weight"}
@@ -437,9 +345,9 @@ def _check_rows(t: _Tensor, param: torch.Tensor, views: tuple[Node, ...], fmt: s
     dimension), as GGUF stores them: the views before it may only merge leading dims."""
     x: torch.Tensor | None = param.detach()
     for v in views:
-        if x is None or _fn(v) in ("to", "contiguous", "alias"):  # same rows
+        if x is None or call_name(v) in ("to", "contiguous", "alias"):  # same rows
             continue
-        if _fn(v) not in ("reshape", "view", "_unsafe_view") or any(
+        if call_name(v) not in ("reshape", "view", "_unsafe_view") or any(
                 isinstance(a, Node) for a in v.args[1:]):
             x = None
             continue
@@ -451,7 +359,7 @@ def _check_rows(t: _Tensor, param: torch.Tensor, views: tuple[Node, ...], fmt: s
                             "or skip the layer in the spec")
 
 
-def _weight_views(reads: list[_Read], fq: str | None) -> tuple[Node, ...]:
+def _weight_views(reads: list[WeightRead], fq: str | None) -> tuple[Node, ...]:
     return next((r.views for r in reads if r.fq == fq), ())
 
 
@@ -477,7 +385,7 @@ def _fed_weight_format(gm: GraphModule, node: Node, formats: Mapping[str, str]) 
     it feeds no op with a quantized weight)."""
     for user in node.users:
         for arg in user.all_input_nodes:
-            while _fn(arg) in _VIEWS and arg.args and isinstance(arg.args[0], Node):
+            while call_name(arg) in VIEWS and arg.args and isinstance(arg.args[0], Node):
                 arg = arg.args[0]
             if arg.op == "call_module" and str(arg.target) in formats:
                 return formats[str(arg.target)]
@@ -857,7 +765,8 @@ def export_gguf(gm: nn.Module, path: str | Path, *, config: Any = None,
     (without one: a plain vocabulary of ``vocab_size`` tokens). See the module for what is
     written and what is refused; everything is checked before the file is created."""
     _require_gguf()
-    graph = _graph(gm)
+    graph = whole_graph(gm, WHERE, holds="a GGUF file", preset="gguf-q4_0-qat",
+                        verb="export")
     target = _target(path)
     hp = _hparams(config)
     _check_family(hp)
@@ -879,7 +788,7 @@ def _prepared(graph: GraphModule, hp: Mapping[str, Any], family: _Family
     in F32, after every check: nothing is written for a graph the file cannot hold."""
     plan = _plan(graph, hp, family)
     _check_shapes(graph, plan, hp)
-    reads = _reads(graph)
+    reads = weight_reads(graph)
     formats: dict[str, str] = {}
     prepared = []
     for t in plan:

@@ -109,8 +109,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from qcompile.deploy.adapters import refuse_adapters, unwrap
-from qcompile.deploy.gguf import _VIEWS, _ends, _fn, _is_dtensor, _reads
+from qcompile.deploy.whole_graph import VIEWS, call_name, view_paths, weight_reads, whole_graph
 from qcompile.errors import QCompileError
 from qcompile.files import (
     atomic_paths,
@@ -120,8 +119,7 @@ from qcompile.files import (
     temporary_folder,
     unmark,
 )
-from qcompile.graph.algorithms import refuse_pending
-from qcompile.graph.meta import REPORT_KEY, ROOT_CLASS_KEY, STAGE_NAMES_KEY
+from qcompile.graph.meta import ROOT_CLASS_KEY
 from qcompile.graph.records import report
 from qcompile.runtime.block_formats import FORMATS, block_scales, quantize_blocks
 from qcompile.runtime.calibration import (
@@ -170,34 +168,8 @@ def _require() -> None:
 
 # -- the graph, the target, the config -----------------------------------------------------
 def _graph(gm: nn.Module) -> GraphModule:
-    """The compiled graph (inside a DDP wrapper too), refused where one checkpoint cannot
-    hold what it computes yet."""
-    inner = unwrap(gm)
-    meta = getattr(inner, "meta", None)
-    if not isinstance(inner, GraphModule) or not isinstance(meta, dict) or REPORT_KEY not in meta:
-        raise QCompileError(f"{WHERE}: the model ({type(gm).__name__}) was not compiled by "
-                            "qcompile", fix="pass the graph qc.qcompile returned for the "
-                            "Hugging Face model (e.g. with the w8-weight-only preset)")
-    stages = [n for n, c in inner.named_children()
-              if n.startswith("stage_") and isinstance(c, GraphModule)]
-    if stages or meta.get(STAGE_NAMES_KEY):
-        raise QCompileError(f"{WHERE}: the graph is split into pipeline stages "
-                            f"({', '.join(stages) or 'placed'}); a checkpoint holds one whole "
-                            "model", fix="compile the model without a pipeline section (same "
-                            "spec otherwise), load the trained weights into it and save that")
-    refuse_adapters(inner, f"qc.{WHERE}")
-    refuse_pending(inner, WHERE)
-    for name, t in (*inner.named_parameters(), *inner.named_buffers()):
-        if _is_dtensor(t):
-            raise QCompileError(f"{WHERE}: {name} is a sharded DTensor ({type(t).__name__}); "
-                                "a checkpoint holds whole tensors",
-                                fix="gather the model first (a full state dict: "
-                                "t.full_tensor() for each DTensor, loaded into an unsharded "
-                                "compile of the model) and save that on one rank")
-        if t.device.type == "meta":
-            raise QCompileError(f"{WHERE}: {name} is on the meta device (it has no values)",
-                                fix="allocate and load the weights first (to_empty, a "
-                                "checkpoint, or qc.distributed.compile_once)")
+    """The compiled graph (see ``whole_graph``), its parameters finite."""
+    inner = whole_graph(gm, WHERE, holds="a checkpoint", preset="w8-weight-only", verb="save")
     refuse_nonfinite(dict(inner.named_parameters()), WHERE)
     return inner
 
@@ -491,7 +463,7 @@ def _weights(graph: GraphModule, linear: set[str]) -> dict[str, _Weight]:
             weight.args, grid = _weight_args(fq, f"layer weight {key}")
             weight.qparams = _qparams(q, view, param, grid)
         out[key] = weight
-    reads = _reads(graph)
+    reads = weight_reads(graph)
     _share_tied(out, aliases, reads)
     _check_reads(out, aliases, reads)
     return out
@@ -528,7 +500,7 @@ def _check_reads(weights: Mapping[str, _Weight], aliases: Mapping[int, list[str]
 # -- activations ------------------------------------------------------------------------------
 def _strip(node: Any) -> Any:
     """The node a value comes from, view ops skipped."""
-    while isinstance(node, Node) and _fn(node) in _VIEWS and node.args \
+    while isinstance(node, Node) and call_name(node) in VIEWS and node.args \
             and isinstance(node.args[0], Node):
         node = node.args[0]
     return node
@@ -554,7 +526,7 @@ def _slot(node: Node, by_node: Mapping[str, str]) -> tuple[str, set[str]] | None
     """Where activation quantizer ``node`` sits for compressed-tensors: the ``input`` of the
     compressed layers it alone feeds, or the ``output`` of the one whose only reader it
     is; None anywhere else."""
-    ends = [end for _, end in _ends(node)]
+    ends = [end for _, end in view_paths(node)]
     params = {_weight_read(end, by_node) if end.args and _strip(end.args[0]) is node else None
               for end in ends}
     if ends and None not in params:
@@ -562,7 +534,7 @@ def _slot(node: Node, by_node: Mapping[str, str]) -> tuple[str, set[str]] | None
     src = _strip(node.args[0]) if node.args else None
     if isinstance(src, Node):
         param = _weight_read(src, by_node)
-        if param is not None and all(end is node for _, end in _ends(src)):
+        if param is not None and all(end is node for _, end in view_paths(src)):
             return "output", {param}
     return None
 
@@ -604,11 +576,12 @@ def _feeds(node: Node) -> str:
     """What an activation quantizer's value goes into, for a message: the parameters the
     ops reading it multiply it by, else the ops."""
     out = []
-    for _, end in _ends(node):
+    for _, end in view_paths(node):
         params = [_strip(a) for a in end.args[1:] if isinstance(a, Node)]
         params = [_strip(p.args[0]) if p.op == "call_module" and p.args else p for p in params]
         named = [str(p.target) for p in params if isinstance(p, Node) and p.op == "get_attr"]
-        out.append(f"{_fn(end) or end.op} of {named[0]}" if named else (_fn(end) or end.op))
+        what = call_name(end) or end.op
+        out.append(f"{what} of {named[0]}" if named else what)
     return ", ".join(sorted(set(out))[:3]) or "nothing"
 
 
