@@ -91,7 +91,9 @@ _SCALE_FORMATS = {"mx": "e8m0", "nvfp4": "e4m3*fp32", "nf4": "fp32",
                   "q4_k": "u6*fp16+u6_min*fp16", "q6_k": "int8*fp16", "q8_k": "fp32"}
 
 
-def _bits(fq: FakeQuantize) -> int:
+def quantizer_bits(fq: FakeQuantize) -> int:
+    """Bits of one stored value of ``fq`` (a block format's element, fp8's 8, an integer
+    range's width)."""
     if fq.block_format is not None:
         return FORMATS[fq.block_format].bits
     if fq.dtype.startswith("fp8"):
@@ -104,7 +106,8 @@ def _entries(fq: FakeQuantize) -> list[dict[str, Any]]:
     for s, z in zip(fq.scale.detach().reshape(-1).tolist(),
                     fq.zero_point.detach().reshape(-1).tolist()):
         out.append({
-            "bitwidth": _bits(fq), "dtype": "float" if fq.dtype.startswith("fp8") else "int",
+            "bitwidth": quantizer_bits(fq),
+            "dtype": "float" if fq.dtype.startswith("fp8") else "int",
             "is_symmetric": fq.symmetric, "scale": s, "offset": -int(z),
             "min": (fq.quant_min - z) * s, "max": (fq.quant_max - z) * s,
             "zero_point": int(z), "quant_min": fq.quant_min, "quant_max": fq.quant_max,
@@ -118,7 +121,7 @@ def _block_entry(fq: FakeQuantize) -> dict[str, Any]:
     """The one entry of a block-format quantizer: its format, not qparams (each tensor's
     blocks have their own scales)."""
     assert fq.block_format is not None
-    return {"bitwidth": _bits(fq), "dtype": _kind(fq), "is_symmetric": fq.symmetric,
+    return {"bitwidth": quantizer_bits(fq), "dtype": _kind(fq), "is_symmetric": fq.symmetric,
             "block_format": fq.block_format, "block_size": fq.group_size,
             "scale_format": _SCALE_FORMATS.get(fq.block_format)
             or _SCALE_FORMATS[FORMATS[fq.block_format].kind],
@@ -177,7 +180,7 @@ def export_encodings(gm: nn.Module, path: str | Path) -> None:
         if fq.block_format is not None:
             data[section][key] = [_block_entry(fq)]
         elif fq.dynamic or fq.granularity == "per_token":
-            data[section][key] = [{"dynamic": True, "bitwidth": _bits(fq),
+            data[section][key] = [{"dynamic": True, "bitwidth": quantizer_bits(fq),
                                    "is_symmetric": fq.symmetric,
                                    "granularity": fq.granularity}]
         else:
@@ -212,7 +215,7 @@ def _describe(fq: FakeQuantize) -> str:
     if fq.block_format is not None:
         return f"{fq.block_format} in blocks of {fq.group_size}"
     return (f"{fq.dtype} {'symmetric' if fq.symmetric else 'asymmetric'} {fq.granularity}, "
-            f"range [{fq.quant_min}, {fq.quant_max}] ({_bits(fq)}-bit)")
+            f"range [{fq.quant_min}, {fq.quant_max}] ({quantizer_bits(fq)}-bit)")
 
 
 #: what a file written for another graph, spec or quant.target needs
@@ -238,8 +241,8 @@ def _scheme_mismatch(e: dict[str, Any], fq: FakeQuantize) -> str | None:
         return f"dtype {e['dtype']!r}, the quantizer's is {_kind(fq)!r}"
     if "bitwidth" in e:
         b = e["bitwidth"]
-        if isinstance(b, bool) or not isinstance(b, Integral) or b != _bits(fq):
-            return f"bitwidth {b!r}, the quantizer's is {_bits(fq)}"
+        if isinstance(b, bool) or not isinstance(b, Integral) or b != quantizer_bits(fq):
+            return f"bitwidth {b!r}, the quantizer's is {quantizer_bits(fq)}"
     if "is_symmetric" in e and e["is_symmetric"] is not fq.symmetric:
         return f"is_symmetric {e['is_symmetric']!r}, the quantizer's is {fq.symmetric}"
     if "qcompile_dtype" in e and e["qcompile_dtype"] != fq.dtype:

@@ -73,6 +73,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from qcompile.deploy.encodings import quantizer_bits
 from qcompile.deploy.whole_graph import (
     VIEWS,
     WeightRead,
@@ -294,14 +295,6 @@ def _compose(first: _Rows, then: _Rows) -> _Rows:
 
 
 # -- quantizers ------------------------------------------------------------------------------
-def _bits(fq: FakeQuantize) -> int:
-    if fq.block_format is not None:
-        return FORMATS[fq.block_format].bits
-    if fq.dtype.startswith("fp8"):
-        return 8
-    return int(math.log2(fq.quant_max - fq.quant_min + 1))
-
-
 def _describe(fq: FakeQuantize) -> str:
     if fq.block_format is not None:
         return f"{fq.block_format} in blocks of {fq.group_size}"
@@ -310,7 +303,7 @@ def _describe(fq: FakeQuantize) -> str:
 
 
 def _preset_for(fq: FakeQuantize) -> str:
-    return "gguf-q4_0-qat" if _bits(fq) <= 4 else "gguf-q8_0-qat"
+    return "gguf-q4_0-qat" if quantizer_bits(fq) <= 4 else "gguf-q8_0-qat"
 
 
 def _weight_format(gm: GraphModule, t: _Tensor, param: torch.Tensor,
@@ -328,8 +321,8 @@ def _weight_format(gm: GraphModule, t: _Tensor, param: torch.Tensor,
             f"{WHERE}: layer weight {t.param} is quantized as {_describe(fq)} (quantizer "
             f"{t.fq}); no GGUF tensor type holds that grid exactly",
             fix=f"compile with the {_preset_for(fq)} preset (llama.cpp's "
-            f"{'Q4_0' if _bits(fq) <= 4 else 'Q8_0'} blocks of 32), or a rule whose weight "
-            "dtype is one of " + ", ".join(GGUF_WEIGHT_FORMATS))
+            f"{'Q4_0' if quantizer_bits(fq) <= 4 else 'Q8_0'} blocks of 32), or a rule whose "
+            "weight dtype is one of " + ", ".join(GGUF_WEIGHT_FORMATS))
     if fq.group_size != FORMATS[fmt].block:
         raise QCompileError(f"{WHERE}: layer weight {t.param}: {fmt} in blocks of "
                             f"{fq.group_size}; llama.cpp's {fmt.upper()} has blocks of "
