@@ -23,6 +23,9 @@ from torch import nn
 import qcompile as qc
 
 PRESETS = sorted(qc.specs.presets())
+# the presets the small test CNN takes: gguf-q4_k-qat's super-blocks of 256 need Linear
+# input dims that are multiples of 256 (tests/qcompile/runtime/test_ggml_grids.py)
+CNN_PRESETS = [p for p in PRESETS if p != "gguf-q4_k-qat"]
 QUANT_PASSES = ["trace", "fold_bn", "annotate", "insert_quant"]
 
 
@@ -258,7 +261,7 @@ def _assert_same(before: dict, after: dict) -> None:
 
 
 @pytest.mark.parametrize(("preset", "train"), [
-    *((p, True) for p in PRESETS),
+    *((p, True) for p in CNN_PRESETS),
     ("int8-static", False),  # BatchNorm folding from an eval-mode model
 ])
 def test_user_model_is_never_mutated(preset: str, train: bool) -> None:
@@ -491,7 +494,7 @@ def test_calibrating_with_nan_is_an_error(bad_batch: int) -> None:
 
 
 # -- every preset -------------------------------------------------------------------------
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", CNN_PRESETS)
 def test_every_preset_compiles_and_trains_a_step(preset: str) -> None:
     model, x = seeded(CNN), cnn_input(8)
     gm = qc.qcompile(model, preset, (x,))

@@ -223,3 +223,21 @@ def test_gptq_refuses_super_blocks() -> None:
     w = torch.randn(4, 256)
     with pytest.raises(ValueError, match="GPTQ does not round q4_k"):
         gptq_blocks(w, torch.eye(256), "q4_k", 256)
+
+
+def test_q4_k_preset_trains_a_256_wide_model_and_names_the_width_it_needs() -> None:
+    import qcompile as qc
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.SiLU(),
+                                torch.nn.Linear(512, 256))
+    x = torch.randn(4, 256)
+    gm = qc.qcompile(model, "gguf-q4_k-qat", (x,))
+    gm(x).square().mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in gm.parameters())
+    w = gm.get_parameter("0.weight").detach()
+    fq = gm.get_submodule("0.weight_fake_quant")
+    assert torch.equal(fq(w), fake_quant_eager(w, "q4_k", 256))
+    narrow = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    with pytest.raises(QCompileError, match="blocks of 256 do not divide 64"):
+        qc.qcompile(narrow, "gguf-q4_k-qat", (torch.randn(2, 64),))
