@@ -1,7 +1,8 @@
 """``qc.distributed.compile_once`` of exported Hugging Face models under FSDP2 on 2 ranks
-(gloo, CPU): Llama (with ``QCOMPILE_SWEEP=1``, as ``.ci/run`` runs it after the default
-suite: Mixtral and every other decoder family too) under ``qlora-nf4``, ``int8-qat``,
-``8da4w-qat`` and ``nvfp4-qat``, from a
+(gloo, CPU): with ``QCOMPILE_SWEEP=1``, as ``.ci/run`` runs it after the default suite,
+Llama, Mixtral and every other decoder family (the default suite runs the memory bound and
+the refusals here, and Llama's equality to one process in test_architectures_dist.py)
+under ``qlora-nf4``, ``int8-qat``, ``8da4w-qat`` and ``nvfp4-qat``, from a
 safetensors checkpoint and from rank 0's stream, against one process's ``qc.qcompile`` of
 the same model; the buffers the model computes itself (rotary tables) in every block
 child; training on the global batch split across the ranks; what compile_once cannot
@@ -28,9 +29,9 @@ pytestmark = pytest.mark.dist
 
 WORKER = Path(__file__).with_name("_compile_once_hf_worker.py")
 PRESETS = ("qlora-nf4", "int8-qat", "8da4w-qat", "nvfp4-qat")
-FAMILIES = ["llama"]
-SWEEP = ["mixtral", "mistral", "qwen2", "qwen3", "qwen2_moe", "olmoe", "deepseek_v3", "gemma2",
-         "gemma3", "phi3", "falcon", "gpt_neox", "bloom", "gpt2"]
+FAMILIES: list[str] = []  # the default suite's families (its time budget: none)
+SWEEP = ["llama", "mixtral", "mistral", "qwen2", "qwen3", "qwen2_moe", "olmoe", "deepseek_v3",
+         "gemma2", "gemma3", "phi3", "falcon", "gpt_neox", "bloom", "gpt2"]
 # the other families and four ranks: minutes of launches, run by .ci/run after the suite
 FULL = os.environ.get("QCOMPILE_SWEEP") == "1"
 # memory first (the process's allocator as fresh as it gets)
