@@ -323,6 +323,7 @@ def test_quick_llm_deploy_measures_inside_llama_cpp(capsys: pytest.CaptureFixtur
     assert math.isclose(r["fp32"], r["fp32_torch"], rel_tol=1e-3)
     assert r["rtn_tensors_identical"] == 1.0
     assert r["rtn"] == r["llama_cpp_q4_0"]
+    assert len(r["qat"]) == len(r["gptq_qat"]) == 1
     assert 4.0 < r["bits_per_param"]["llama.cpp Q4_0"] < r["bits_per_param"]["fp32"]
 
 

@@ -15,9 +15,10 @@ all evaluated by llama.cpp on the same held-out windows:
   (``mode: dynamic``, Q8_0 blocks on each Linear's input), exported;
 - ``QAT``: the ``gguf-q4_0-qat`` rules fine-tuned from the float weights by distillation
   (the ``llm`` suite's recipe with more tokens: ``DEPLOY_QAT``), exported; three runs with
-  different data orders.
+  different data orders;
+- ``QAT from GPTQ``: the same, starting from GPTQ's rounded weights (``with_weights``).
 
-Recovery is ``(llama.cpp Q4_0 - QAT) / (llama.cpp Q4_0 - fp32)``. ``RTN`` against
+Recovery is ``(llama.cpp Q4_0 - QAT) / (llama.cpp Q4_0 - fp32)``, per run. ``RTN`` against
 ``llama.cpp Q4_0`` checks the exporter (the same algorithm: its tensors are byte-identical,
 ``rtn_tensors_identical``). File sizes are bits per parameter of the whole file.
 
@@ -29,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import statistics
@@ -108,6 +110,20 @@ class _Logits(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.inner(input_ids=ids)["logits"]
+
+
+def with_weights(model: nn.Module, gm: nn.Module) -> nn.Module:
+    """A copy of ``model`` holding ``gm``'s parameters where their names match (a GPTQ
+    graph's rounded weights, as QAT's starting point)."""
+    out = copy.deepcopy(model)
+    own = out.state_dict()
+    theirs = {k: v.detach().clone() for k, v in gm.state_dict().items()
+              if k in own and own[k].shape == v.shape}
+    weights = [k for k, v in own.items() if v.dim() == 2]
+    if not all(k in theirs for k in weights):
+        raise RuntimeError(f"the graph holds no {[k for k in weights if k not in theirs][:3]}")
+    out.load_state_dict(theirs, strict=False)
+    return out
 
 
 def llama_cpp_perplexity(path: Path, ids: torch.Tensor, context: int) -> float:
@@ -203,20 +219,23 @@ def run_deploy(cfg: lm.LMConfig, recipe: Recipe, calib_batches: int, seeds: int,
     gm = qc.qcompile(hf, spec("dynamic", (GPTQ,)), example_kwargs=example)
     qc.calibrate(gm, [({"input_ids": b[0]},) for b in calib], progress=False)
     out["gptq"] = measure("GPTQ", export(gm, "gptq"), t)
-    qat = []
-    for seed in range(seeds):
-        t = time.perf_counter()
-        # traced at the fine-tuning batch size (the export front end fixes the batch)
-        gm = qc.qcompile(hf, spec("qat"),
-                         example_kwargs={"input_ids": calib[0][0][:recipe.batch]})
-        fine_tune(_Logits(gm), model, tune, cfg.context,
-                  dataclasses.replace(recipe, seed=recipe.seed + seed))
-        qat.append(measure(f"QAT seed {seed}", export(gm, f"qat{seed}"), t))
+    starts = {"qat": hf, "gptq_qat": with_weights(hf, gm)}
     gap = out["llama_cpp_q4_0"] - out["fp32"]
-    out["qat"] = qat
-    out["qat_mean"] = statistics.fmean(qat)
-    out["qat_spread"] = [min(qat), max(qat)]
-    out["recovery"] = [(out["llama_cpp_q4_0"] - q) / gap if gap > 0 else None for q in qat]
+    for row, start in starts.items():
+        ppl = []
+        for seed in range(seeds):
+            t = time.perf_counter()
+            # traced at the fine-tuning batch size (the export front end fixes the batch)
+            gm = qc.qcompile(start, spec("qat"),
+                             example_kwargs={"input_ids": calib[0][0][:recipe.batch]})
+            fine_tune(_Logits(gm), model, tune, cfg.context,
+                      dataclasses.replace(recipe, seed=recipe.seed + seed))
+            ppl.append(measure(f"{row} seed {seed}", export(gm, f"{row}{seed}"), t))
+        out[row] = ppl
+        out[f"{row}_mean"] = statistics.fmean(ppl)
+        out[f"{row}_spread"] = [min(ppl), max(ppl)]
+        out[f"{row}_recovery"] = [(out["llama_cpp_q4_0"] - q) / gap if gap > 0 else None
+                                  for q in ppl]
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -235,7 +254,6 @@ def bench_deploy(quick: bool) -> dict[str, Any]:
 def deploy_text(result: dict[str, Any]) -> str:
     r = result["dense"]
     bits = r["bits_per_param"]
-    rec = [v for v in r["recovery"] if v is not None]
     lines = [f"dense LM ({r['params'] / 1e6:.2f} M params, vocab {r['vocab']}): perplexity "
              f"inside llama.cpp on {r['val_tokens']:,} held-out characters",
              "| row | perplexity | bits per parameter (file) |", "|---|--:|--:|",
@@ -244,12 +262,18 @@ def deploy_text(result: dict[str, Any]) -> str:
              f"{bits['llama.cpp Q4_0']:.2f} |",
              f"| qcompile RTN, exported | {r['rtn']:.3f} | {bits['RTN']:.2f} |",
              f"| qcompile GPTQ, exported | {r['gptq']:.3f} | {bits['GPTQ']:.2f} |",
-             f"| qcompile QAT, exported (mean of {len(r['qat'])}) | {r['qat_mean']:.3f} "
-             f"({r['qat_spread'][0]:.3f}-{r['qat_spread'][1]:.3f}) | {bits['QAT seed 0']:.2f} |"]
+             *(f"| qcompile {label}, exported (mean of {len(r[row])}) | {r[row + '_mean']:.3f} "
+               f"({r[row + '_spread'][0]:.3f}-{r[row + '_spread'][1]:.3f}) | "
+               f"{bits[row + ' seed 0']:.2f} |"
+               for row, label in (("qat", "QAT"), ("gptq_qat", "QAT from GPTQ")))]
     lines.append("")
+    for row, label in (("qat", "QAT"), ("gptq_qat", "QAT from GPTQ's weights")):
+        rec = [v for v in r[f"{row}_recovery"] if v is not None]
+        if rec:
+            lines.append(f"{label} recovers {statistics.fmean(rec):.0%} (per seed "
+                         f"{', '.join(f'{v:.0%}' for v in rec)}) of llama.cpp Q4_0's gap "
+                         "to fp32.")
     lines.append(
-        f"QAT recovers {statistics.fmean(rec):.0%} (per seed "
-        f"{', '.join(f'{v:.0%}' for v in rec)}) of llama.cpp Q4_0's gap to fp32; "
         f"RTN's tensors byte-identical to llama.cpp's: {r['rtn_tensors_identical']:.0%}; "
         f"fp32 in torch {r['fp32_torch']:.3f}; the LM as a transformers Llama differs by "
         f"{r['hf_vs_bench_lm_max_abs']:.1e} at most; {r['seconds']:.0f} s.")
