@@ -170,9 +170,10 @@ class _BlockState:
     grid: BlockGrid
     lead: torch.Tensor  # [N] int64
     keep: torch.Tensor  # [N] float32
-    # llama.cpp's grids: the column and value each row's other end takes (Q4_1's minimum
-    # and maximum both set its grid); the lead takes ``keep`` with the lead's own sign
-    # (Q4_0's scale is signed)
+    # llama.cpp's grids: each row's lead (largest magnitude; Q4_1: its maximum) and, for
+    # Q4_1, its minimum keep the values the block's grid gives them (``lead_value``,
+    # ``low_value``), so the rounded block finds the same grid again (Q4_0's scale is
+    # signed, Q4_1's has both ends)
     low: torch.Tensor | None = None  # [N] int64
     low_value: torch.Tensor | None = None  # [N] float32
     lead_value: torch.Tensor | None = None  # [N] float32

@@ -168,17 +168,21 @@ def run(*, spec: str = "int8-qat", epochs: int = 6, finetune: int = 2, seed: int
         echo(f"\nmerged {len(qc.report(gm).adapters)} LoRA adapter(s) into their weights, "
              f"quantized again as the spec says (merged accuracy "
              f"{accuracy(base, x_test, y_test):.2%})")
-    try:
-        int8 = qc.convert(base, example_inputs=(x_test[:64],))
-    except qc.QCompileError as e:  # llama.cpp's grids: the model leaves for llama.cpp
-        echo(f"\nnot converted: {e.message.removeprefix('convert: ')}\n  {e.fix}")
-        int8 = None
-    if int8 is None:
+    from qcompile.runtime.block_formats import GGML_FORMATS
+
+    if any(q.block_format in GGML_FORMATS for q in qc.quantizers(base).values()):
+        # llama.cpp's grids: the model leaves for llama.cpp (qc.export_gguf), which runs an
+        # LLM's layers; convert says so
+        try:
+            qc.convert(base)
+        except qc.QCompileError as e:
+            echo(f"\nnot converted: {e.message.removeprefix('convert: ')}\n  {e.fix}")
         result["converted_accuracy"] = None
         result["onnx_accuracy"] = None
         accs = {"fp32": result["fp32_accuracy"], label: result["qat_accuracy"]}
         echo("\ntest accuracy: " + "   ".join(f"{k} {v:.2%}" for k, v in accs.items()))
         return result
+    int8 = qc.convert(base, example_inputs=(x_test[:64],))
     conv = qc.report(int8)
     paths: dict[str, int] = {}
     for c in conv.conversions:

@@ -24,6 +24,11 @@ back). The gradient is straight-through: the scales come from the data, nothing 
 - **NF4** (QLoRA; 64-element blocks by default, any even size): ``x / absmax`` goes to the
   nearest of 16 normal-float levels (the first on a tie), times ``absmax`` (float32, no double
   quantization). An all-zero block gives zeros; a block with NaN or inf is NaN.
+- **llama.cpp's grids** (``q8_0``, ``q4_0``, ``q4_1``: blocks of 32; ``q4_k``, ``q6_k``:
+  super-blocks of 256; ``q8_k``: the activation blocks of its CPU matmul for K-type
+  weights): the value llama.cpp dequantizes the stored block to, fp16 scale rounding
+  included (``_ggml_grid``); ``ggml_bytes`` gives the bytes a GGUF file stores. A block
+  with NaN or inf is NaN.
 
 Example:
     >>> import torch
