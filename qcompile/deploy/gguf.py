@@ -78,6 +78,7 @@ from qcompile.deploy.whole_graph import (
     VIEWS,
     WeightRead,
     call_name,
+    describe_scheme,
     weight_reads,
     whole_graph,
 )
@@ -132,7 +133,7 @@ ON_THE_FLY: Mapping[str, str] = MappingProxyType({
 
 # float tensors the converter always writes as F32 whatever the file type: the routers
 _F32_ALWAYS = frozenset({"ffn_gate_inp", "ffn_gate_inp_shexp"})
-# ops between a parameter and its quantizer (or its consumer) that only re-view it
+# ops that read a weight as an embedding table (a tied head reads it otherwise)
 _EMBEDDING_OPS = frozenset({"embedding"})
 # general.file_type (gguf.LlamaFileType) by the type holding most weights
 _FILE_TYPES: Mapping[str, str] = MappingProxyType({
@@ -226,11 +227,12 @@ def _one_read(gm: GraphModule, reads: list[WeightRead], name: str) -> str | None
     return next(iter(kinds)) if kinds else None
 
 
-def _plan(gm: GraphModule, hp: Mapping[str, Any], family: _Family) -> list[_Tensor]:
-    """Every tensor of the file, in the graph's parameter order."""
+def _plan(gm: GraphModule, hp: Mapping[str, Any], family: _Family,
+          reads: Mapping[int, list[WeightRead]]) -> list[_Tensor]:
+    """Every tensor of the file, in the graph's parameter order (``reads``: the graph's
+    ``weight_reads``)."""
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == family.arch)
     tensor_map = gguf.get_tensor_name_map(arch, int(hp["num_hidden_layers"]))
-    reads = weight_reads(gm)
     by_id: dict[int, list[str]] = {}
     params: dict[str, torch.Tensor] = {}
     for name, p in gm.named_parameters(remove_duplicate=False):
@@ -295,13 +297,6 @@ def _compose(first: _Rows, then: _Rows) -> _Rows:
 
 
 # -- quantizers ------------------------------------------------------------------------------
-def _describe(fq: FakeQuantize) -> str:
-    if fq.block_format is not None:
-        return f"{fq.block_format} in blocks of {fq.group_size}"
-    detail = {"per_group": f" of {fq.group_size}", "per_channel": f" (axis {fq.axis})"}
-    return f"{fq.dtype} {fq.granularity}{detail.get(fq.granularity, '')}"
-
-
 def _preset_for(fq: FakeQuantize) -> str:
     return "gguf-q4_0-qat" if quantizer_bits(fq) <= 4 else "gguf-q8_0-qat"
 
@@ -318,8 +313,8 @@ def _weight_format(gm: GraphModule, t: _Tensor, param: torch.Tensor,
     fmt = fq.block_format
     if fmt not in GGUF_WEIGHT_FORMATS:
         raise QCompileError(
-            f"{WHERE}: layer weight {t.param} is quantized as {_describe(fq)} (quantizer "
-            f"{t.fq}); no GGUF tensor type holds that grid exactly",
+            f"{WHERE}: layer weight {t.param} is quantized as {describe_scheme(fq, brief=True)} "
+            f"(quantizer {t.fq}); no GGUF tensor type holds that grid exactly",
             fix=f"compile with the {_preset_for(fq)} preset (llama.cpp's "
             f"{'Q4_0' if quantizer_bits(fq) <= 4 else 'Q8_0'} blocks of 32), or a rule whose "
             "weight dtype is one of " + ", ".join(GGUF_WEIGHT_FORMATS))
@@ -398,8 +393,9 @@ def _refuse_activation(name: str, fq: FakeQuantize, wfmt: str | None, want: str 
         fix = (f"quantize this input as {want} (llama.cpp's {want.upper()} blocks for "
                f"{wfmt.upper() if wfmt else ''} weights), as the gguf-* presets do")
         what = f"llama.cpp quantizes this input on the fly as {want.upper()}"
-    raise QCompileError(f"{WHERE}: activation quantizer {name} ({_describe(fq)}): {what}; "
-                        "the GGUF file would compute something else", fix=fix)
+    scheme = describe_scheme(fq, brief=True)
+    raise QCompileError(f"{WHERE}: activation quantizer {name} ({scheme}): {what}; the GGUF "
+                        "file would compute something else", fix=fix)
 
 
 # -- tensor data -----------------------------------------------------------------------------
@@ -779,9 +775,9 @@ def _prepared(graph: GraphModule, hp: Mapping[str, Any], family: _Family
               ) -> list[tuple[_Tensor, str | None, bool]]:
     """Every tensor of the file with its grid (None: float) and whether llama.cpp wants it
     in F32, after every check: nothing is written for a graph the file cannot hold."""
-    plan = _plan(graph, hp, family)
-    _check_shapes(graph, plan, hp)
     reads = weight_reads(graph)
+    plan = _plan(graph, hp, family, reads)
+    _check_shapes(graph, plan, hp)
     formats: dict[str, str] = {}
     prepared = []
     for t in plan:

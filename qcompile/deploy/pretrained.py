@@ -109,7 +109,14 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from qcompile.deploy.whole_graph import VIEWS, call_name, view_paths, weight_reads, whole_graph
+from qcompile.deploy.whole_graph import (
+    VIEWS,
+    call_name,
+    describe_scheme,
+    view_paths,
+    weight_reads,
+    whole_graph,
+)
 from qcompile.errors import QCompileError
 from qcompile.files import (
     atomic_paths,
@@ -251,17 +258,8 @@ def _skeleton(cfg: Any, graph: GraphModule) -> nn.Module:
 
 
 # -- schemes ---------------------------------------------------------------------------------
-def _describe(fq: FakeQuantize) -> str:
-    if fq.block_format is not None:
-        return f"{fq.block_format} in blocks of {fq.group_size}"
-    detail = {"per_group": f" of {fq.group_size}", "per_channel": f" (axis {fq.axis})"}
-    kind = " dynamic" if fq.dynamic else ""
-    return (f"{fq.dtype} {'symmetric' if fq.symmetric else 'asymmetric'}{kind} "
-            f"{fq.granularity}{detail.get(fq.granularity, '')}")
-
-
 def _refuse(what: str, fq: FakeQuantize, why: str, fix: str) -> QCompileError:
-    return QCompileError(f"{WHERE}: {what} is quantized as {_describe(fq)}; {why}", fix=fix)
+    return QCompileError(f"{WHERE}: {what} is quantized as {describe_scheme(fq)}; {why}", fix=fix)
 
 
 def _weight_fix(fq: FakeQuantize) -> str:

@@ -27,8 +27,8 @@ from qcompile.graph.algorithms import refuse_pending
 from qcompile.graph.meta import REPORT_KEY, STAGE_NAMES_KEY
 from qcompile.runtime.fake_quant import FakeQuantize
 
-__all__ = ["VIEWS", "WeightRead", "call_name", "is_dtensor", "view_paths", "weight_reads",
-           "whole_graph"]
+__all__ = ["VIEWS", "WeightRead", "call_name", "describe_scheme", "is_dtensor", "view_paths",
+           "weight_reads", "whole_graph"]
 
 #: ops that only reshape or relabel a tensor (a weight read through them is still the weight)
 VIEWS = frozenset({"reshape", "view", "_unsafe_view", "t", "transpose", "permute",
@@ -129,3 +129,14 @@ def weight_reads(gm: GraphModule) -> dict[int, list[WeightRead]]:
             else:
                 out.setdefault(id(value), []).append(WeightRead(None, tuple(views), end))
     return out
+
+
+def describe_scheme(fq: FakeQuantize, *, brief: bool = False) -> str:
+    """A quantizer's scheme in a refusal: ``int4 symmetric per_group of 32``, ``nvfp4 in
+    blocks of 16``; ``brief``: dtype and granularity only (``int4 per_group of 32``)."""
+    if fq.block_format is not None:
+        return f"{fq.block_format} in blocks of {fq.group_size}"
+    detail = {"per_group": f" of {fq.group_size}", "per_channel": f" (axis {fq.axis})"}
+    how = "" if brief else (f" {'symmetric' if fq.symmetric else 'asymmetric'}"
+                            + (" dynamic" if fq.dynamic else ""))
+    return f"{fq.dtype}{how} {fq.granularity}{detail.get(fq.granularity, '')}"

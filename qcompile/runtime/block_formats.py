@@ -128,8 +128,6 @@ GGML_FORMATS: tuple[str, ...] = tuple(n for n, f in FORMATS.items()
                                       if f.kind in ("ggml", "ggml_k"))
 #: the grids a GGUF file stores weights in (Q8_K is llama.cpp's activation blocks only)
 GGUF_WEIGHT_FORMATS: tuple[str, ...] = tuple(n for n in GGML_FORMATS if n != "q8_k")
-# the formats qcompile::block_fake_quant (csrc/block_quant.cpp) runs: all of them
-_KERNEL_FORMATS = frozenset(FORMATS)
 BLOCK_DTYPES: tuple[str, ...] = tuple(FORMATS)
 
 # QLoRA's NormalFloat4 levels (bitsandbytes' and torchao's table), as float32.
@@ -524,16 +522,15 @@ class _BlockSTE(torch.autograd.Function):
         return grad, None, None
 
 
-def _kernel_ok(x: torch.Tensor, fmt: str) -> bool:
+def _kernel_ok(x: torch.Tensor) -> bool:
     # kernels.available() means the library loaded with block_fake_quant registered
-    return (fmt in _KERNEL_FORMATS and type(x) in (torch.Tensor, torch.nn.Parameter)
-            and x.is_cpu
+    return (type(x) in (torch.Tensor, torch.nn.Parameter) and x.is_cpu
             and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous()
             and not torch.compiler.is_compiling() and kernels.available())
 
 
 def _forward(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
-    if _kernel_ok(x, fmt):
+    if _kernel_ok(x):
         return torch.ops.qcompile.block_fake_quant(x.detach(), fmt, block)
     with torch.no_grad():
         return fake_quant_eager(x, fmt, block)
@@ -553,7 +550,7 @@ def fake_quantize_block(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
     """
     # under torch.compile the Function's forward is the plain formula (``_kernel_ok``),
     # which Inductor fuses; written as x + (q - x).detach() it would turn -0.0 into +0.0
-    if _kernel_ok(x, fmt):  # the operator's own C++ autograd node: identity backward
+    if _kernel_ok(x):  # the operator's own C++ autograd node: identity backward
         return torch.ops.qcompile.block_fake_quant(x, fmt, block)
     if x.requires_grad and torch.is_grad_enabled():
         return _BlockSTE.apply(x, fmt, block)
