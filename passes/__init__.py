@@ -29,7 +29,7 @@ from qcompile.graph.algorithms import Applier
 from qcompile.graph.context import Context
 from qcompile.graph.meta import COMPILED_KEY, REPORT_KEY, SPEC_KEY, SYNC_OBSERVERS_KEY
 from qcompile.graph.pipeline import Instrument, Pass, Pipeline
-from qcompile.graph.records import Report
+from qcompile.graph.records import Report, TensorParallelRecord
 from qcompile.passes import (
     annotate,
     correct_bias,
@@ -39,6 +39,7 @@ from qcompile.passes import (
     insert_quant,
     partition,
     place,
+    plan_tensor_parallel,
     round_adaround,
     round_gptq,
     smooth,
@@ -80,6 +81,8 @@ def default_passes(spec: CompileSpec) -> list[Pass]:
         passes += [ALGORITHM_PASSES[k] for k in kinds if k in DATA_ALGORITHMS]
     if spec.adapters:
         passes += [insert_adapters.insert_adapters]
+    if spec.tensor_parallel is not None:
+        passes += [plan_tensor_parallel.plan_tensor_parallel]
     if spec.pipeline is not None:
         passes += [partition.partition, place.place]
     return passes
@@ -158,6 +161,7 @@ def compile_model(model: nn.Module, spec: CompileSpec, example_inputs: Any = Non
         balance=ctx.balance,
         balance_ratio=_balance_ratio(ctx),
         adapters=ctx.adapters,
+        tensor_parallel=[TensorParallelRecord(**vars(p)) for p in ctx.tensor_parallel],
         trainable_parameters=sum(p.numel() for p in gm.parameters() if p.requires_grad),
         parameters=parameter_count(gm),
         trainable=insert_adapters.trainable_records(gm),

@@ -52,6 +52,38 @@ class DataParallelSpec(Frozen):
     kind: Literal["none", "ddp", "fsdp2"] = "none"
 
 
+TP_STYLES = ("colwise", "rowwise", "sequence", "replicate")
+
+
+class TensorParallelSpec(Frozen):
+    """Layers sharded across the ``tp`` mesh dim (``torch.distributed.tensor.parallel``).
+
+    ``plan: auto`` finds attention and MLP pairs in the graph (a Linear whose sharded output
+    reaches another Linear only through per-head or elementwise ops is ``colwise``, that one
+    ``rowwise``), the LM head (``colwise``, logits gathered) and the embedding (``rowwise``,
+    by vocabulary); or name them: ``{<name glob>: colwise | rowwise | sequence |
+    replicate}``, first match wins, unmatched layers replicated.
+
+    Example:
+        >>> TensorParallelSpec(size=2, plan={"*.q_proj": "colwise", "*.o_proj": "rowwise"}).size
+        2
+    """
+
+    size: StrictInt = Field(ge=1, description="ranks each layer is sharded across (the tp "
+                            "mesh dim, innermost: inside a node)")
+    plan: Literal["auto"] | dict[str, Literal[TP_STYLES]] = Field(  # type: ignore[valid-type]
+        "auto", description="auto, or {<layer name glob>: colwise | rowwise | sequence | "
+        "replicate}")
+
+    @field_validator("plan")
+    @classmethod
+    def _plan(cls, v: object) -> object:
+        if isinstance(v, dict) and not v:
+            raise ValueError("plan is empty: give auto, or at least one "
+                             "{<layer name glob>: colwise | rowwise | sequence | replicate}")
+        return v
+
+
 class StageSpec(Frozen):
     """One explicit pipeline stage: the modules (qualified-name globs) it holds."""
 
@@ -207,6 +239,8 @@ class CompileSpec(Frozen):
                                             description="how ranks replicate the graph")
     pipeline: PipelineSpec | None = Field(None, description="pipeline stages and their "
                                           "devices; null for none")
+    tensor_parallel: TensorParallelSpec | None = Field(
+        None, description="layers sharded across ranks (tensor parallelism); null for none")
     cache_dir: str | None = Field(None, description="folder for compile_once's cache; null "
                                   "for no cache")
     trace: TraceSpec = Field(default_factory=TraceSpec, description="how the model is "

@@ -567,6 +567,10 @@ def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Modul
       weights) belong to the root's group.
     - ``none``: ``gm`` itself.
 
+    With a ``tensor_parallel`` section the planned layers are first sharded across the
+    mesh's ``tp`` dim (``qcompile.distributed.tensor_parallel``: torch's
+    ``parallelize_module``), and ``fully_shard`` runs on its ``dp`` dim.
+
     A graph ``compile_once`` already sharded (``fsdp2``) is returned as it is.
 
     With ``quant.sync_observers`` and an initialised process group, observer statistics
@@ -589,6 +593,16 @@ def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Modul
     if kind == "fsdp2" and getattr(gm, "meta", {}).get(SHARDED_KEY):
         return gm  # compile_once sharded it per block and syncs its observers already
     refuse_wrapped(gm)
+    if spec.tensor_parallel is not None:
+        from qcompile.distributed.hybrid import agreed_mesh
+        from qcompile.distributed.tensor_parallel import parallelize
+
+        mesh = agreed_mesh(spec)
+        parallelize(gm, mesh["tp"])
+        if kind == "fsdp2":
+            kwargs.setdefault("mesh", mesh["dp"])
+        # statistics of sharded activations combine across tp as well as dp: every rank
+        group = None
     keep_observers_in_sync(gm, spec, group)
     if kind == "none":
         return gm

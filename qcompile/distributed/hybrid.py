@@ -70,7 +70,8 @@ def mesh_shape(spec: Any, world: int) -> tuple[int, int]:
 
 def mesh(spec: Any, device_type: str | None = None) -> Any:
     """The ``("pp", "dp")`` ``DeviceMesh`` for ``spec`` on the initialised process group
-    (``init_device_mesh``; every rank calls it). ``device_type`` defaults to the pipeline
+    (``init_device_mesh``; every rank calls it); with a ``tensor_parallel`` section, dims
+    among ``("dp", "tp")`` (``qcompile.distributed.tensor_parallel.mesh_dims``). ``device_type`` defaults to the pipeline
     devices' type (``cuda`` when they name GPUs, else ``cpu``). The ranks first agree on
     the spec's ``pipeline`` and ``data_parallel`` sections and the device type: a rank
     launched with another spec is the same ``QCompileError`` on every rank, not a hang."""
@@ -79,6 +80,8 @@ def mesh(spec: Any, device_type: str | None = None) -> Any:
     agree("qc.distributed.mesh", {
         "pipeline": spec.pipeline.model_dump(mode="json") if spec.pipeline else None,
         "data_parallel": spec.data_parallel.model_dump(mode="json"),
+        "tensor_parallel": (spec.tensor_parallel.model_dump(mode="json")
+                            if spec.tensor_parallel else None),
         "device_type": device_type})
     return agreed_mesh(spec, device_type)
 
@@ -95,10 +98,18 @@ def agreed_mesh(spec: Any, device_type: str | None = None) -> Any:
     (``qc.distributed.pipeline``)."""
     spec = as_spec(spec)
     _initialised()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if spec.tensor_parallel is not None:
+        from qcompile.distributed.tensor_parallel import mesh_dims
+
+        dims = mesh_dims(spec, torch.distributed.get_world_size())
+        if device_type is None:
+            device_type = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+        return init_device_mesh(device_type, tuple(dims.values()),
+                                mesh_dim_names=tuple(dims))
     pp, dp = mesh_shape(spec, torch.distributed.get_world_size())
     if device_type is None:
         devices = spec.pipeline.devices or ["cpu"]
         device_type = torch.device(devices[0]).type
-    from torch.distributed.device_mesh import init_device_mesh
-
     return init_device_mesh(device_type, (pp, dp), mesh_dim_names=DIMS)

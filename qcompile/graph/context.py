@@ -46,6 +46,7 @@ class Context:
     stages: list[StageRecord] = field(default_factory=list)
     adapters: list[AdapterRecord] = field(default_factory=list)  # insert_adapters
     balance: str | None = None
+    tensor_parallel: list[Any] = field(default_factory=list)  # plan_tensor_parallel's layers
     conversion: Any = None  # qc.convert: the state its steps share (passes/convert)
     algorithms_run: int = 0  # quant.algorithms entries whose passes have run, in order
 

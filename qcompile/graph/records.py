@@ -68,6 +68,18 @@ class StageRecord(BaseModel):
     modules: list[str] = Field(default_factory=list, description="top-level modules it holds")
 
 
+class TensorParallelRecord(BaseModel):
+    """One layer's tensor-parallel placement (``tensor_parallel``) and why."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    layer: str
+    kind: str = Field(description="linear | embedding")
+    style: str = Field(description="colwise | rowwise | replicate")
+    reason: str
+    gather: bool = Field(False, description="a colwise layer whose output is gathered")
+
+
 class AdapterRecord(BaseModel):
     """One adapted layer (``adapters``): its adapter and what its frozen base costs."""
 
@@ -161,6 +173,9 @@ class Report(BaseModel):
     balance: str | None = Field(None, description="cost model used for the stages")
     balance_ratio: float | None = Field(None, description="max stage cost / mean stage cost")
     adapters: list[AdapterRecord] = Field(default_factory=list)
+    tensor_parallel: list[TensorParallelRecord] = Field(
+        default_factory=list, description="with a tensor_parallel section: each Linear's and "
+        "embedding's placement across the tp mesh dim, and why")
     trainable_parameters: int | None = Field(
         None, description="parameter elements with requires_grad in the graph")
     parameters: int | None = Field(None, description="parameter elements in the graph")

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from qcompile.errors import QCompileError
-from qcompile.runtime import kernels, recompute, weight_cache
+from qcompile.runtime import kernels, recompute, sharded, weight_cache
 from qcompile.runtime.block_formats import fake_quantize_block
 from qcompile.runtime.observers import (
     MinMaxObserver,
@@ -623,6 +623,9 @@ class FakeQuantize(nn.Module):
                 and not torch.compiler.is_dynamo_compiling() and kernels.available()):
             return torch.ops.qcompile.fake_quant(x, self.scale, self.zero_point,
                                                  self.quant_min, self.quant_max)
+        if type(x) is not torch.Tensor and type(x) is not nn.Parameter and _sharded(x):
+            # a tensor-parallel shard: the whole tensor's qparams (qcompile.runtime.sharded)
+            return sharded.fake_quant_dtensor(self, x)
         # Only floating-point tensors are quantized: indices, masks and sizes pass through.
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
             return x

@@ -1,0 +1,611 @@
+"""``plan_tensor_parallel``: which layers are sharded across the ``tp`` mesh dim, and how.
+
+A ``colwise`` Linear holds a slice of the output features; its output is a slice of the
+activation, and every op downstream must keep working on that slice (elementwise ops,
+reshapes that split the features into heads, attention per head) until a ``rowwise``
+Linear reads it, whose partial sums torch reduces across ``tp``. The pass propagates
+that slicing through the graph from every candidate ``colwise`` layer, one dim per value,
+and keeps a candidate only where its whole region closes: every op on the way keeps the
+sliced dim, every Linear reached reads it as its input features. So ``plan: auto`` finds
+attention (q/k/v colwise, output rowwise) and MLP (gate/up colwise, down rowwise) pairs
+in Llama, Mistral, Qwen2 and GPT-2 (``nn.Linear``) graphs from their structure, not
+their names; the Linear whose output is the graph's (the LM head) is colwise with its
+logits gathered; an embedding is sharded by vocabulary (rowwise), unless its weight is
+tied to another layer. The plan, per layer with its reason, is in the report
+(``report.tensor_parallel``) and in ``gm.meta`` for ``qc.distributed.wrap``, which
+applies it with torch's ``parallelize_module``.
+
+Shapes written into the graph (``view(2, 8, 4, 16)`` as ``torch.export`` records it)
+count whole heads; the pass records where a region's shape argument counts the sliced
+dim, and ``shard_tensor_parallel`` divides it by the tp size at wrap time.
+
+What cannot hold is an error naming the layer and the fix: a head count, feature count
+or vocabulary not divisible by ``size``, a quantizer group or block that would straddle
+a shard, an activation quantizer inside a region whose statistics cannot be combined
+across ranks, an explicit plan whose regions do not close.
+
+Example:
+    >>> import torch, qcompile as qc
+    >>> class MLP(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.up, self.down = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+    ...     def forward(self, x):
+    ...         return x + self.down(torch.relu(self.up(x)))
+    >>> spec = {"quant": {"mode": "none"}, "tensor_parallel": {"size": 2}}
+    >>> gm = qc.qcompile(MLP(), spec, example_inputs=(torch.randn(2, 8),))
+    >>> [(r.layer, r.style) for r in qc.report(gm).tensor_parallel]
+    [('up', 'colwise'), ('down', 'rowwise')]
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.fx import GraphModule, Node
+from torch.fx.passes.shape_prop import TensorMetadata
+
+from qcompile.errors import QCompileError
+from qcompile.graph.context import Context
+from qcompile.graph.meta import TENSOR_META
+from qcompile.graph.pipeline import graph_pass
+from qcompile.runtime.fake_quant import FakeQuantize
+
+TP_PLAN_KEY = "qcompile.tp_plan"
+
+# ops that act on each element (with broadcasting): the sliced dim passes through
+_ELEMENTWISE = frozenset({
+    "add", "sub", "mul", "div", "neg", "silu", "gelu", "relu", "sigmoid", "tanh", "exp",
+    "to", "_to_copy", "type_as", "contiguous", "clone", "dropout", "alias", "pow", "where",
+    "masked_fill", "erf", "softplus", "float", "half", "bfloat16", "abs", "square", "sqrt",
+    "rsqrt", "mul_", "add_", "clamp", "detach", "native_dropout", "gelu_tanh", "log",
+    "sin", "cos", "reciprocal", "true_divide", "truediv", "scalar_tensor", "identity",
+    "_assert_tensor_metadata", "lift_fresh_copy", "clamp_min", "clamp_max", "hardtanh",
+})
+_VIEWS = frozenset({"view", "reshape", "_unsafe_view", "expand"})
+_LINEAR = frozenset({"linear"})
+_EMBEDDING = frozenset({"embedding"})
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer's placement: ``style`` is colwise | rowwise | replicate; ``gather``:
+    a colwise layer whose output is gathered (the LM head); ``kind``: linear | embedding."""
+
+    layer: str
+    kind: str
+    style: str
+    reason: str
+    gather: bool = False
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """The plan ``wrap`` applies: layers by name, and the shape arguments inside sharded
+    regions that count the sliced dim (node name, argument path, global size)."""
+
+    size: int
+    layers: tuple[LayerPlan, ...]
+    shape_args: tuple[tuple[str, tuple[int, ...], int], ...]
+    region_quantizers: tuple[str, ...]
+
+    def sharded(self) -> dict[str, LayerPlan]:
+        return {p.layer: p for p in self.layers if p.style != "replicate"}
+
+
+@dataclass
+class _Layer:
+    name: str
+    kind: str
+    node: Node
+    weight: str  # qualified parameter name
+    out_features: int
+    in_features: int
+    quantizers: dict[str, str] = field(default_factory=dict)  # role -> quantizer name
+
+
+@dataclass
+class _Fail(Exception):
+    node: str
+    why: str
+    hard: bool = False  # a size that does not divide: an error, never a silent replicate
+
+
+def _op(n: Node) -> str:
+    t = n.target
+    if n.op == "call_method":
+        return str(t)
+    if n.op != "call_function":
+        return ""
+    packet = getattr(t, "overloadpacket", None)
+    name = getattr(packet or t, "__name__", str(t))
+    return name.lstrip("_") if name in ("__and__", "__or__") else name
+
+
+def _shape(n: Any) -> tuple[int, ...] | None:
+    if not isinstance(n, Node):
+        return None
+    tm = n.meta.get(TENSOR_META)
+    return tuple(int(s) for s in tm.shape) if isinstance(tm, TensorMetadata) else None
+
+
+def _param_of(gm: GraphModule, n: Any) -> tuple[str, str | None] | None:
+    """``(parameter name, its weight quantizer)`` where ``n`` reads a parameter directly or
+    through its own quantizer (``L.weight_fake_quant(L.weight)``)."""
+    fq = None
+    if isinstance(n, Node) and n.op == "call_module" and isinstance(
+            gm.get_submodule(str(n.target)), FakeQuantize) and n.args:
+        fq, n = str(n.target), n.args[0]
+    if isinstance(n, Node) and n.op == "get_attr":
+        return str(n.target), fq
+    return None
+
+
+def find_layers(gm: GraphModule) -> dict[Node, _Layer]:
+    """The Linear and embedding layers of ``gm`` that tensor parallelism can shard: a
+    ``linear`` or ``embedding`` op reading a parameter of its own (possibly through its
+    weight quantizer), or a call of an ``nn.Linear`` / ``nn.Embedding``."""
+    found: dict[Node, _Layer] = {}
+    for n in gm.graph.nodes:
+        op = _op(n)
+        if n.op == "call_module":
+            m = gm.get_submodule(str(n.target))
+            if type(m) in (nn.Linear, nn.Embedding):
+                kind = "linear" if isinstance(m, nn.Linear) else "embedding"
+                w = m.weight  # an embedding's "input features" are its vocabulary rows
+                rows, cols = (w.shape[0], w.shape[1]) if kind == "linear" else (w.shape[1],
+                                                                                 w.shape[0])
+                found[n] = _Layer(str(n.target), kind, n, f"{n.target}.weight", rows, cols)
+            continue
+        if op in _LINEAR and len(n.args) >= 2:
+            read = _param_of(gm, n.args[1])
+            if read is None or not read[0].endswith(".weight"):
+                continue
+            w = gm.get_parameter(read[0]) if _is_param(gm, read[0]) else None
+            if w is None or w.dim() != 2:
+                continue
+            layer = _Layer(read[0][: -len(".weight")], "linear", n, read[0], w.shape[0],
+                           w.shape[1])
+            if read[1]:
+                layer.quantizers["weight"] = read[1]
+            x = n.args[0]
+            if isinstance(x, Node) and x.op == "call_module" and str(x.target) == (
+                    f"{layer.name}.input_fake_quant") and len(x.users) == 1:
+                layer.quantizers["input"] = str(x.target)
+            found[n] = layer
+        elif op in _EMBEDDING and len(n.args) >= 2:
+            # aten.embedding(weight, ids) / F.embedding(ids, weight)
+            idx = 0 if n.op == "call_function" and "aten" in str(n.target) else 1
+            read = _param_of(gm, n.args[idx])
+            if read is None or read[1] is not None or not _is_param(gm, read[0]):
+                continue
+            w = gm.get_parameter(read[0])
+            if w.dim() == 2 and read[0].endswith(".weight"):
+                found[n] = _Layer(read[0][: -len(".weight")], "embedding", n, read[0],
+                                  w.shape[1], w.shape[0])
+    return found
+
+
+def _is_param(gm: GraphModule, name: str) -> bool:
+    try:
+        gm.get_parameter(name)
+        return True
+    except AttributeError:
+        return False
+
+
+# -- propagation ------------------------------------------------------------------------
+@dataclass
+class _State:
+    dim: int
+    sources: frozenset[str]
+
+
+def _norm(d: int, rank: int) -> int:
+    return d + rank if d < 0 else d
+
+
+def _view_dim(src: tuple[int, ...], dst: tuple[int, ...], d: int, size: int,
+              where: str) -> int:
+    """The dim of ``dst`` holding the slice of ``src``'s dim ``d`` after a reshape: the
+    leading dim (of size > 1) of the group ``d`` falls in; ``d`` must lead its group."""
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        gi, gj = [i], [j]
+        a = src[i] if i < len(src) else 1
+        b = dst[j] if j < len(dst) else 1
+        while a != b:
+            if a < b:
+                i += 1
+                gi.append(i)
+                a *= src[i] if i < len(src) else 1
+            else:
+                j += 1
+                gj.append(j)
+                b *= dst[j] if j < len(dst) else 1
+        if d in gi:
+            lead_src = [k for k in gi if k < len(src) and src[k] > 1]
+            lead_dst = [k for k in gj if k < len(dst) and dst[k] > 1]
+            if not lead_src or lead_src[0] != d or not lead_dst:
+                raise _Fail(where, "a reshape merges the sliced dim behind another")
+            out = lead_dst[0]
+            if dst[out] % size:
+                raise _Fail(where, f"a reshape splits the sliced dim into {dst[out]} (heads "
+                            f"or groups), not divisible by tensor_parallel.size {size}",
+                            hard=True)
+            return out
+        i, j = gi[-1] + 1, gj[-1] + 1
+    raise _Fail(where, "a reshape loses the sliced dim")
+
+
+class _Propagation:
+    def __init__(self, gm: GraphModule, layers: dict[Node, _Layer], colwise: set[str],
+                 size: int, gathered: set[str]) -> None:
+        self.gm, self.layers, self.colwise, self.size = gm, layers, colwise, size
+        self.gathered = gathered  # colwise layers whose output is gathered whole
+        self.state: dict[Node, _State] = {}
+        self.rowwise: dict[str, frozenset[str]] = {}
+        self.shape_args: list[tuple[str, tuple[int, ...], int]] = []
+        self.quantizers: set[str] = set()
+        self.outputs: set[str] = set()  # colwise layers whose slice reaches the output
+        self.layer_inputs = {q for layer in layers.values()
+                             if (q := layer.quantizers.get("input")) is not None}
+
+    def run(self) -> None:
+        for n in self.gm.graph.nodes:
+            sharded = [(a, self.state[a]) for a in _tensor_args(n) if a in self.state]
+            layer = self.layers.get(n)
+            if layer is not None and layer.kind == "linear":
+                self._linear(n, layer, sharded)
+                continue
+            if not sharded:
+                continue
+            if n.op == "output":
+                sources = frozenset().union(*(s.sources for _, s in sharded))
+                if len(sources) == 1:
+                    self.outputs |= sources  # the LM head: its logits are gathered
+                    continue
+                f = _Fail(n.name, "the sliced activation is an output of the graph")
+                f.sources = sources  # type: ignore[attr-defined]
+                raise f
+            try:
+                self.state[n] = self._through(n, sharded)
+            except _Fail as f:
+                f.sources = frozenset().union(*(s.sources for _, s in sharded))  # type: ignore[attr-defined]
+                raise
+
+    def _linear(self, n: Node, layer: _Layer, sharded: list) -> None:
+        x = n.args[0]
+        st = self.state.get(x) if isinstance(x, Node) else None
+        if st is not None:
+            rank = len(_shape(x) or ())
+            if st.dim != rank - 1:
+                f = _Fail(n.name, f"{layer.name} reads the sliced activation along another "
+                          "dim than its input features")
+                f.sources = st.sources  # type: ignore[attr-defined]
+                raise f
+            self.rowwise[layer.name] = st.sources
+            return
+        if layer.name in self.colwise and layer.name not in self.gathered:
+            out = _shape(n)
+            if out is None:
+                return
+            self.state[n] = _State(len(out) - 1, frozenset({layer.name}))
+
+    def _through(self, n: Node, sharded: list) -> _State:
+        op = _op(n)
+        out = _shape(n)
+        where = f"{n.name} ({op or n.target})"
+        if n.op == "call_module":
+            m = self.gm.get_submodule(str(n.target))
+            if isinstance(m, FakeQuantize):
+                if str(n.target) not in self.layer_inputs:  # those run inside their layer
+                    self.quantizers.add(str(n.target))
+                return sharded[0][1]
+            raise _Fail(where, f"module {type(m).__name__} is not known to keep the slice")
+        if out is None:
+            if op in ("_assert_tensor_metadata",):
+                return sharded[0][1]
+            raise _Fail(where, "no shape recorded")
+        rank = len(out)
+        sources = frozenset().union(*(s.sources for _, s in sharded))
+        a0, s0 = sharded[0]
+        src = _shape(a0) or ()
+        if op in _ELEMENTWISE:
+            dim = rank - (len(src) - s0.dim)
+            for a in _tensor_args(n):
+                shp = _shape(a)
+                if shp is None:
+                    continue
+                k = len(shp) - (rank - dim)
+                st = self.state.get(a)
+                if st is not None:
+                    if st.dim != k:
+                        raise _Fail(where, "two sliced values meet along different dims")
+                elif k >= 0 and shp[k] != 1:
+                    raise _Fail(where, "a sliced value meets a whole one of the same size")
+            return _State(dim, sources)
+        args = n.args
+        if op in ("transpose", "swapaxes"):
+            i, j = (_norm(int(v), len(src)) for v in args[1:3])
+            d = j if s0.dim == i else i if s0.dim == j else s0.dim
+            return _State(d, sources)
+        if op == "permute":
+            perm = args[1] if isinstance(args[1], (list, tuple)) else args[1:]
+            perm = [_norm(int(p), len(src)) for p in perm]
+            return _State(perm.index(s0.dim), sources)
+        if op == "unsqueeze":
+            k = _norm(int(args[1]), rank)
+            return _State(s0.dim + (k <= s0.dim), sources)
+        if op in _VIEWS:
+            if op == "expand":
+                d = s0.dim + rank - len(src)
+            else:
+                d = _view_dim(tuple(src), tuple(out), s0.dim, self.size, where)
+            sizes = args[1] if isinstance(args[1], (list, tuple)) else args[1:]
+            path = (1, d) if isinstance(args[1], (list, tuple)) else (1 + d,)
+            v = sizes[d] if d < len(sizes) else -1
+            if isinstance(v, int) and v != -1:
+                self.shape_args.append((n.name, path, out[d]))
+            elif not isinstance(v, int):
+                raise _Fail(where, "a symbolic size along the sliced dim")
+            return _State(d, sources)
+        if op in ("slice", "narrow", "select", "softmax", "_softmax", "log_softmax", "cat",
+                  "sum", "mean", "amax", "amin"):
+            d = args[1] if len(args) > 1 else n.kwargs.get("dim", 0)
+            if op == "cat":
+                d = args[1] if len(args) > 1 else n.kwargs.get("dim", 0)
+                if any(a not in self.state for a in args[0]):
+                    raise _Fail(where, "a sliced value is joined with a whole one")
+            dims = [d] if isinstance(d, int) else list(d or [])
+            if not dims and op in ("sum", "mean", "amax", "amin"):
+                raise _Fail(where, "a reduction over every dim")
+            dims = [_norm(int(k), len(src)) for k in dims]
+            if s0.dim in dims:
+                raise _Fail(where, f"{op} along the sliced dim")
+            if op in ("select",) or (op in ("sum", "mean", "amax", "amin")
+                                     and not _keepdim(n)):
+                return _State(s0.dim - sum(k < s0.dim for k in dims), sources)
+            return _State(s0.dim, sources)
+        if op in ("scaled_dot_product_attention", "matmul", "bmm"):
+            batch = rank - 2
+            if s0.dim - (len(src) - rank) >= batch:
+                raise _Fail(where, "attention or matmul along the sliced dim")
+            dim = s0.dim + rank - len(src)
+            for a in _tensor_args(n):
+                shp = _shape(a)
+                if shp is None:
+                    continue
+                k = dim - (rank - len(shp))
+                st = self.state.get(a)
+                if st is not None and st.dim != k:
+                    raise _Fail(where, "sliced inputs along different dims")
+                if st is None and k >= 0 and shp[k] != 1:
+                    raise _Fail(where, "a sliced value meets a whole one of the same size")
+            return _State(dim, sources)
+        raise _Fail(where, "this op is not known to keep the slice")
+
+
+def _keepdim(n: Node) -> bool:
+    return bool(n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False))
+
+
+def _tensor_args(n: Node) -> list[Node]:
+    out: list[Node] = []
+
+    def visit(a: Any) -> None:
+        if isinstance(a, Node):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                visit(b)
+        elif isinstance(a, dict):
+            for b in a.values():
+                visit(b)
+
+    visit(n.args)
+    visit(n.kwargs)
+    return out
+
+
+# -- the plan -----------------------------------------------------------------------------
+def _explicit(spec_plan: dict[str, str], name: str) -> str | None:
+    for glob, style in spec_plan.items():
+        if fnmatch.fnmatchcase(name, glob):
+            return style
+    return None
+
+
+def _tied(gm: GraphModule, layers: dict[Node, _Layer]) -> set[str]:
+    """Layers whose weight another layer reads too (tied embeddings: one tensor under two
+    names, or one name read by both)."""
+    readers: dict[int, set[str]] = {}
+    counts: dict[int, int] = {}
+    for layer in layers.values():
+        key = id(gm.get_parameter(layer.weight))
+        readers.setdefault(key, set()).add(layer.name)
+        counts[key] = counts.get(key, 0) + 1
+    return {n for key, names in readers.items() if counts[key] > 1 for n in names}
+
+
+def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
+    """The plan for ``gm`` under ``tensor_parallel: {size, plan}`` (a ``QCompileError``
+    naming the layer and the fix where it cannot hold)."""
+    layers = find_layers(gm)
+    by_name = {layer.name: layer for layer in layers.values()}
+    explicit = plan if isinstance(plan, dict) else None
+    tied = _tied(gm, layers)
+    reasons: dict[str, str] = {}
+    if explicit is not None:
+        for name in by_name:
+            style = _explicit(explicit, name)
+            if style == "sequence":
+                raise QCompileError(
+                    f"tensor_parallel.plan: {name}: sequence is for normalisation modules; "
+                    "this graph computes its norms as ops",
+                    fix="leave norms out of the plan (they are replicated)")
+        unknown = [g for g in explicit
+                   if not any(fnmatch.fnmatchcase(n, g) for n in by_name)]
+        if unknown:
+            raise QCompileError(
+                f"tensor_parallel.plan: {unknown[0]!r} matches no Linear or embedding layer "
+                f"of the graph (layers: {', '.join(sorted(by_name)[:8])}...)",
+                fix="give a glob matching layer names, e.g. '*.q_proj'")
+        colwise = {n for n in by_name if _explicit(explicit, n) == "colwise"
+                   and by_name[n].kind == "linear"}
+    else:
+        colwise = {n for n, layer in by_name.items()
+                   if layer.kind == "linear" and n not in tied}
+    # drop candidates whose regions do not close, until every one does
+    gathered: set[str] = set()
+    for _ in range(2 * len(by_name) + 2):
+        prop = _Propagation(gm, layers, colwise, size, gathered)
+        try:
+            prop.run()
+            if prop.outputs <= gathered:
+                break
+            # an output layer's logits are gathered whole: what follows it is not sliced
+            gathered |= prop.outputs
+            continue
+        except _Fail as f:
+            sources = getattr(f, "sources", frozenset())
+            if f.hard or explicit is not None or not sources:
+                name = sorted(sources)[0] if sources else "?"
+                raise QCompileError(
+                    f"tensor_parallel: {name} cannot be sharded {size} ways: at node "
+                    f"{f.node}, {f.why}",
+                    fix=(f"use a tensor_parallel.size that divides it, or plan: "
+                         f"{{{name!r}: replicate}}") if f.hard else
+                    "plan the layers whose slices meet together, colwise, with the rowwise "
+                    "layers reading them (q/k/v with o_proj, gate/up with down_proj); or "
+                    f"{{{name!r}: replicate}}; or plan: auto") from None
+            for s in sources:
+                reasons[s] = f"replicated: its slice cannot pass {f.node} ({f.why})"
+            colwise -= set(sources)
+    rowwise = prop.rowwise
+    used = set().union(*rowwise.values()) if rowwise else set()
+    out: list[LayerPlan] = []
+    for layer in by_name.values():  # graph order
+        name = layer.name
+        if name in rowwise:
+            style, why = "rowwise", ("reads the slices of " + ", ".join(sorted(rowwise[name]))
+                                     + "; partial sums reduced across tp")
+        elif name in colwise and name in gathered:
+            style, why = "colwise", "its output is the graph's: output features sliced, gathered"
+        elif name in colwise and name in used:
+            partners = sorted(r for r, s in rowwise.items() if name in s)
+            style, why = "colwise", "output features sliced up to " + ", ".join(partners)
+        elif layer.kind == "embedding" and name not in tied and (
+                explicit is None or _explicit(explicit, name) == "rowwise"):
+            style, why = "rowwise", "embedding rows (vocabulary or positions) sliced; outputs reduced"
+        else:
+            style = "replicate"
+            why = ("tied to another layer's weight" if name in tied
+                   else reasons.get(name, "planned replicate" if explicit
+                                    else "no rowwise layer reads its output"))
+        if explicit is not None:
+            want = _explicit(explicit, name) or "replicate"
+            if want != style:
+                raise QCompileError(
+                    f"tensor_parallel.plan: {name} is planned {want}, but the graph makes it "
+                    f"{style} ({why})",
+                    fix="plan each colwise layer together with the rowwise layers reading "
+                    "its output (e.g. q/k/v colwise with o_proj rowwise), or plan: auto")
+        if style != "replicate":
+            _check_sizes(gm, layer, style, size)
+        out.append(LayerPlan(name, layer.kind, style, why,
+                             gather=style == "colwise" and name in gathered))
+    out += _other_weights(gm, {layer.weight for layer in layers.values()})
+    for q in sorted(prop.quantizers):
+        _check_region_quantizer(gm, q)
+    return TensorParallelPlan(size, tuple(out), tuple(prop.shape_args),
+                              tuple(sorted(prop.quantizers)))
+
+
+def _other_weights(gm: GraphModule, planned: set[str]) -> list[LayerPlan]:
+    """Matrices the graph reads that are not Linear or embedding layers (Conv1D's [in, out]
+    weights, experts stored as one [experts, out, in] parameter): kept whole, said so."""
+    out, seen = [], set(planned)
+    for n in gm.graph.nodes:
+        name = str(n.target)
+        if n.op != "get_attr" or name in seen or not _is_param(gm, name):
+            continue
+        seen.add(name)
+        if gm.get_parameter(name).dim() < 2:
+            continue
+        user = next(iter(n.users), None)
+        op = (_op(user) or str(user.target)) if user is not None else "nothing"
+        out.append(LayerPlan(name, "weight", "replicate",
+                             f"read by {op}, not by a linear or embedding op: kept whole on "
+                             "every rank (tensor parallelism shards Linear and embedding "
+                             "layers)"))
+    return out
+
+
+def _check_sizes(gm: GraphModule, layer: _Layer, style: str, size: int) -> None:
+    sliced = layer.out_features if style == "colwise" else layer.in_features
+    what = "output features" if style == "colwise" else "input features"
+    if layer.kind == "embedding":
+        sliced, what = layer.in_features, "vocabulary rows"
+    if sliced % size:
+        raise QCompileError(
+            f"tensor_parallel: {layer.name} ({style}) has {sliced} {what}, not divisible by "
+            f"tensor_parallel.size {size}",
+            fix=f"use a size dividing {sliced}, or plan: {{{layer.name!r}: replicate}}")
+    for role, q in layer.quantizers.items():
+        fq = gm.get_submodule(q)
+        if fq.learnable:
+            raise QCompileError(
+                f"tensor_parallel: {q} has a learnable scale; sharded layers take observed "
+                "scales", fix=f"learnable: false for {layer.name}, or plan: "
+                f"{{{layer.name!r}: replicate}}")
+        block = fq.group_size
+        if block is None:
+            continue
+        local = layer.in_features // size
+        if (style == "rowwise" or role == "input") and local % block:
+            raise QCompileError(
+                f"tensor_parallel: {q} quantizes in blocks of {block} along the input "
+                f"features, and {layer.name}'s {layer.in_features} split {size} ways are "
+                f"{local} per rank: a block would straddle two shards",
+                fix=f"a size leaving a multiple of {block} per rank, or plan: "
+                f"{{{layer.name!r}: replicate}}")
+
+
+def _check_region_quantizer(gm: GraphModule, name: str) -> None:
+    """An activation quantizer reading a slice: its statistics must combine across tp
+    ranks as the data-parallel step reduction does (a per-tensor min / max, applied once per
+    optimizer step)."""
+    fq = gm.get_submodule(name)
+    ok = (fq.granularity == "per_tensor" and not fq.dynamic and fq.block_format is None
+          and (not fq.observe or fq.deferred()) and not fq.learnable)
+    if not ok:
+        raise QCompileError(
+            f"tensor_parallel: activation quantizer {name} reads a sharded activation, and "
+            f"its {fq.granularity} {'dynamic ' if fq.dynamic else ''}scales would differ per "
+            "rank", fix="quantize that activation per tensor with observer_update: step, or "
+            "plan the layers around it replicate")
+
+
+@graph_pass(provides=("tp_plan",))
+def plan_tensor_parallel(gm: GraphModule, ctx: Context) -> GraphModule:
+    """Plan the ``tp`` sharding of every Linear and embedding (``gm.meta``, the report)."""
+    tp = ctx.spec.tensor_parallel
+    if not ctx.has_shapes:
+        raise QCompileError("tensor_parallel plans from the graph's shapes, and it was "
+                            "compiled without example inputs",
+                            fix="pass example_inputs (or example_kwargs) to qc.qcompile")
+    plan = build_plan(gm, tp.size, tp.plan)
+    gm.meta[TP_PLAN_KEY] = plan
+    ctx.tensor_parallel = list(plan.layers)
+    sharded = sum(p.style != "replicate" for p in plan.layers)
+    ctx.note(f"tensor parallel {tp.size} ways: {sharded} of {len(plan.layers)} layers "
+             f"sharded, {len(plan.shape_args)} shape argument(s) counted per rank")
+    return gm
+
+
+__all__ = ["TP_PLAN_KEY", "LayerPlan", "TensorParallelPlan", "build_plan", "find_layers",
+           "plan_tensor_parallel"]

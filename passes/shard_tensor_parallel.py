@@ -1,0 +1,128 @@
+"""``shard_tensor_parallel``: rewrite a planned graph to run on one ``tp`` rank's shards.
+
+``plan_tensor_parallel`` chose the layers at compile time; ``qc.distributed.wrap`` runs
+this rewrite (in place, on the graph ``qcompile`` returned) and then torch's
+``parallelize_module``, which shards the parameters and hooks the layers:
+
+- each sharded Linear read as ``linear(input_fq(x), weight_fq(L.weight), L.bias)``
+  becomes a call of ``L``, a ``ShardedLinear`` holding the same parameters and quantizers
+  (torch's ``ColwiseParallel`` / ``RowwiseParallel`` shard ``nn.Linear`` modules and hook
+  their calls); each sharded embedding a call of a ``ShardedEmbedding``;
+- shape arguments inside sharded regions that count heads or features (``view(2, 8, 4,
+  16)``) count this rank's (``view(2, 8, 2, 16)`` at size 2).
+
+State names do not change: a ``state_dict`` of the rewritten graph has the keys of the
+compiled one.
+
+Example:
+    >>> import torch, qcompile as qc
+    >>> from qcompile.passes.plan_tensor_parallel import TP_PLAN_KEY
+    >>> m = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    >>> spec = {"quant": {"mode": "none"}, "tensor_parallel": {"size": 2}}
+    >>> gm = qc.qcompile(m, spec, example_inputs=(torch.randn(2, 8),))
+    >>> sorted(shard_tensor_parallel(gm, gm.meta[TP_PLAN_KEY]))
+    ['0', '2']
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.fx import GraphModule, Node
+
+from qcompile.errors import QCompileError
+from qcompile.passes.plan_tensor_parallel import LayerPlan, TensorParallelPlan, find_layers
+from qcompile.runtime.sharded import ShardedEmbedding, ShardedLinear
+
+
+def _set(gm: GraphModule, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(gm.get_submodule(parent) if parent else gm, leaf, module)
+
+
+def _drop(gm: GraphModule, *nodes: object) -> None:
+    for n in nodes:
+        if isinstance(n, Node) and not n.users:
+            gm.graph.erase_node(n)
+
+
+def shard_tensor_parallel(gm: GraphModule, plan: TensorParallelPlan) -> dict[str, LayerPlan]:
+    """Rewrite ``gm`` (in place; its child graphs too: the blocks FSDP2 shards) for one
+    rank's shards. Returns the sharded layers by qualified name within ``gm``."""
+    sharded = plan.sharded()
+    graphs = [(name, g) for name, g in gm.named_modules() if isinstance(g, GraphModule)]
+    done: dict[str, LayerPlan] = {}
+    found: set[str] = set()
+    for prefix, g in graphs:
+        layers = {layer.name: layer for layer in find_layers(g).values()}
+        for name, layer in layers.items():
+            if name in sharded:
+                _shard_layer(g, layer, sharded[name])
+                found.add(name)
+                done[f"{prefix}.{name}" if prefix else name] = sharded[name]
+    missing = sorted(set(sharded) - found)
+    if missing:
+        raise QCompileError(f"tensor parallel: the plan's layer {missing[0]} is not in this "
+                            "graph (changed after qcompile)",
+                            fix="wrap the graph qc.qcompile returned, as it returned it")
+    for _, g in graphs:
+        _shape_args(g, plan)
+        g.graph.lint()
+        g.recompile()
+    return done
+
+
+def _shape_args(g: GraphModule, plan: TensorParallelPlan) -> None:
+    by_name = {n.name: n for n in g.graph.nodes if n.op in ("call_function", "call_method")}
+    for node_name, path, size in plan.shape_args:
+        node = by_name.get(node_name)
+        if node is None:
+            continue
+        args = list(node.args)
+        if len(path) == 2:
+            shape = list(args[path[0]])
+            shape[path[1]] = size // plan.size
+            args[path[0]] = type(node.args[path[0]])(shape)
+        else:
+            args[path[0]] = size // plan.size
+        node.args = tuple(args)
+
+
+def _shard_layer(gm: GraphModule, layer: Any, p: LayerPlan) -> None:
+    node = layer.node
+    name = layer.name
+    if node.op == "call_module":
+        return  # an nn.Linear / nn.Embedding call: torch's styles shard it as it is
+    holder = gm.get_submodule(name)
+    if p.kind == "embedding":
+        aten = "aten" in str(node.target)
+        ids = node.args[1] if aten else node.args[0]
+        pad = node.args[2] if len(node.args) > 2 else node.kwargs.get(
+            "padding_idx", -1 if aten else None)
+        _set(gm, name, ShardedEmbedding.adopt(
+            holder, None if pad is None or pad < 0 else int(pad)))
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_module(name, (ids,))
+        rest: tuple = (node.args[0] if aten else node.args[1],)
+    else:
+        x, w = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        own = {role: q == f"{name}.{role}_fake_quant" for role, q in layer.quantizers.items()}
+        if not all(own.values()):
+            raise QCompileError(
+                f"tensor parallel: {name}'s quantizer is not its own ({layer.quantizers}); "
+                "a sharded layer runs its own quantizers",
+                fix=f"plan: {{{name!r}: replicate}}")
+        fold = "input" in layer.quantizers and len(x.users) == 1
+        x_in = x.args[0] if fold else x
+        _set(gm, name, ShardedLinear.adopt(holder, quantize_weight="weight" in own,
+                                           quantize_input=fold))
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_module(name, (x_in,))
+        rest = (x if fold else None, w,
+                w.args[0] if isinstance(w, Node) and w.op == "call_module" else None, bias)
+    call.meta = dict(node.meta)
+    node.replace_all_uses_with(call)
+    gm.graph.erase_node(node)
+    _drop(gm, *rest)

@@ -1,0 +1,120 @@
+"""Tensor parallelism: a compiled graph's planned layers sharded across the ``tp`` mesh dim
+with torch's own ``parallelize_module`` (``ColwiseParallel``, ``RowwiseParallel``).
+
+``qc.distributed.wrap(gm, spec)`` calls ``parallelize`` when the spec has a
+``tensor_parallel`` section: the graph is rewritten for one rank's shards
+(``qcompile.passes.shard_tensor_parallel``), each planned layer gets torch's style for it,
+and data parallelism (``fully_shard``) then runs over the ``dp`` dim, as torchtitan
+composes them. Quantizers follow their weights' placements
+(``qcompile.runtime.sharded``); activation quantizers inside sharded regions combine their
+statistics across every rank once per optimizer step, as data parallelism does.
+
+The mesh (``qc.distributed.mesh(spec)``): dims among ``("pp", "dp", "tp")`` in that
+order, ``tp`` innermost (ranks ``0..T-1`` of a node share a layer), ``dp`` across nodes.
+
+Example:
+    >>> mesh_dims({"tensor_parallel": {"size": 2}, "data_parallel": {"kind": "fsdp2"}}, 4)
+    {'dp': 2, 'tp': 2}
+    >>> mesh_dims({"tensor_parallel": {"size": 2}}, 2)
+    {'tp': 2}
+    >>> mesh_dims({"tensor_parallel": {"size": 2}}, 4)
+    Traceback (most recent call last):
+    ...
+    qcompile.errors.QCompileError: tensor parallel: 4 ranks hold 2 replicas of each shard, and data_parallel.kind is none: they would train apart
+      fix: set data_parallel.kind: fsdp2, or launch 2 processes
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from qcompile.errors import QCompileError
+from qcompile.passes.plan_tensor_parallel import TP_PLAN_KEY, LayerPlan
+from qcompile.passes.shard_tensor_parallel import shard_tensor_parallel
+from qcompile.specs import as_spec
+
+
+def mesh_dims(spec: Any, world: int) -> dict[str, int]:
+    """The mesh's dims and sizes for ``spec`` on ``world`` ranks with a
+    ``tensor_parallel`` section, or a ``QCompileError`` saying why not (no communication)."""
+    spec = as_spec(spec)
+    tp = spec.tensor_parallel.size
+    kind = spec.data_parallel.kind
+    if spec.pipeline is not None:
+        raise QCompileError("tensor parallel with pipeline stages is not supported",
+                            fix="remove the pipeline section (tensor_parallel x "
+                            "data_parallel), or the tensor_parallel section")
+    if world % tp:
+        raise QCompileError(f"tensor parallel: {world} ranks do not split into groups of "
+                            f"tensor_parallel.size {tp}",
+                            fix=f"launch a multiple of {tp} processes")
+    dp = world // tp
+    if kind == "ddp":
+        raise QCompileError("tensor parallel with data_parallel.kind: ddp: torch's "
+                            "DistributedDataParallel does not take sharded (DTensor) "
+                            "parameters", fix="set data_parallel.kind: fsdp2 (as torchtitan "
+                            "composes tensor and data parallelism)")
+    if dp > 1 and kind == "none":
+        raise QCompileError(f"tensor parallel: {world} ranks hold {dp} replicas of each "
+                            "shard, and data_parallel.kind is none: they would train apart",
+                            fix=f"set data_parallel.kind: fsdp2, or launch {tp} processes")
+    if dp == 1 and kind != "none":
+        raise QCompileError(f"tensor parallel: data_parallel.kind: {kind} on {world} ranks "
+                            f"of tensor_parallel.size {tp} leaves one replica",
+                            fix=f"launch {2 * tp} processes, or set data_parallel.kind: none")
+    return {"dp": dp, "tp": tp} if dp > 1 else {"tp": tp}
+
+
+def _style(p: LayerPlan) -> Any:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    class Colwise(ColwiseParallel):
+        def _partition_linear_fn(self, name, module, device_mesh):  # type: ignore[override]
+            if not name:  # the layer's own weight and bias; its quantizers hold no shards
+                super()._partition_linear_fn(name, module, device_mesh)
+
+    class Rowwise(RowwiseParallel):
+        def _partition_linear_fn(self, name, module, device_mesh):  # type: ignore[override]
+            if not name:
+                super()._partition_linear_fn(name, module, device_mesh)
+
+    if p.style == "colwise":
+        return Colwise(output_layouts=Replicate()) if p.gather else Colwise()
+    if p.kind == "embedding":
+        return RowwiseParallel(input_layouts=Replicate())
+    return Rowwise()
+
+
+def _plain_state(layer: nn.Module) -> None:
+    """Quantizer state back to plain tensors: ``distribute_module`` replicates every
+    buffer of a layer's children as a DTensor; qcompile keeps the whole qparams on every
+    rank as plain tensors (``qcompile.runtime.sharded``)."""
+    for m in layer.modules():
+        if m is layer:
+            continue
+        for key, buf in m._buffers.items():
+            if buf is not None and hasattr(buf, "to_local"):
+                m._buffers[key] = buf.to_local()
+
+
+def parallelize(gm: nn.Module, tp_mesh: Any) -> nn.Module:
+    """Shard ``gm``'s planned layers across ``tp_mesh`` (in place; returns ``gm``)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = getattr(gm, "meta", {}).get(TP_PLAN_KEY)
+    if plan is None:
+        raise QCompileError("tensor parallel: this graph was compiled without a "
+                            "tensor_parallel section", fix="compile it with the spec you wrap "
+                            "it with (qc.qcompile(model, spec, ...))")
+    if plan.size != tp_mesh.size():
+        raise QCompileError(f"tensor parallel: the graph was planned for "
+                            f"tensor_parallel.size {plan.size}, the mesh's tp dim has "
+                            f"{tp_mesh.size()} ranks", fix="compile and wrap with one spec")
+    sharded = shard_tensor_parallel(gm, plan)
+    parallelize_module(gm, tp_mesh, {name: _style(p) for name, p in sharded.items()})
+    for name in sharded:
+        _plain_state(gm.get_submodule(name))
+    return gm

@@ -1,0 +1,250 @@
+"""Quantizers and layers on tensor-parallel shards (DTensors on the ``tp`` mesh dim).
+
+Under tensor parallelism a sharded layer's weight reaches its quantizer as a DTensor
+(``Shard(0)`` colwise, ``Shard(1)`` rowwise) and a rowwise layer's input as a
+``Shard(-1)`` one. ``fake_quant_dtensor`` fake-quantizes this rank's shard with the
+qparams one process would use on the whole tensor:
+
+- statistics a shard holds whole (a colwise weight's rows, a group or block inside the
+  shard, a token's values when tokens are sharded) are computed locally;
+- statistics across the shard dim (a per-tensor range, a rowwise weight's per-channel
+  range, a token's range over sharded features, NVFP4's tensor scale) are reduced across
+  ``tp`` as a DTensor ``Partial`` min / max, by torch's collectives;
+- observed qparams are kept whole on every rank (an observer holds the global range, as
+  one process does), so ``state_dict`` and checkpoints read the same as one process's;
+  the rows a shard needs are sliced at its global offset.
+
+The fake-quant of the local shard is the same kernel and the same bits as one process's on
+those rows. The straight-through gradient passes through ``to_local`` / ``from_local``.
+
+``ShardedLinear`` and ``ShardedEmbedding`` are ``nn.Linear`` / ``nn.Embedding`` that run
+their quantizers in ``forward``: the modules torch's ``ColwiseParallel`` and
+``RowwiseParallel`` shard and hook (``qcompile.distributed.tensor_parallel``).
+
+Example:
+    >>> import torch
+    >>> from qcompile.runtime.fake_quant import FakeQuantize
+    >>> holder = torch.nn.Linear(4, 3)
+    >>> holder.weight_fake_quant = FakeQuantize("int8")
+    >>> layer = ShardedLinear.adopt(holder, quantize_weight=True, quantize_input=False)
+    >>> layer(torch.ones(2, 4)).shape
+    torch.Size([2, 3])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qcompile.errors import QCompileError
+from qcompile.runtime.block_formats import _blocks, block_scales, fake_quantize_block
+
+_NVFP4_SCALE = 448.0 * 6.0  # nvfp4_tensor_scale's divisor
+
+
+class ShardedLinear(nn.Linear):
+    """A Linear whose input and weight quantizers run in its own ``forward``."""
+
+    @classmethod
+    def adopt(cls, holder: nn.Module, *, quantize_weight: bool,
+              quantize_input: bool) -> ShardedLinear:
+        """A ``ShardedLinear`` holding ``holder``'s parameters and children (the same
+        tensors and quantizers, under the same names); ``forward`` runs its
+        ``weight_fake_quant`` / ``input_fake_quant`` children as the flags say."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._parameters.update(holder._parameters)
+        layer._buffers.update(holder._buffers)
+        layer._modules.update(holder._modules)
+        layer._non_persistent_buffers_set |= set(holder._non_persistent_buffers_set)
+        if "bias" not in layer._parameters:
+            layer.register_parameter("bias", None)
+        layer.out_features, layer.in_features = layer.weight.shape
+        layer.quantize_weight, layer.quantize_input = quantize_weight, quantize_input
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantize_input:
+            x = self.input_fake_quant(x)
+        w = self.weight_fake_quant(self.weight) if self.quantize_weight else self.weight
+        return F.linear(x, w, self.bias)
+
+
+class ShardedEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` holding a graph's embedding weight (the same Parameter)."""
+
+    @classmethod
+    def adopt(cls, holder: nn.Module, padding_idx: int | None) -> ShardedEmbedding:
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._parameters.update(holder._parameters)
+        layer._buffers.update(holder._buffers)
+        layer._modules.update(holder._modules)
+        layer.num_embeddings, layer.embedding_dim = layer.weight.shape
+        layer.padding_idx = padding_idx
+        layer.max_norm, layer.norm_type = None, 2.0
+        layer.scale_grad_by_freq, layer.sparse = False, False
+        return layer
+
+
+# -- fake-quant of a shard -----------------------------------------------------------------
+def _placement(x: Any) -> tuple[Any, int | None]:
+    """``x`` with one placement, Replicate or Shard (a Partial value is reduced first),
+    and its shard dim (None: replicated)."""
+    from torch.distributed.tensor import Replicate
+
+    if len(x.placements) != 1:
+        raise QCompileError(
+            f"a quantizer got a DTensor on a {len(x.placements)}-D mesh "
+            f"({x.placements}); inside a forward it sees the tp dim only",
+            fix="wrap the graph with qc.distributed.wrap(gm, spec), which shards it on the "
+            "tp dim and replicates it on the dp dim")
+    p = x.placements[0]
+    if p.is_partial():
+        x = x.redistribute(x.device_mesh, [Replicate()])
+        p = x.placements[0]
+    if p.is_shard():
+        return x, p.dim % x.dim()
+    return x, None
+
+
+def _all(t: torch.Tensor, mesh: Any, op: str) -> torch.Tensor:
+    """``t`` reduced (``min`` / ``max``) across the mesh: a DTensor Partial made whole."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    return DTensor.from_local(t.contiguous(), mesh, [Partial(op)], run_check=False).full_tensor()
+
+
+def _gather(t: torch.Tensor, mesh: Any, dim: int) -> torch.Tensor:
+    """The shards ``t`` of every rank joined along ``dim`` (even shards)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(t.contiguous(), mesh, [Shard(dim)], run_check=False).full_tensor()
+
+
+def _offset(x: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, start = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
+    return tuple(shape), tuple(start)
+
+
+def _global_minmax(fq: nn.Module, x: Any, local: torch.Tensor, d: int | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``fq._minmax`` gives on the whole tensor, from this rank's shard."""
+    mn, mx = fq._minmax(local.detach().float())
+    if d is None:
+        return mn, mx
+    mesh, g = x.device_mesh, fq.granularity
+    rank = local.dim()
+    if g == "per_token" and d != rank - 1:
+        return _gather(mn, mesh, d), _gather(mx, mesh, d)
+    if g == "per_channel" and d == fq.axis % rank:
+        return _gather(mn, mesh, 0), _gather(mx, mesh, 0)
+    if g == "per_group":
+        rows = local.shape[0]
+        if d == 0:
+            return (_gather(mn.view(rows, -1), mesh, 0).reshape(-1),
+                    _gather(mx.view(rows, -1), mesh, 0).reshape(-1))
+        if rank == 2:  # groups along the sharded input features
+            return (_gather(mn.view(rows, -1), mesh, 1).reshape(-1),
+                    _gather(mx.view(rows, -1), mesh, 1).reshape(-1))
+        raise QCompileError(f"per-group quantizer on a {rank}-D tensor sharded along dim {d}",
+                            fix="plan this layer replicate")
+    return _all(mn, mesh, "min"), _all(mx, mesh, "max")
+
+
+def _local_rows(fq: nn.Module, t: torch.Tensor, x: Any, d: int | None) -> torch.Tensor:
+    """The qparams (one per scale of the whole tensor) this rank's shard uses."""
+    if d is None or t.numel() == 1:
+        return t
+    shape, start = _offset(x)
+    g, rank = fq.granularity, x.dim()
+    if g == "per_channel":
+        return t[start[d]:start[d] + shape[d]] if d == fq.axis % rank else t
+    if g == "per_group":
+        grid = t.view(x.shape[0], -1)
+        if d == 0:
+            return grid[start[0]:start[0] + shape[0]].reshape(-1)
+        size = fq.group_size
+        return grid[:, start[1] // size:(start[1] + shape[1]) // size].reshape(-1)
+    return t
+
+
+def _nvfp4(local: torch.Tensor, block: int, amax: torch.Tensor) -> torch.Tensor:
+    """NVFP4 fake-quant of a shard under the whole tensor's scale (the formula, the same
+    bits as the kernel), with the straight-through gradient."""
+    with torch.no_grad():
+        xb = _blocks(local.detach(), block)
+        q = block_scales(xb, "nvfp4", tensor_scale=amax / _NVFP4_SCALE).fake_quant(xb)
+        q = q.reshape(local.shape).to(local.dtype)
+    return _StraightThrough.apply(local, q) if local.requires_grad else q
+
+
+class _StraightThrough(torch.autograd.Function):
+    """``q`` forward, the identity gradient to ``x`` (no ``x + (q - x)``: -0.0 stays)."""
+
+    @staticmethod
+    def forward(ctx, x, q):  # type: ignore[override]
+        return q
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
+def fake_quant_dtensor(fq: nn.Module, x: Any) -> Any:
+    """``fq(x)`` for a DTensor ``x``: the whole tensor's qparams, this rank's shard."""
+    from torch.distributed.tensor import DTensor
+
+    x, d = _placement(x)
+    local = x.to_local()
+    if not local.is_floating_point() or x.numel() == 0:
+        return x
+    if fq.block_format is not None:
+        if not fq.enabled:
+            return x
+        if fq.block_format == "nvfp4" and d is not None:
+            amax = _all(local.detach().abs().amax().float().reshape(1), x.device_mesh, "max")
+            out = _nvfp4(local, fq.group_size, amax.reshape(()))
+        else:  # every block inside the shard (the plan checked): local
+            out = fake_quantize_block(local.contiguous(), fq.block_format, fq.group_size)
+    elif fq.dynamic or fq.granularity == "per_token":
+        if not fq.enabled:
+            return x
+        with torch.no_grad():
+            mn, mx = fq._minmax(local.detach().float())
+            if d is not None and (fq.granularity != "per_token" or d == local.dim() - 1):
+                mn, mx = _all(mn, x.device_mesh, "min"), _all(mx, x.device_mesh, "max")
+            scale, zp = fq._qparams(mn, mx)
+        out = fq._fake_quant(local, scale, zp, shaped=fq.granularity == "per_token")
+    else:
+        if fq.observe:
+            with torch.no_grad():
+                mn, mx = _global_minmax(fq, x, local, d)
+            if fq.training and torch.is_grad_enabled() and fq.deferred():
+                _pend(fq, mn, mx)
+                if not fq._ready():
+                    return x
+            else:
+                fq.observe_range(mn, mx)
+        if not fq.enabled:
+            return x
+        scale = _local_rows(fq, fq.scale, x, d)
+        zp = _local_rows(fq, fq.zero_point, x, d)
+        out = fq._fake_quant(local, scale, zp, shaped=False)
+    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False,
+                              shape=x.shape, stride=x.stride())
+
+
+def _pend(fq: nn.Module, mn: torch.Tensor, mx: torch.Tensor) -> None:
+    """Fold the whole tensor's range into the step's pending statistics."""
+    pending = fq.pending_stats()
+    if pending is None:
+        fq.__dict__["_pending"] = (mn.clone(), mx.clone())
+    else:
+        torch.minimum(pending[0], mn, out=pending[0])
+        torch.maximum(pending[1], mx, out=pending[1])

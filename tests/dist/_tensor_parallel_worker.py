@@ -1,0 +1,189 @@
+"""One rank of the tensor-parallel tests (``test_tensor_parallel.py``).
+
+Run as a script, never imported from the tests folder::
+
+    python tests/dist/_tensor_parallel_worker.py OUTDIR CASE [CASE ...]
+
+with ``RANK``, ``WORLD_SIZE`` (2: tp 2; 4: dp 2 x tp 2) and ``QC_DIST_INIT`` in the
+environment. Rank = dp_index * 2 + tp_index (tp innermost); each dp replica trains on its
+rows of the global batch, both tp ranks of a replica on the same rows. Every rank also
+trains one process's graph on the whole global batch, the reference. Each rank writes
+``OUTDIR/rank<r>.json`` after every case.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import transformers
+from _worker_main import cases_in, error_of, run_cases
+
+import qcompile as qc
+
+PG_TIMEOUT = datetime.timedelta(seconds=60)
+TP = 2
+ROWS, SEQ, VOCAB = 2, 8, 64  # rows per replica
+STEPS, LR = 5, 0.1
+
+
+def llama() -> torch.nn.Module:
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, use_cache=False,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def mixtral() -> torch.nn.Module:
+    cfg = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def spec_of(preset: str, dp: int, plan: Any = "auto") -> Any:
+    d = qc.load_spec(preset).model_dump()
+    d["tensor_parallel"] = {"size": TP, "plan": plan}
+    d["data_parallel"] = {"kind": "fsdp2" if dp > 1 else "none"}
+    return qc.specs.as_spec(d)
+
+
+def loss_of(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=ids)
+    logits = out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", out)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(),
+                                             ids[:, 1:].reshape(-1))
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def state_of(model: Any) -> dict[str, torch.Tensor]:
+    # quantizers' pending statistics (_extra_state) are the step's partial ones until the
+    # next forward reduces them: not compared
+    return {k: whole(v).detach() for k, v in model.state_dict().items()
+            if not k.endswith("_extra_state")}
+
+
+def differences(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per tensor: max |got - ref| / max |ref| (floating point), 0/1 for integers."""
+    out = {}
+    for k, r in ref.items():
+        g = got[k]
+        if not r.is_floating_point():
+            out[k] = float(not torch.equal(g, r))
+            continue
+        scale = float(r.abs().max()) or 1.0
+        out[k] = float((g.float() - r.float()).abs().max()) / scale
+    return out
+
+
+def digest(state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode())
+        h.update(state[k].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(preset: str, build: Any = llama) -> dict[str, Any]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = world // TP
+    spec = spec_of(preset, dp)
+    g = torch.Generator().manual_seed(1)
+    # one global batch, five steps on it: the loss must fall
+    batches = [torch.randint(0, VOCAB, (ROWS * dp, SEQ), generator=g)] * STEPS
+    mine = slice((rank // TP) * ROWS, (rank // TP + 1) * ROWS)
+    m = build()
+    ref = qc.qcompile(m, spec, example_kwargs={"input_ids": batches[0]})
+    gm = qc.qcompile(m, spec, example_kwargs={"input_ids": batches[0][mine]})
+    plan = {r.layer: r.style for r in qc.report(gm).tensor_parallel}
+    model = qc.distributed.wrap(gm, spec)
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                for p in model.parameters())
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, ref_losses, first = [], [], None
+    for step, ids in enumerate(batches):
+        r = loss_of(ref, ids)
+        r.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        ref_losses.append(float(r))
+        loss = loss_of(model, ids[mine])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # the mean over the replicas (each tp rank has it once)
+        losses.append(float(total) / world)
+        if step == 0:
+            first = differences(state_of(model), state_of(ref))
+    got = state_of(model)
+    digests = [None] * world
+    dist.all_gather_object(digests, digest(got))
+    return {"plan": plan, "losses": losses, "ref_losses": ref_losses,
+            "first": max(first.values()), "first_worst": max(first, key=first.get),
+            "trained": differences(got, state_of(ref)), "replicas_equal":
+            len(set(digests)) == 1, "local_parameters": local,
+            "parameters": sum(p.numel() for p in ref.parameters())}
+
+
+def case_int8_qat() -> dict[str, Any]:
+    return train("int8-qat")
+
+
+def case_8da4w_qat() -> dict[str, Any]:
+    return train("8da4w-qat")
+
+
+def case_nvfp4_qat() -> dict[str, Any]:
+    return train("nvfp4-qat")
+
+
+def case_mixtral_8da4w_qat() -> dict[str, Any]:
+    """Attention sharded; the router and the experts (one [experts, out, in] parameter
+    each) kept whole on every rank."""
+    return train("8da4w-qat", mixtral)
+
+
+def case_ddp_refused() -> dict[str, Any]:
+    d = spec_of("8da4w-qat", 1).model_dump()
+    d["data_parallel"] = {"kind": "ddp"}
+    spec = qc.specs.as_spec(d)
+    gm = qc.qcompile(llama(), spec, example_kwargs={"input_ids": torch.zeros(ROWS, SEQ,
+                                                                             dtype=torch.long)})
+    return error_of(lambda: qc.distributed.wrap(gm, spec))
+
+
+def case_plan_differs() -> dict[str, Any]:
+    """Rank 1 wraps with another plan: the same clear error on every rank, no hang."""
+    dp = dist.get_world_size() // TP
+    spec = spec_of("8da4w-qat", dp)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ))
+    gm = qc.qcompile(llama(), spec, example_kwargs={"input_ids": ids})
+    if dist.get_rank() == 1:
+        spec = spec_of("8da4w-qat", dp, plan={"*.q_proj": "colwise", "*.k_proj": "colwise",
+                                              "*.v_proj": "colwise", "*.o_proj": "rowwise"})
+    return error_of(lambda: qc.distributed.wrap(gm, spec))
+
+
+CASES = cases_in(globals())
+
+
+def main(argv: list[str]) -> int:
+    return run_cases(Path(argv[0]), argv[1:], CASES, PG_TIMEOUT)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,99 @@
+"""Tensor parallelism on gloo ranks against one process: a 2-layer Llama (GQA) trained five
+SGD steps under ``int8-qat``, ``8da4w-qat`` and ``nvfp4-qat`` at tp 2 (2 ranks) and, with
+``QCOMPILE_SWEEP=1`` as ``.ci/run`` runs it after the default suite, at dp 2 x tp 2
+(FSDP2 over dp; 4 ranks).
+
+The cases run in ``_tensor_parallel_worker.py``: one supervised launch per world size runs
+every case the selected tests name; each test asserts on the JSON the ranks wrote.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dist_cases import wanted_cases
+
+pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.dist
+
+WORKER = Path(__file__).with_name("_tensor_parallel_worker.py")
+PRESETS = ("int8_qat", "8da4w_qat", "nvfp4_qat")
+ORDER = [*PRESETS, "mixtral_8da4w_qat", "plan_differs", "ddp_refused"]
+FULL = os.environ.get("QCOMPILE_SWEEP") == "1"
+WORLDS = [2, 4] if FULL else [2]
+LAUNCH_DEADLINE = 240.0  # seconds for every case of one launch (about 40 s normally)
+# How far five steps on the ranks may be from one process, relative (losses, trained
+# tensors): the qparams are one process's (weight ranges and NVFP4's tensor scale reduced
+# across tp, observer statistics across every rank once a step), but a rowwise layer sums
+# its partial products in another order and a colwise one multiplies narrower matrices:
+# a value one float rounding away may land on the other side of a rounding boundary of an
+# activation grid, a few elements one quantization step apart, and the gradients they
+# feed; on the int4 grid (16 levels a group) one weight a rounding apart after FSDP2's
+# reduce-scatter moves a whole group's output, so under dp only the losses are compared.
+# Under dp each replica's NVFP4 activations take a tensor scale from its own rows (as
+# NVFP4 computes it per forward), one process the global batch's.
+TOLERANCE = {2: {"int8_qat": (1e-3, 1e-2), "8da4w_qat": (1e-4, 1e-3),
+                 "nvfp4_qat": (1e-4, 1e-3)},
+             4: {"int8_qat": (1e-3, 1e-2), "8da4w_qat": (1e-3, None),
+                 "nvfp4_qat": (3e-2, None)}}
+# after the first step nothing has crossed a grid boundary yet: float reduction order
+FIRST = 1e-5
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
+def dist_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+             dist_launcher: Any) -> Any:
+    cases = wanted_cases(request, ORDER)
+    return dist_launcher(WORKER, cases, tmp_path_factory.mktemp(f"tp{request.param}"),
+                        LAUNCH_DEADLINE, world=request.param)
+
+
+@pytest.mark.parametrize("preset", [*PRESETS, "mixtral_8da4w_qat"])
+def test_training_equals_one_process(dist_run: Any, preset: str) -> None:
+    """Attention and MLP pairs and the LM head sharded; the ranks hold half of each sharded
+    weight; five SGD steps equal one process on the global batch (first step to float
+    rounding, then within ``TOLERANCE``); every replica's state bit-identical."""
+    results = dist_run.case(preset)
+    moe = preset.startswith("mixtral")
+    tol, trained_tol = TOLERANCE[dist_run.world][preset.removeprefix("mixtral_")]
+    for rank, got in enumerate(results):
+        plan = got["plan"]
+        assert plan["model.layers.0.self_attn.q_proj"] == "colwise", plan
+        assert plan["model.layers.0.self_attn.o_proj"] == "rowwise", plan
+        assert plan["lm_head"] == "colwise" and plan["model.embed_tokens"] == "rowwise", plan
+        if moe:  # the experts kept whole: a third of the parameters are attention's
+            assert plan["model.layers.1.mlp.gate"] == "replicate", plan
+            assert got["local_parameters"] < 0.95 * got["parameters"], got
+        else:  # norms replicated, every Linear and the embedding halved
+            assert plan["model.layers.1.mlp.down_proj"] == "rowwise", plan
+            assert got["local_parameters"] < 0.55 * got["parameters"], got
+        losses, ref = got["losses"], got["ref_losses"]
+        assert all(math.isfinite(v) for v in losses), losses
+        if dist_run.world == 2 or preset != "nvfp4_qat":
+            assert got["first"] <= FIRST, (rank, got["first_worst"], got["first"])
+        for step, (a, b) in enumerate(zip(losses, ref, strict=True)):
+            assert abs(a - b) <= tol * abs(b), f"rank {rank} step {step}: {a} vs {b}"
+        if trained_tol is not None:
+            worst = max(got["trained"].items(), key=lambda kv: kv[1])
+            assert worst[1] <= trained_tol, f"rank {rank}: {worst[0]} differs by {worst[1]:.2e}"
+        assert got["replicas_equal"], f"rank {rank}: the ranks' whole states differ"
+        assert losses[-1] < losses[0], losses
+
+
+def test_a_plan_differing_across_ranks_is_one_error_everywhere(dist_run: Any) -> None:
+    """Rank 1 wraps with another plan: before any collective, the same QCompileError on
+    every rank naming the rank and the spec field."""
+    for rank, got in enumerate(dist_run.case("plan_differs")):
+        assert got["raised"] == "QCompileError", (rank, got)
+        assert "tensor_parallel" in got["message"] and "rank" in got["message"], (rank, got)
+
+
+def test_ddp_with_tensor_parallel_is_refused_with_the_fix(dist_run: Any) -> None:
+    for rank, got in enumerate(dist_run.case("ddp_refused")):
+        assert got["raised"] == "QCompileError", (rank, got)
+        assert "fsdp2" in got["fix"], (rank, got)

@@ -1,0 +1,168 @@
+"""``plan_tensor_parallel`` and ``shard_tensor_parallel`` in one process: the plan ``auto``
+finds on Llama (GQA) and Mixtral graphs, what it keeps whole and why, plans that cannot
+hold (a clear error naming the layer and the fix), explicit plans, and golden dumps of
+the rewrite for one rank's shards (and of a graph where no pair is found). The ranks'
+training is in tests/dist/test_tensor_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import qcompile as qc
+from qcompile.graph.dump import format_graph
+from qcompile.passes.plan_tensor_parallel import TP_PLAN_KEY
+from qcompile.passes.shard_tensor_parallel import shard_tensor_parallel
+from qcompile.runtime.sharded import ShardedLinear
+
+transformers = pytest.importorskip("transformers")
+
+
+def llama(**over) -> nn.Module:
+    conf = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**conf, **over}))
+
+
+def compiled(model: nn.Module, preset: str = "8da4w-qat", **tp) -> torch.fx.GraphModule:
+    spec = qc.load_spec(preset).model_dump()
+    spec["tensor_parallel"] = {"size": 2, **tp}
+    return qc.qcompile(model, qc.specs.as_spec(spec),
+                       example_kwargs={"input_ids": torch.randint(0, 64, (2, 8))})
+
+
+def styles(gm: torch.fx.GraphModule) -> dict[str, tuple[str, bool]]:
+    return {r.layer: (r.style, r.gather) for r in qc.report(gm).tensor_parallel}
+
+
+def test_llama_attention_mlp_head_and_embedding() -> None:
+    gm = compiled(llama())
+    s = styles(gm)
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    assert {s[f"{attn}.{p}"] for p in ("q_proj", "k_proj", "v_proj")} == {("colwise", False)}
+    assert s[f"{attn}.o_proj"] == ("rowwise", False)
+    assert {s[f"{mlp}.{p}"] for p in ("gate_proj", "up_proj")} == {("colwise", False)}
+    assert s[f"{mlp}.down_proj"] == ("rowwise", False)
+    assert s["lm_head"] == ("colwise", True) and s["model.embed_tokens"] == ("rowwise", False)
+    reasons = {r.layer: r.reason for r in qc.report(gm).tensor_parallel}
+    assert f"{attn}.o_proj" in reasons[f"{attn}.q_proj"]
+    # export records repeat_kv's expand and reshape with whole head counts (2 kv heads
+    # repeated to 4): four shape arguments, each halved on a rank
+    plan = gm.meta[TP_PLAN_KEY]
+    assert sorted(size for _, _, size in plan.shape_args) == [2, 2, 4, 4]
+
+
+def test_mixtral_experts_and_router_kept_whole() -> None:
+    cfg = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    gm = compiled(transformers.MixtralForCausalLM(cfg))
+    s = styles(gm)
+    assert s["model.layers.0.self_attn.q_proj"] == ("colwise", False)
+    assert s["model.layers.0.mlp.gate"][0] == "replicate"
+    reasons = {r.layer: r.reason for r in qc.report(gm).tensor_parallel}
+    assert "softmax" in reasons["model.layers.0.mlp.gate"]
+    experts = [k for k in s if ".experts." in k]
+    assert experts and all(s[k][0] == "replicate" for k in experts), s
+
+
+def test_tied_embeddings_are_replicated() -> None:
+    gm = compiled(llama(tie_word_embeddings=True))
+    tied = [r for r in qc.report(gm).tensor_parallel if r.layer == "lm_head"]
+    assert tied and all(r.style == "replicate" and "tied" in r.reason for r in tied)
+    assert styles(gm)["model.layers.0.self_attn.q_proj"][0] == "colwise"
+
+
+def test_heads_not_divisible_is_an_error_naming_the_layer() -> None:
+    # 4 heads of 12: 48 features divide by 3, the heads do not
+    with pytest.raises(qc.QCompileError) as e:
+        compiled(llama(hidden_size=48, num_key_value_heads=4), "int8-qat", size=3)
+    assert "self_attn" in e.value.message and "not divisible by" in e.value.message
+    assert "size 3" in e.value.message and "replicate" in e.value.fix
+
+
+def test_a_group_straddling_two_shards_is_an_error() -> None:
+    # 8da4w: int4 groups of 32 along the input features; o_proj's 64 split 4 ways is 16
+    with pytest.raises(qc.QCompileError) as e:
+        compiled(llama(num_key_value_heads=4), size=4)
+    assert "o_proj" in e.value.message and "straddle" in e.value.message
+    assert "multiple of 32" in e.value.fix
+
+
+def test_explicit_plan() -> None:
+    plan = {"*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise",
+            "*.o_proj": "rowwise"}
+    s = styles(compiled(llama(), plan=plan))
+    assert s["model.layers.0.self_attn.q_proj"] == ("colwise", False)
+    assert s["model.layers.0.mlp.gate_proj"][0] == "replicate"
+    with pytest.raises(qc.QCompileError) as e:  # q colwise, o not rowwise
+        compiled(llama(), plan={"*.q_proj": "colwise"})
+    assert "q_proj" in e.value.message and "together" in e.value.fix
+    with pytest.raises(qc.QCompileError) as e:
+        compiled(llama(), plan={"*.qproj": "colwise"})
+    assert "'*.qproj' matches no" in e.value.message
+
+
+def test_without_shapes_is_an_error() -> None:
+    spec = {"quant": {"mode": "none"}, "tensor_parallel": {"size": 2}}
+    with pytest.raises(qc.QCompileError) as e:
+        qc.qcompile(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)), spec)
+    assert "example_inputs" in e.value.fix
+
+
+class NormBetween(nn.Module):
+    """up -> LayerNorm -> down, residual: the norm reads every feature, so up's slice cannot
+    pass it; down's output meets the whole input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.norm, self.down = nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.norm(self.up(x)))
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 128), nn.Linear(128, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def _sharded_dump(model: nn.Module) -> tuple[torch.fx.GraphModule, str]:
+    torch.manual_seed(0)
+    spec = qc.load_spec("8da4w-qat").model_dump()
+    spec["tensor_parallel"] = {"size": 2}
+    gm = qc.qcompile(model, qc.specs.as_spec(spec), example_inputs=(torch.randn(2, 64),))
+    before = format_graph(gm)
+    plan = "\n".join(f"{r.layer}: {r.style} ({r.reason})" for r in qc.report(gm).tensor_parallel)
+    shard_tensor_parallel(gm, gm.meta[TP_PLAN_KEY])
+    return gm, (f"## before shard_tensor_parallel\n{before}\n## plan\n{plan}\n"
+                f"## after shard_tensor_parallel\n{format_graph(gm)}")
+
+
+def test_golden_mlp_pair(golden) -> None:
+    model = MLP()
+    x = torch.randn(2, 64)
+    gm, text = _sharded_dump(model)
+    golden("shard_tensor_parallel_mlp", text)
+    assert isinstance(gm.up, ShardedLinear) and isinstance(gm.down, ShardedLinear)
+    # in one process (no DTensors) the rewritten graph is the compiled one: the same values
+    ref = qc.qcompile(model, qc.specs.as_spec({**qc.load_spec("8da4w-qat").model_dump()}),
+                      example_inputs=(torch.randn(2, 64),))
+    ref.load_state_dict(gm.state_dict())
+    assert torch.equal(gm(x), ref(x))
+
+
+def test_golden_no_pair_found(golden) -> None:
+    gm, text = _sharded_dump(NormBetween())
+    golden("shard_tensor_parallel_no_pair", text)
+    assert not any(isinstance(m, ShardedLinear) for m in gm.modules())
+    assert "LayerNorm" in text or "layer_norm" in text
