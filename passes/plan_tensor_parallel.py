@@ -65,6 +65,9 @@ _ELEMENTWISE = frozenset({
     "sin", "cos", "reciprocal", "true_divide", "truediv", "scalar_tensor", "identity",
     "_assert_tensor_metadata", "lift_fresh_copy", "clamp_min", "clamp_max", "hardtanh",
 })
+# modules that act on each element: the sliced dim passes through
+_ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Dropout, nn.Identity, nn.Tanh,
+                        nn.Sigmoid, nn.LeakyReLU, nn.Softplus, nn.Mish, nn.Hardtanh, nn.ReLU6)
 _VIEWS = frozenset({"view", "reshape", "_unsafe_view", "expand"})
 _LINEAR = frozenset({"linear"})
 _EMBEDDING = frozenset({"embedding"})
@@ -91,6 +94,8 @@ class TensorParallelPlan:
     layers: tuple[LayerPlan, ...]
     shape_args: tuple[tuple[str, tuple[int, ...], int], ...]
     region_quantizers: tuple[str, ...]
+    # parameters read inside sharded regions, and the nodes there reading them
+    region_params: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def sharded(self) -> dict[str, LayerPlan]:
         return {p.layer: p for p in self.layers if p.style != "replicate"}
@@ -251,6 +256,9 @@ class _Propagation:
         self.shape_args: list[tuple[str, tuple[int, ...], int]] = []
         self.quantizers: set[str] = set()
         self.outputs: set[str] = set()  # colwise layers whose slice reaches the output
+        # parameters read inside sharded regions (per-head norms' weights), with the region
+        # nodes reading them: each rank's gradient is its heads' part, summed across tp
+        self.region_params: dict[str, set[str]] = {}
         self.layer_inputs = {q for layer in layers.values()
                              if (q := layer.quantizers.get("input")) is not None}
 
@@ -271,6 +279,10 @@ class _Propagation:
                 f = _Fail(n.name, "the sliced activation is an output of the graph")
                 f.sources = sources  # type: ignore[attr-defined]
                 raise f
+            for a in _tensor_args(n):
+                if a.op == "get_attr" and a not in self.state and _is_param(self.gm,
+                                                                              str(a.target)):
+                    self.region_params.setdefault(str(a.target), set()).add(n.name)
             try:
                 self.state[n] = self._through(n, sharded)
             except _Fail as f:
@@ -304,6 +316,8 @@ class _Propagation:
             if isinstance(m, FakeQuantize):
                 if str(n.target) not in self.layer_inputs:  # those run inside their layer
                     self.quantizers.add(str(n.target))
+                return sharded[0][1]
+            if isinstance(m, _ELEMENTWISE_MODULES):
                 return sharded[0][1]
             raise _Fail(where, f"module {type(m).__name__} is not known to keep the slice")
         if out is None:
@@ -500,7 +514,8 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
             style, why = "colwise", "output features sliced up to " + ", ".join(partners)
         elif layer.kind == "embedding" and name not in tied and (
                 explicit is None or _explicit(explicit, name) == "rowwise"):
-            style, why = "rowwise", "embedding rows (vocabulary or positions) sliced; outputs reduced"
+            style = "rowwise"
+            why = "embedding rows (vocabulary or positions) sliced; outputs reduced"
         else:
             style = "replicate"
             why = ("tied to another layer's weight" if name in tied
@@ -522,7 +537,9 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
     for q in sorted(prop.quantizers):
         _check_region_quantizer(gm, q)
     return TensorParallelPlan(size, tuple(out), tuple(prop.shape_args),
-                              tuple(sorted(prop.quantizers)))
+                              tuple(sorted(prop.quantizers)),
+                              tuple((k, tuple(sorted(v)))
+                                    for k, v in sorted(prop.region_params.items())))
 
 
 def _other_weights(gm: GraphModule, planned: set[str]) -> list[LayerPlan]:
@@ -594,6 +611,11 @@ def _check_region_quantizer(gm: GraphModule, name: str) -> None:
 def plan_tensor_parallel(gm: GraphModule, ctx: Context) -> GraphModule:
     """Plan the ``tp`` sharding of every Linear and embedding (``gm.meta``, the report)."""
     tp = ctx.spec.tensor_parallel
+    if ctx.spec.adapters:
+        raise QCompileError("tensor_parallel with adapters: LoRA layers are not sharded "
+                            "across tensor-parallel ranks",
+                            fix="remove the tensor_parallel section (data parallelism shards "
+                            "adapters' frozen bases: data_parallel: {kind: fsdp2})")
     if not ctx.has_shapes:
         raise QCompileError("tensor_parallel plans from the graph's shapes, and it was "
                             "compiled without example inputs",

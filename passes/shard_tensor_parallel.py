@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
@@ -47,9 +48,14 @@ def _drop(gm: GraphModule, *nodes: object) -> None:
             gm.graph.erase_node(n)
 
 
-def shard_tensor_parallel(gm: GraphModule, plan: TensorParallelPlan) -> dict[str, LayerPlan]:
+def shard_tensor_parallel(gm: GraphModule, plan: TensorParallelPlan,
+                          reduce_gradients: nn.Module | None = None) -> dict[str, LayerPlan]:
     """Rewrite ``gm`` (in place; its child graphs too: the blocks FSDP2 shards) for one
-    rank's shards. Returns the sharded layers by qualified name within ``gm``."""
+    rank's shards. Returns the sharded layers by qualified name within ``gm``.
+
+    ``reduce_gradients`` (``qcompile.runtime.sharded.SumGradients`` on the tp mesh) is
+    put between each parameter read inside a sharded region and the ops there reading it:
+    a per-head norm's weight gets the gradient of this rank's heads, summed across tp."""
     sharded = plan.sharded()
     graphs = [(name, g) for name, g in gm.named_modules() if isinstance(g, GraphModule)]
     done: dict[str, LayerPlan] = {}
@@ -68,9 +74,31 @@ def shard_tensor_parallel(gm: GraphModule, plan: TensorParallelPlan) -> dict[str
                             fix="wrap the graph qc.qcompile returned, as it returned it")
     for _, g in graphs:
         _shape_args(g, plan)
+        if reduce_gradients is not None:
+            _sum_gradients(g, plan, reduce_gradients)
         g.graph.lint()
         g.recompile()
     return done
+
+
+_SUM = "tp_sum_gradients"
+
+
+def _sum_gradients(g: GraphModule, plan: TensorParallelPlan, module: nn.Module) -> None:
+    readers = dict(plan.region_params)
+    nodes = {n.name: n for n in g.graph.nodes}
+    for n in list(g.graph.nodes):
+        if n.op != "get_attr" or str(n.target) not in readers:
+            continue
+        inside = [nodes[r] for r in readers[str(n.target)] if r in nodes]
+        if not inside:
+            continue
+        if not hasattr(g, _SUM):
+            g.add_module(_SUM, module)
+        with g.graph.inserting_after(n):
+            summed = g.graph.call_module(_SUM, (n,))
+        for user in inside:
+            user.replace_input_with(n, summed)
 
 
 def _shape_args(g: GraphModule, plan: TensorParallelPlan) -> None:
@@ -126,3 +154,16 @@ def _shard_layer(gm: GraphModule, layer: Any, p: LayerPlan) -> None:
     node.replace_all_uses_with(call)
     gm.graph.erase_node(node)
     _drop(gm, *rest)
+    if any(_in_place(u) for u in call.users):
+        # torch's styles hand back the output as a view made by an autograd Function
+        # (to_local), which autograd forbids modifying in place (Falcon's add_): a copy
+        with gm.graph.inserting_after(call):
+            copy = gm.graph.call_function(torch.ops.aten.clone.default, (call,))
+        call.replace_all_uses_with(copy, delete_user_cb=lambda u: u is not copy)
+        copy.meta = dict(call.meta)
+
+
+def _in_place(n: Node) -> bool:
+    name = getattr(getattr(n.target, "overloadpacket", None), "__name__", None) or (
+        n.target if n.op == "call_method" else getattr(n.target, "__name__", ""))
+    return isinstance(name, str) and name.endswith("_") and not name.startswith("_")

@@ -43,6 +43,7 @@ from qcompile.graph.meta import (
     SPEC_KEY,
     STAGE_NAMES_KEY,
     SYNC_OBSERVERS_KEY,
+    TP_SHARDED_KEY,
 )
 from qcompile.graph.pipeline import Instrument
 from qcompile.graph.records import Report, report
@@ -315,6 +316,10 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
 
     refuse_adapters(gm, "convert")  # lowering the base alone would drop the adapters
     _refuse_ggml(gm)
+    if getattr(gm, "meta", {}).get(TP_SHARDED_KEY):
+        raise QCompileError("convert: this graph's layers are sharded across tensor-parallel "
+                            "ranks (rows and columns of their weights): no rank holds a "
+                            "layer whole", fix=_GATHER_RECIPE)
     sharded = sharded_by(gm)
     if sharded is not None:
         fsdp1 = any(c.__name__ == "FullyShardedDataParallel"

@@ -233,7 +233,8 @@ def summary(gm: Any) -> dict[str, Any]:
     return {"quantizers": counts, "fp32_bytes": fp32, "quantized_bytes": int(quantized),
             "stages": [s.model_dump() for s in report.stages],
             "balance_ratio": report.balance_ratio, "mode": report.mode,
-            "trace_method": report.trace_method}
+            "trace_method": report.trace_method,
+            "tensor_parallel": [r.model_dump() for r in report.tensor_parallel]}
 
 
 # -- pictures (drawn by qcompile.tools.inspect_picture) ---------------------------------------
@@ -378,6 +379,11 @@ def cmd_show(args: argparse.Namespace) -> int:
                          f"in {s['bytes_in']} B, out {s['bytes_out']} B")
     else:
         lines.append("stages: none (no pipeline section)")
+    if info["tensor_parallel"]:
+        from qcompile.graph.records import TensorParallelRecord, tensor_parallel_lines
+
+        lines += tensor_parallel_lines([TensorParallelRecord(**r)
+                                        for r in info["tensor_parallel"]])
     data = {"nodes": rows, "summary": info, "files": written}
     if drawn is not None:
         data["picture"] = drawn

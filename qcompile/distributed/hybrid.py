@@ -71,8 +71,9 @@ def mesh_shape(spec: Any, world: int) -> tuple[int, int]:
 def mesh(spec: Any, device_type: str | None = None) -> Any:
     """The ``("pp", "dp")`` ``DeviceMesh`` for ``spec`` on the initialised process group
     (``init_device_mesh``; every rank calls it); with a ``tensor_parallel`` section, dims
-    among ``("dp", "tp")`` (``qcompile.distributed.tensor_parallel.mesh_dims``). ``device_type`` defaults to the pipeline
-    devices' type (``cuda`` when they name GPUs, else ``cpu``). The ranks first agree on
+    among ``("dp", "tp")`` (``qcompile.distributed.tensor_parallel.mesh_dims``).
+    ``device_type`` defaults to the pipeline devices' type (``cuda`` when they name GPUs,
+    else ``cpu``; with tensor parallelism ``cuda`` under NCCL). The ranks first agree on
     the spec's ``pipeline`` and ``data_parallel`` sections and the device type: a rank
     launched with another spec is the same ``QCompileError`` on every rank, not a hang."""
     spec = as_spec(spec)

@@ -592,6 +592,11 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
                 "compile_once(lambda: MyModel(config), ...): every rank builds it, on the "
                 "meta device where it needs no memory")
     spec = as_spec(spec)
+    if spec.tensor_parallel is not None:
+        raise QCompileError("compile_once with a tensor_parallel section: compile_once shards "
+                            "by data-parallel rows, not by the tensor-parallel plan",
+                            fix="compile with qc.qcompile on every rank (same model, same "
+                            "seed), then qc.distributed.wrap(gm, spec) shards it")
     if spec.quant.search is not None:
         raise QCompileError("quant.search: this spec describes a search, not one "
                             "quantization; compile_once compiles the spec the search returns",

@@ -13,15 +13,16 @@ The mesh (``qc.distributed.mesh(spec)``): dims among ``("pp", "dp", "tp")`` in t
 order, ``tp`` innermost (ranks ``0..T-1`` of a node share a layer), ``dp`` across nodes.
 
 Example:
+    >>> import qcompile as qc
     >>> mesh_dims({"tensor_parallel": {"size": 2}, "data_parallel": {"kind": "fsdp2"}}, 4)
     {'dp': 2, 'tp': 2}
     >>> mesh_dims({"tensor_parallel": {"size": 2}}, 2)
     {'tp': 2}
-    >>> mesh_dims({"tensor_parallel": {"size": 2}}, 4)
-    Traceback (most recent call last):
-    ...
-    qcompile.errors.QCompileError: tensor parallel: 4 ranks hold 2 replicas of each shard, and data_parallel.kind is none: they would train apart
-      fix: set data_parallel.kind: fsdp2, or launch 2 processes
+    >>> try:
+    ...     mesh_dims({"tensor_parallel": {"size": 2}}, 4)
+    ... except qc.QCompileError as e:
+    ...     print(e.fix)
+    set data_parallel.kind: fsdp2, or launch 2 processes
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from typing import Any
 from torch import nn
 
 from qcompile.errors import QCompileError
+from qcompile.graph.meta import TP_SHARDED_KEY
 from qcompile.passes.plan_tensor_parallel import TP_PLAN_KEY, LayerPlan
 from qcompile.passes.shard_tensor_parallel import shard_tensor_parallel
+from qcompile.runtime.sharded import SumGradients
 from qcompile.specs import as_spec
 
 
@@ -113,7 +116,8 @@ def parallelize(gm: nn.Module, tp_mesh: Any) -> nn.Module:
         raise QCompileError(f"tensor parallel: the graph was planned for "
                             f"tensor_parallel.size {plan.size}, the mesh's tp dim has "
                             f"{tp_mesh.size()} ranks", fix="compile and wrap with one spec")
-    sharded = shard_tensor_parallel(gm, plan)
+    sharded = shard_tensor_parallel(gm, plan, SumGradients(tp_mesh))
+    gm.meta[TP_SHARDED_KEY] = plan.size
     parallelize_module(gm, tp_mesh, {name: _style(p) for name, p in sharded.items()})
     for name in sharded:
         _plain_state(gm.get_submodule(name))

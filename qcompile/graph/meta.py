@@ -47,6 +47,9 @@ STAGE_NAMES_KEY = "qcompile.stage_names"
 TIED_KEY = "qcompile.tied"
 #: compile_once: the graph is already ``fully_shard``-ed per block (``wrap`` returns it as is)
 SHARDED_KEY = "qcompile.sharded"
+# qc.distributed.wrap sharded the graph's layers across tensor-parallel ranks (the plan's
+# size): its weights are DTensors split by rows (colwise) or columns (rowwise)
+TP_SHARDED_KEY = "qcompile.tp_sharded"
 #: wrap / compile_once: the graph's data-parallel group (``distributed.agree.GroupCheck``);
 #: ``check(call, gm)`` has its ranks agree on the call and the model before a collective
 #: (how ``save_adapters`` checks before gathering a sharded graph); None once pickled

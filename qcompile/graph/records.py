@@ -80,6 +80,18 @@ class TensorParallelRecord(BaseModel):
     gather: bool = Field(False, description="a colwise layer whose output is gathered")
 
 
+def tensor_parallel_lines(records: list[TensorParallelRecord]) -> list[str]:
+    """The plan, one line per layer: its style across the tp dim and why."""
+    counts: dict[str, int] = {}
+    for r in records:
+        counts[r.style] = counts.get(r.style, 0) + 1
+    lines = ["tensor parallel: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))]
+    for r in records:
+        style = f"{r.style}{' (gathered)' if r.gather else ''}"
+        lines.append(f"    {r.layer:<40} {style:<20} {r.reason}")
+    return lines
+
+
 class AdapterRecord(BaseModel):
     """One adapted layer (``adapters``): its adapter and what its frozen base costs."""
 
@@ -237,6 +249,8 @@ class Report(BaseModel):
                          f"({100 * self.trainable_parameters / self.parameters:.2f}%)")
         if self.trainable:
             lines.append(f"trains: {_trains(self.trainable)}")
+        if self.tensor_parallel:
+            lines += tensor_parallel_lines(self.tensor_parallel)
         if self.stages:
             lines.append(f"stages: {len(self.stages)} (balance {self.balance}, max/mean cost "
                          f"{self.balance_ratio:.2f})")

@@ -90,6 +90,22 @@ class ShardedEmbedding(nn.Embedding):
         return layer
 
 
+class SumGradients(nn.Module):
+    """The identity forward; backward, the gradient summed across the tp mesh (a DTensor
+    ``Replicate`` read as ``Partial``: torch's all-reduce). Put where a replicated
+    parameter enters a sharded region, whose ops on each rank see only its heads."""
+
+    def __init__(self, mesh: Any) -> None:
+        super().__init__()
+        self.__dict__["mesh"] = mesh  # not state: rebuilt by wrap
+
+    def forward(self, p: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        return DTensor.from_local(p, self.mesh, [Replicate()], run_check=False).to_local(
+            grad_placements=[Partial()])
+
+
 # -- fake-quant of a shard -----------------------------------------------------------------
 def _placement(x: Any) -> tuple[Any, int | None]:
     """``x`` with one placement, Replicate or Shard (a Partial value is reduced first),

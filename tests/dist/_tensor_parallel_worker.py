@@ -57,13 +57,6 @@ def spec_of(preset: str, dp: int, plan: Any = "auto") -> Any:
     return qc.specs.as_spec(d)
 
 
-def loss_of(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=ids)
-    logits = out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", out)
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(),
-                                             ids[:, 1:].reshape(-1))
-
-
 def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -96,17 +89,31 @@ def digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def train(preset: str, build: Any = llama) -> dict[str, Any]:
+def lm_batch(rows: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {"input_ids": torch.randint(0, VOCAB, (rows, SEQ), generator=g)}
+
+
+def lm_loss(out: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", out)
+    ids = batch["input_ids"]
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1])
+                                             .float(), ids[:, 1:].reshape(-1))
+
+
+def train(preset: str, build: Any = llama, batch_of: Any = lm_batch, loss_fn: Any = lm_loss,
+          steps: int = STEPS) -> dict[str, Any]:
+    """``steps`` SGD steps on one global batch (the loss must fall): one process's graph on
+    all of it, the ranks' sharded graph on their replica's rows."""
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = world // TP
     spec = spec_of(preset, dp)
-    g = torch.Generator().manual_seed(1)
-    # one global batch, five steps on it: the loss must fall
-    batches = [torch.randint(0, VOCAB, (ROWS * dp, SEQ), generator=g)] * STEPS
-    mine = slice((rank // TP) * ROWS, (rank // TP + 1) * ROWS)
+    batch = batch_of(ROWS * dp)
+    rows = slice((rank // TP) * ROWS, (rank // TP + 1) * ROWS)
+    mine = {k: v[rows] for k, v in batch.items()}
     m = build()
-    ref = qc.qcompile(m, spec, example_kwargs={"input_ids": batches[0]})
-    gm = qc.qcompile(m, spec, example_kwargs={"input_ids": batches[0][mine]})
+    ref = qc.qcompile(m, spec, example_kwargs=batch)
+    gm = qc.qcompile(m, spec, example_kwargs=mine)
     plan = {r.layer: r.style for r in qc.report(gm).tensor_parallel}
     model = qc.distributed.wrap(gm, spec)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
@@ -114,13 +121,13 @@ def train(preset: str, build: Any = llama) -> dict[str, Any]:
     opt_ref = torch.optim.SGD(ref.parameters(), lr=LR)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, ref_losses, first = [], [], None
-    for step, ids in enumerate(batches):
-        r = loss_of(ref, ids)
+    for step in range(steps):
+        r = loss_fn(ref(**batch), batch)
         r.backward()
         opt_ref.step()
         opt_ref.zero_grad()
         ref_losses.append(float(r))
-        loss = loss_of(model, ids[mine])
+        loss = loss_fn(model(**mine), mine)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -139,6 +146,18 @@ def train(preset: str, build: Any = llama) -> dict[str, Any]:
             "parameters": sum(p.numel() for p in ref.parameters())}
 
 
+def family(name: str) -> dict[str, Any]:
+    """A decoder family of the architecture table (tiny config), 8da4w-qat, three steps:
+    whatever the plan shards, the ranks train as one process."""
+    from qcompile.tools.architectures import ARCHITECTURES
+
+    arch = ARCHITECTURES[name]
+    # dropout off (GPT-2 drops 10% by default): one process and the ranks draw differently
+    off = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if name == "gpt2" else {}
+    return train("8da4w-qat", lambda: arch.build(seed=0, **off),
+                 lambda rows: arch.batch(seed=1, batch=rows), arch.loss, steps=3)
+
+
 def case_int8_qat() -> dict[str, Any]:
     return train("int8-qat")
 
@@ -149,6 +168,12 @@ def case_8da4w_qat() -> dict[str, Any]:
 
 def case_nvfp4_qat() -> dict[str, Any]:
     return train("nvfp4-qat")
+
+
+FAMILIES = ("mistral", "qwen2", "qwen3", "qwen2_moe", "olmoe", "gemma2", "phi3", "falcon",
+            "gpt_neox", "bloom", "gpt2", "deepseek_v3")
+for _name in FAMILIES:
+    globals()[f"case_family_{_name}"] = lambda _name=_name: family(_name)
 
 
 def case_mixtral_8da4w_qat() -> dict[str, Any]:
@@ -164,6 +189,16 @@ def case_ddp_refused() -> dict[str, Any]:
     gm = qc.qcompile(llama(), spec, example_kwargs={"input_ids": torch.zeros(ROWS, SEQ,
                                                                              dtype=torch.long)})
     return error_of(lambda: qc.distributed.wrap(gm, spec))
+
+
+def case_convert_refused() -> dict[str, Any]:
+    """qc.convert of the sharded graph: refused with the gather recipe (no rank holds a
+    layer whole)."""
+    spec = spec_of("int8-qat", dist.get_world_size() // TP)
+    gm = qc.qcompile(llama(), spec, example_kwargs={"input_ids": torch.zeros(
+        ROWS, SEQ, dtype=torch.long)})
+    model = qc.distributed.wrap(gm, spec)
+    return error_of(lambda: qc.convert(model))
 
 
 def case_plan_differs() -> dict[str, Any]:

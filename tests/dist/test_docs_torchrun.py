@@ -26,12 +26,13 @@ ROOT = Path(__file__).resolve().parents[2]
 DONE = {"ddp_train.py": "identical on every rank: True",
         "sharded_compile_once.py": "identical on every rank: True",
         "qlora_train.py": "max |peft - qcompile|",
-        "pipeline_train.py": "stage", "hybrid_train.py": "loss"}
+        "pipeline_train.py": "stage", "hybrid_train.py": "loss",
+        "tp_train.py": "identical on every rank: True"}
 # fewer steps: what is checked is that the command runs, the examples' APIs have tests of
 # their own
 SHORT = {"ddp_train.py": ["--steps", "2"], "sharded_compile_once.py": ["--steps", "2"],
          "qlora_train.py": ["--steps", "2"], "pipeline_train.py": ["--steps", "2"],
-         "hybrid_train.py": ["--epochs", "1"]}
+         "hybrid_train.py": ["--epochs", "1"], "tp_train.py": ["--steps", "2"]}
 
 
 def commands() -> list[list[str]]:
@@ -54,18 +55,54 @@ def test_the_docs_show_the_examples() -> None:
     assert shown == set(DONE), shown
 
 
+def _nodes(args: list[str]) -> int:
+    for i, w in enumerate(args):
+        if w.startswith("--nnodes"):
+            return int(w.split("=", 1)[1] if "=" in w else args[i + 1])
+    return 1
+
+
+def _as_node(args: list[str], node: int) -> list[str]:
+    """``args`` with ``--node_rank`` set to ``node``."""
+    out, skip = [], False
+    for w in args:
+        if skip:
+            out.append(str(node))
+            skip = False
+        elif w.startswith(("--node_rank", "--node-rank")):
+            if "=" in w:
+                out.append(f"{w.split('=', 1)[0]}={node}")
+            else:
+                out.append(w)
+                skip = True
+        else:
+            out.append(w)
+    return out
+
+
 @LAUNCHES
 @pytest.mark.parametrize("args", commands(), ids=lambda a: " ".join(a[-2:]))
 def test_torchrun_command_runs(args: list[str], tmp_path: Path) -> None:
+    """A multi-node command (``--nnodes N``) runs as N nodes would: N launches of it on
+    this machine, ``--node_rank`` 0 .. N-1, meeting at its rendezvous endpoint."""
     script = next(w for w in args if w.startswith("examples/")).split("/")[1]
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    done = subprocess.run([str(torchrun), *args, *SHORT[script]], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    out = done.stdout + done.stderr
-    # gloo can abort a rank at interpreter exit, after destroy_process_group, when a worker
-    # thread still holds work ("terminate called without an active exception", about one
-    # launch in five here): the script's work is done by then, so that alone is no failure
-    shutdown = "terminate called without an active exception" in out
-    assert done.returncode == 0 or shutdown, out[-4000:]
-    assert DONE[script] in done.stdout, out[-4000:]
+    nodes = [subprocess.Popen([str(torchrun), *_as_node(args, n), *SHORT[script]], cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for n in range(_nodes(args))]
+    try:
+        outs = [p.communicate(timeout=300) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    for p, (stdout, stderr) in zip(nodes, outs, strict=True):
+        out = stdout + stderr
+        # gloo can abort a rank at interpreter exit, after destroy_process_group, when a
+        # worker thread still holds work ("terminate called without an active exception",
+        # about one launch in five here): the script's work is done by then, so that alone
+        # is no failure
+        shutdown = "terminate called without an active exception" in out
+        assert p.returncode == 0 or shutdown, out[-4000:]
+    assert DONE[script] in outs[0][0], (outs[0][0] + outs[0][1])[-4000:]

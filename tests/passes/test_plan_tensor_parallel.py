@@ -115,6 +115,18 @@ def test_without_shapes_is_an_error() -> None:
     assert "example_inputs" in e.value.fix
 
 
+def test_adapters_and_compile_once_are_refused() -> None:
+    spec = qc.load_spec("qlora-nf4").model_dump()
+    spec["tensor_parallel"] = {"size": 2}
+    with pytest.raises(qc.QCompileError) as e:
+        qc.qcompile(llama(), spec, example_kwargs={"input_ids": torch.zeros(2, 8).long()})
+    assert "adapters" in e.value.message and "fsdp2" in e.value.fix
+    spec = {"quant": {"mode": "qat"}, "tensor_parallel": {"size": 2}}
+    with pytest.raises(qc.QCompileError) as e:
+        qc.distributed.compile_once(lambda: nn.Linear(4, 4), spec, (torch.randn(2, 4),))
+    assert "qc.qcompile on every rank" in e.value.fix
+
+
 class NormBetween(nn.Module):
     """up -> LayerNorm -> down, residual: the norm reads every feature, so up's slice cannot
     pass it; down's output meets the whole input."""

@@ -15,6 +15,12 @@ Subcommands:
 - ``hybrid``: traffic per training step (gradient buckets, observer all-reduces,
   pipeline sends) of one int8-QAT MLP on 4 ranks as 2 stages x 2 DDP replicas, 4 DDP
   replicas and 4 GPipe stages.
+- ``tp``: tensor parallelism of a small Llama-style model on 1, 2 and 4 ranks (gloo, CPU)
+  under int8-qat, 8da4w-qat and nvfp4-qat next to torch's own tensor parallelism of the
+  float model (``parallelize_module``, the same per-layer styles): bytes per rank
+  (parameters, gradients, AdamW state, quantizer buffers), step time, and the collectives
+  and bytes of one step (``CommDebugMode``), the quantizers' statistics and observer sync
+  apart.
 - ``compile``: compile time of qcompile int8-qat and torch.ao ``prepare_qat_fx`` relative
   to ``torch.fx.symbolic_trace`` (MLP, ResNet-18-style CNN, 12-layer transformer), and
   compile time of 50..400-block MLPs (scaling).
@@ -109,6 +115,7 @@ SUMMARIES: dict[str, str] = {
     "compile-once": "per-rank peak memory of compile_once on 1, 2, 4 ranks vs the naive way",
     "observer-sync": "collectives and bytes per step keeping 2 DDP ranks' observers equal",
     "hybrid": "traffic per step: 2 stages x 2 DDP replicas vs 4 replicas vs 4 stages",
+    "tp": "tensor parallel QAT vs torch's float TP: bytes/rank, step, collectives",
     "compile": "compile time vs symbolic_trace and torch.ao prepare_qat_fx; scaling",
     "memory": "peak RSS of compile + QAT steps; FSDP2 step memory on 1, 2, 4 ranks",
     "step": "QAT training-step time vs fp32 eager, qcompile vs prepare_qat_fx",

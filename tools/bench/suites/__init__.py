@@ -42,6 +42,7 @@ from qcompile.tools.bench.suites.onnx import bench_onnx
 from qcompile.tools.bench.suites.search import bench_search, search_text
 from qcompile.tools.bench.suites.step import bench_step
 from qcompile.tools.bench.suites.torch_models import bench_torch_models, torch_models_text
+from qcompile.tools.bench.suites.tp import run_tp, tp_text
 from qcompile.tools.output import records
 
 
@@ -60,6 +61,7 @@ SUITES: dict[str, Suite] = {
     "compile-once": Suite(run_compile_once, compile_once_text),
     "observer-sync": Suite(run_observer_sync, observer_sync_text),
     "hybrid": Suite(run_hybrid, hybrid_text),
+    "tp": Suite(run_tp, tp_text),
     "compile": Suite(bench_compile, threads=2),
     "memory": Suite(bench_memory, memory_text, threads=2),
     "step": Suite(bench_step, threads=2),

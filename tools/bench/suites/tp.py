@@ -2,9 +2,9 @@
 small Llama-style model under the QAT presets, next to torch's own tensor parallelism of
 the float model.
 
-For T = 1, 2 and 4 (``quick``: 1 and 2) and each of ``int8-qat``, ``8da4w-qat`` and
-``nvfp4-qat``, on T ranks (gloo, CPU, one thread each; T = 1: one process, no process
-group, neither model sharded):
+For T = 1, 2 and 4 (``quick``: 1 and 2, a smaller model) and each of ``int8-qat``,
+``8da4w-qat`` and ``nvfp4-qat``, on T ranks (gloo, CPU, one thread each; T = 1: one
+process, no process group, neither model sharded):
 
 - the QAT model is ``qc.qcompile`` + ``qc.distributed.wrap`` with the preset plus a
   ``tensor_parallel`` section; the float model is the same Hugging Face
@@ -12,49 +12,59 @@ group, neither model sharded):
   on a 1-D ``tp`` mesh, each layer in the style qcompile's plan gives it
   (``qc.report(gm).tensor_parallel``, by layer name): ``ColwiseParallel``,
   ``RowwiseParallel``, the gathered LM head ``ColwiseParallel(output_layouts=Replicate())``
-  and the embedding ``RowwiseParallel(input_layouts=Replicate())``;
+  and the embedding ``RowwiseParallel(input_layouts=Replicate())``. Both start from the
+  same weights and read the same batch on every rank;
 - bytes per rank: the tensors each model and its AdamW optimizer hold between steps, this
   rank's part of them (a sharded DTensor counts its local shard): parameters, gradients,
   optimizer state (``exp_avg``, ``exp_avg_sq``, ``step``) and buffers, the quantizers'
-  buffers (scales, zero points, observer ranges, flags; whole on every rank) counted apart.
-  Not activations, not the peak: the state a step starts from;
-- step time: forward, cross-entropy loss, backward and ``AdamW.step``, the models' steps
-  interleaved round by round after their warm-up (``step.warm_up_steps``: the QAT graphs'
-  ``check_finite`` steps are not the steady state); the median per rank, the slowest
-  rank's median;
+  buffers (scales, zero points, observer ranges, flags; whole on every rank) also counted
+  apart. Not activations, not the peak: the state a step starts from. (torch's rowwise
+  embedding leaves its weight's gradient whole, ``Replicate``, on every rank: in both);
+- step time: zero_grad, forward, cross-entropy loss, backward and ``AdamW.step``, the
+  models' steps interleaved round by round after their warm-up (``step.warm_up_steps``:
+  the QAT graphs' ``check_finite`` steps are not the steady state), the ranks starting
+  each step together (a barrier, not timed); each rank's median, the slowest rank's;
 - communication of one steady-state step (after the timed rounds), per rank: every
   collective dispatched while it runs, counted with a subclass of torch's
   ``CommDebugMode`` (DTensor's functional collectives and ``torch.distributed``'s c10d
-  ops), with the bytes of the tensors this rank puts into each (an all-gather counts its
-  local shard, an all-reduce its whole buffer). A collective counts as the quantizers'
-  when a frame of qcompile's quantizer code (``qcompile/runtime/``: the fake-quant,
-  observer and shard-statistics functions; ``qcompile/distributed/data_parallel.py``: the
-  observer sync) is on the Python stack when it is dispatched; every other collective is
-  the layers' own (the activations torch's styles gather and reduce).
+  ops; its own count is kept as ``comm_debug_mode_counts``), with the bytes of the
+  tensors this rank puts into each (an all-gather counts its local shard, an all-reduce
+  its whole buffer; not what the wire carries, which depends on the algorithm). A
+  collective is the quantizers' ``sync`` when ``qcompile/distributed/data_parallel.py``
+  (the observer sync ``wrap`` installs) is on the Python stack when it is dispatched,
+  their ``statistics`` when qcompile's quantizer code is (``qcompile/runtime/``:
+  fake-quant, observers and the shard-statistics functions of ``sharded.py``), and
+  otherwise the layers' own (the activations torch's styles all-reduce and gather). The
+  rows keep every op's count and bytes (``qat_ops``, ``float_ops``).
 
 T = 4 runs 4 ranks on however many cores there are (oversubscribed on 2 cores: its step
 times measure the sharing of the cores as much as the step). The model has 8 heads and 4
-key/value heads (GQA) so that T = 4 splits whole key/value heads (qcompile refuses a plan
-that would split 2 key/value heads 4 ways, naming the layer).
+key/value heads (GQA), so that T = 4 splits whole key/value heads (qcompile refuses a
+plan that would split 2 key/value heads 4 ways, naming the layer).
 
-Prints one table (``tp_text``).
+Prints two tables (``tp_text``); the JSON rows hold the parts of the bytes, the plan's
+counts per style, whether every preset planned the same layers alike, and each model's
+loss before its first update (QAT next to float).
 
 Example:
     >>> from qcompile.tools.bench.suites.tp import tp_text
-    >>> print(tp_text({"config": {"layers": 2, "hidden": 256, "intermediate": 768,
-    ...     "heads": 8, "kv_heads": 4, "vocab": 512, "batch": 2, "seq": 64},
-    ...     "rows": [{"tp": 2, "preset": "int8-qat", "qat_mb": 3.1, "float_mb": 3.0,
-    ...               "bytes_ratio": 1.03, "quant_buffer_kb": 22.0, "qat_step_ms": 30.0,
-    ...               "float_step_ms": 20.0, "step_ratio": 1.5, "qat_collectives": 20,
-    ...               "qat_comm_kb": 400.0, "quant_collectives": 12, "quant_comm_kb": 1.5,
-    ...               "float_collectives": 8, "float_comm_kb": 398.5,
-    ...               "quant_comm_share": 0.004}]}))  # doctest: +NORMALIZE_WHITESPACE
-    tensor parallelism, Llama-style model: 2 layers, hidden 256, intermediate 768, 8 heads
-    (4 kv), vocab 512, batch 2 x 64 tokens; per rank; AdamW
-     T  preset     MB/rank QAT  float  ratio  quant buf KB  step ms QAT  float  ratio
-        comm/step QAT  (quantizers)        float          quant share
-     2  int8-qat          3.10   3.00  1.033          22.0         30.0   20.0  1.500
-        20 / 400.0 KB  (12 / 1.5 KB)  8 / 398.5 KB   0.004
+    >>> print(tp_text({"config": config(False), "cores": 2, "rows": [
+    ...     {"tp": 2, "preset": "int8-qat", "qat_mb": 26.45, "float_mb": 26.29,
+    ...      "bytes_ratio": 1.006, "quant_buffer_kb": 169.0, "qat_step_ms": 337.4,
+    ...      "float_step_ms": 196.1, "step_ratio": 1.721, "qat_collectives": 92,
+    ...      "qat_comm_kb": 16006.4, "float_collectives": 31, "float_comm_kb": 15872.0,
+    ...      "stats_collectives": 58, "stats_comm_kb": 50.0, "sync_collectives": 3,
+    ...      "sync_comm_kb": 84.4, "quant_comm_share": 0.008}]}))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    tensor parallelism, Llama-style model: 4 layers, hidden 256, intermediate 768,
+    8 heads (4 kv), vocab 512, batch 4 x 128 tokens, AdamW; 2 cores
+    bytes per rank (params, grads, AdamW state, buffers); step: the slowest rank's median
+     T  preset      MB QAT   float  ratio  quant buf KB  step ms QAT   float  ratio
+     2  int8-qat     26.45   26.29  1.006         169.0        337.4   196.1  1.721
+    collectives per rank in one step, count / KB put in: QAT model, float model; of the
+    QAT model's, the quantizers' statistics, the observer sync, and their share of its KB
+     T  preset                 QAT           float    statistics          sync  share
+     2  int8-qat      92 / 16006.4    31 / 15872.0     58 / 50.0      3 / 84.4  0.008
 """
 
 from __future__ import annotations
@@ -146,33 +156,35 @@ _SHARDED_STATS = frozenset({"fake_quant_dtensor", "_global_minmax", "_all", "_ga
 
 
 def quantizer_part() -> str | None:
-    """Which of qcompile's quantizer code is on the Python stack: ``sync`` (the observer
-    sync of ``qcompile/distributed/data_parallel.py``), ``stats`` (a quantizer's
-    statistics: ``qcompile/runtime/`` fake-quant, observers, shard statistics) or None."""
-    frame, part = sys._getframe(1), None
+    """Whose collective this is, by the innermost frame of qcompile's code on the Python
+    stack: ``sync`` (the observer sync, ``qcompile/distributed/data_parallel.py``),
+    ``stats`` (a quantizer's statistics: ``qcompile/runtime/`` fake-quant, observers and
+    the shard-statistics functions of ``sharded.py``) or None (a layer's: no such frame, or
+    ``ShardedLinear`` / ``ShardedEmbedding`` running the layer itself)."""
+    frame = sys._getframe(1)
     while frame is not None:
-        path = frame.f_code.co_filename
+        path, name = frame.f_code.co_filename, frame.f_code.co_name
         if path.endswith(_SYNC_CODE):
             return "sync"
-        if path.endswith(_STATS_CODE) or (path.endswith(_SHARDED)
-                                          and frame.f_code.co_name in _SHARDED_STATS):
-            part = "stats"
+        if path.endswith(_STATS_CODE):
+            return "stats"
+        if path.endswith(_SHARDED):
+            return "stats" if name in _SHARDED_STATS else None
         frame = frame.f_back
-    return part
+    return None
 
 
 def _input_tensors(packet: Any, args: tuple[Any, ...]) -> list[torch.Tensor]:
     """The tensors this rank puts into a collective: the functional collectives' first
-    argument; c10d's ops' input (the second argument of the all-gathers and
+    argument; c10d's ops' input (the second argument of the all-gathers, gathers and
     reduce-scatters, the first of the rest)."""
-    name = packet.__name__ if hasattr(packet, "__name__") else str(packet)
-    where = 1 if packet.__module__ == "torch.ops.c10d" and name in (
+    namespace, _, name = str(packet).partition(".")
+    where = 1 if namespace == "c10d" and name in (
         "_allgather_base_", "allgather_", "allgather_coalesced_",
         "allgather_into_tensor_coalesced_", "_reduce_scatter_base_", "reduce_scatter_",
         "reduce_scatter_tensor_coalesced_", "gather_") else 0
-    arg = args[where] if len(args) > where else None
     flat: list[torch.Tensor] = []
-    stack = [arg]
+    stack = [args[where] if len(args) > where else None]
     while stack:
         a = stack.pop()
         if isinstance(a, torch.Tensor):
@@ -425,8 +437,8 @@ def tp_text(r: dict[str, Any]) -> str:
              f"{c['hidden']}, intermediate {c['intermediate']}, {c['heads']} heads "
              f"({c['kv_heads']} kv), vocab {c['vocab']}, batch {c['batch']} x {c['seq']} "
              f"tokens, AdamW; {r['cores']} cores",
-             "bytes per rank (parameters, gradients, optimizer state, buffers) and step "
-             "time (slowest rank's median):",
+             "bytes per rank (params, grads, AdamW state, buffers); step: the slowest "
+             "rank's median",
              f"{'T':>2}  {'preset':<10} {'MB QAT':>7} {'float':>7} {'ratio':>6}  "
              f"{'quant buf KB':>12}  {'step ms QAT':>11} {'float':>7} {'ratio':>6}"]
     for row in r["rows"]:
@@ -437,9 +449,10 @@ def tp_text(r: dict[str, Any]) -> str:
             f"{row['float_step_ms']:>7.1f} {row['step_ratio']:>6.3f}")
     comm = [row for row in r["rows"] if row["tp"] > 1]
     if comm:
-        lines += ["collectives per rank in one step (count / KB put in): QAT model, float "
-                  "model; of the QAT model's, its quantizers' statistics and the observer "
-                  "sync, and their share of its bytes:",
+        lines += ["collectives per rank in one step, count / KB put in: QAT model, float "
+                  "model; of the",
+                  "QAT model's, the quantizers' statistics, the observer sync, and their "
+                  "share of its KB",
                   f"{'T':>2}  {'preset':<10} {'QAT':>15} {'float':>15} {'statistics':>13} "
                   f"{'sync':>13} {'share':>6}"]
 
