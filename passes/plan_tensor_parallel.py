@@ -117,6 +117,7 @@ class _Fail(Exception):
     node: str
     why: str
     hard: bool = False  # a size that does not divide: an error, never a silent replicate
+    sources: frozenset[str] = frozenset()  # the colwise candidates whose slice got there
 
 
 def _op(n: Node) -> str:
@@ -262,50 +263,48 @@ class _Propagation:
         self.layer_inputs = {q for layer in layers.values()
                              if (q := layer.quantizers.get("input")) is not None}
 
-    def run(self) -> None:
+    def run(self) -> list[_Fail]:
+        """One pass over the graph; every place a slice cannot go (the value is then taken
+        as whole, so that one pass finds them all)."""
+        failures: list[_Fail] = []
         for n in self.gm.graph.nodes:
             sharded = [(a, self.state[a]) for a in _tensor_args(n) if a in self.state]
-            layer = self.layers.get(n)
-            if layer is not None and layer.kind == "linear":
-                self._linear(n, layer, sharded)
-                continue
-            if not sharded:
-                continue
-            if n.op == "output":
-                sources = frozenset().union(*(s.sources for _, s in sharded))
-                if len(sources) == 1:
+            sources = frozenset().union(*(s.sources for _, s in sharded))
+            try:
+                layer = self.layers.get(n)
+                if layer is not None and layer.kind == "linear":
+                    self._linear(n, layer)
+                    continue
+                if not sharded:
+                    continue
+                if n.op == "output":
+                    if len(sources) != 1:
+                        raise _Fail(n.name, "the sliced activation is an output of the graph")
                     self.outputs |= sources  # the LM head: its logits are gathered
                     continue
-                f = _Fail(n.name, "the sliced activation is an output of the graph")
-                f.sources = sources  # type: ignore[attr-defined]
-                raise f
-            for a in _tensor_args(n):
-                if a.op == "get_attr" and a not in self.state and _is_param(self.gm,
-                                                                              str(a.target)):
-                    self.region_params.setdefault(str(a.target), set()).add(n.name)
-            try:
+                for a in _tensor_args(n):
+                    if a.op == "get_attr" and a not in self.state and _is_param(
+                            self.gm, str(a.target)):
+                        self.region_params.setdefault(str(a.target), set()).add(n.name)
                 self.state[n] = self._through(n, sharded)
             except _Fail as f:
-                f.sources = frozenset().union(*(s.sources for _, s in sharded))  # type: ignore[attr-defined]
-                raise
+                failures.append(_Fail(f.node, f.why, f.hard, f.sources or sources))
+        return failures
 
-    def _linear(self, n: Node, layer: _Layer, sharded: list) -> None:
+    def _linear(self, n: Node, layer: _Layer) -> None:
         x = n.args[0]
         st = self.state.get(x) if isinstance(x, Node) else None
         if st is not None:
             rank = len(_shape(x) or ())
             if st.dim != rank - 1:
-                f = _Fail(n.name, f"{layer.name} reads the sliced activation along another "
-                          "dim than its input features")
-                f.sources = st.sources  # type: ignore[attr-defined]
-                raise f
+                raise _Fail(n.name, f"{layer.name} reads the sliced activation along "
+                            "another dim than its input features", sources=st.sources)
             self.rowwise[layer.name] = st.sources
             return
         if layer.name in self.colwise and layer.name not in self.gathered:
             out = _shape(n)
-            if out is None:
-                return
-            self.state[n] = _State(len(out) - 1, frozenset({layer.name}))
+            if out is not None:
+                self.state[n] = _State(len(out) - 1, frozenset({layer.name}))
 
     def _through(self, n: Node, sharded: list) -> _State:
         op = _op(n)
@@ -473,21 +472,15 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
     else:
         colwise = {n for n, layer in by_name.items()
                    if layer.kind == "linear" and n not in tied}
-    # drop candidates whose regions do not close, until every one does
+    # drop candidates whose regions do not close, until every one does (each pass finds
+    # every failure: a few passes, each linear in the graph)
     gathered: set[str] = set()
     for _ in range(2 * len(by_name) + 2):
         prop = _Propagation(gm, layers, colwise, size, gathered)
-        try:
-            prop.run()
-            if prop.outputs <= gathered:
-                break
-            # an output layer's logits are gathered whole: what follows it is not sliced
-            gathered |= prop.outputs
-            continue
-        except _Fail as f:
-            sources = getattr(f, "sources", frozenset())
-            if f.hard or explicit is not None or not sources:
-                name = sorted(sources)[0] if sources else "?"
+        failures = prop.run()
+        for f in failures:
+            if f.hard or explicit is not None or not f.sources:
+                name = sorted(f.sources)[0] if f.sources else "?"
                 raise QCompileError(
                     f"tensor_parallel: {name} cannot be sharded {size} ways: at node "
                     f"{f.node}, {f.why}",
@@ -495,10 +488,18 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
                          f"{{{name!r}: replicate}}") if f.hard else
                     "plan the layers whose slices meet together, colwise, with the rowwise "
                     "layers reading them (q/k/v with o_proj, gate/up with down_proj); or "
-                    f"{{{name!r}: replicate}}; or plan: auto") from None
-            for s in sources:
-                reasons[s] = f"replicated: its slice cannot pass {f.node} ({f.why})"
-            colwise -= set(sources)
+                    f"{{{name!r}: replicate}}; or plan: auto")
+        if failures:
+            for f in failures:
+                for name in f.sources:
+                    reasons.setdefault(name, f"replicated: its slice cannot pass {f.node} "
+                                       f"({f.why})")
+            colwise -= set().union(*(f.sources for f in failures))
+            continue
+        if prop.outputs <= gathered:
+            break
+        # an output layer's logits are gathered whole: what follows it is not sliced
+        gathered |= prop.outputs
     rowwise = prop.rowwise
     used = set().union(*rowwise.values()) if rowwise else set()
     out: list[LayerPlan] = []
@@ -579,6 +580,12 @@ def _check_sizes(gm: GraphModule, layer: _Layer, style: str, size: int) -> None:
                 f"tensor_parallel: {q} has a learnable scale; sharded layers take observed "
                 "scales", fix=f"learnable: false for {layer.name}, or plan: "
                 f"{{{layer.name!r}: replicate}}")
+        if getattr(fq.observer, "needs_data", False):
+            raise QCompileError(
+                f"tensor_parallel: {q} has a {type(fq.observer).__name__} (it reads whole "
+                "tensors); a sharded layer's quantizers combine min / max ranges across "
+                "ranks", fix=f"observer: minmax or moving_average for {layer.name}, or "
+                f"plan: {{{layer.name!r}: replicate}}")
         block = fq.group_size
         if block is None:
             continue

@@ -55,6 +55,7 @@ from qcompile.runtime.fake_quant import (
 )
 from qcompile.runtime.frozen import FrozenWeight
 from qcompile.runtime.observers import MovingAverageObserver
+from qcompile.runtime.sharded import ShardedEmbedding, ShardedLinear
 from qcompile.specs import as_spec
 
 
@@ -548,7 +549,9 @@ def keep_observers_in_sync(gm: nn.Module, spec: Any, group: Any = None) -> nn.Mo
         meta[COLLECTIVES_KEY] = GroupCheck(group)
     # once per graph: a second call (a Lightning setup() run again) adds no second hook
     if spec.quant.sync_observers and initialised() and gm.__dict__.get(_SYNC_GROUP) is None:
-        weights = spec.data_parallel.kind != "ddp"
+        # DDP replicas see the same weights; so do tensor-parallel ranks' quantizers
+        # (their ranges are the whole weight's already: qcompile.runtime.sharded)
+        weights = spec.data_parallel.kind != "ddp" and spec.tensor_parallel is None
         gm.__dict__[_SYNC_GROUP] = _Synced((group, weights))
         combine_in_forward(gm, group)  # histograms: each forward's, across the group
         if _sync_after_forward not in gm._forward_hooks.values():  # (a loaded graph has it)
@@ -626,6 +629,11 @@ def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Modul
     for name in sorted(called, key=lambda s: -s.count(".")):  # innermost first
         module = gm.get_submodule(name)
         if not any(True for _ in module.parameters()) or name in read:
+            continue
+        if isinstance(module, (ShardedLinear, ShardedEmbedding)):
+            # a tensor-parallel layer: its weight is read in the block like the others (one
+            # all-gather a block), and its weight statistics are taken before the block's
+            # forward (qcompile.runtime.sharded.WeightStatistics)
             continue
         if isinstance(module, FrozenWeight) or name.endswith((".lora_A", ".lora_B")):
             # a frozen base's output needs no gradient, so as its own group FSDP2 would

@@ -30,12 +30,13 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
+from torch.fx import GraphModule
 
 from qcompile.errors import QCompileError
 from qcompile.graph.meta import TP_SHARDED_KEY
 from qcompile.passes.plan_tensor_parallel import TP_PLAN_KEY, LayerPlan
 from qcompile.passes.shard_tensor_parallel import shard_tensor_parallel
-from qcompile.runtime.sharded import SumGradients
+from qcompile.runtime.sharded import ShardedLinear, SumGradients, WeightStatistics
 from qcompile.specs import as_spec
 
 
@@ -121,4 +122,14 @@ def parallelize(gm: nn.Module, tp_mesh: Any) -> nn.Module:
     parallelize_module(gm, tp_mesh, {name: _style(p) for name, p in sharded.items()})
     for name in sharded:
         _plain_state(gm.get_submodule(name))
+    # each graph (the root, or each block FSDP2 gathers) computes its sharded weights'
+    # statistics together before its forward: two collectives a graph, not two a layer
+    for _, g in gm.named_modules():
+        if not isinstance(g, GraphModule):
+            continue
+        layers = [(m, m.weight_fake_quant) for n in g.graph.nodes if n.op == "call_module"
+                  and isinstance(m := g.get_submodule(str(n.target)), ShardedLinear)
+                  and m.quantize_weight]
+        if layers:
+            g.register_forward_pre_hook(WeightStatistics(layers))
     return gm

@@ -9,7 +9,9 @@ qparams one process would use on the whole tensor:
   shard, a token's values when tokens are sharded) are computed locally;
 - statistics across the shard dim (a per-tensor range, a rowwise weight's per-channel
   range, a token's range over sharded features, NVFP4's tensor scale) are reduced across
-  ``tp`` as a DTensor ``Partial`` min / max, by torch's collectives;
+  ``tp``: one ``all_reduce`` (MIN of ``[min, -max]``) on the tp mesh's process group;
+- a colwise weight's observed ranges are gathered whole (one ``all_gather``), so that
+  every rank keeps the whole observer state;
 - observed qparams are kept whole on every rank (an observer holds the global range, as
   one process does), so ``state_dict`` and checkpoints read the same as one process's;
   the rows a shard needs are sliced at its global offset.
@@ -40,7 +42,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from qcompile.errors import QCompileError
-from qcompile.runtime.block_formats import _blocks, block_scales, fake_quantize_block
+from qcompile.runtime.block_formats import (
+    _blocks,
+    _kernel_ok,
+    block_scales,
+    fake_quantize_block,
+)
 
 _NVFP4_SCALE = 448.0 * 6.0  # nvfp4_tensor_scale's divisor
 
@@ -127,18 +134,28 @@ def _placement(x: Any) -> tuple[Any, int | None]:
     return x, None
 
 
-def _all(t: torch.Tensor, mesh: Any, op: str) -> torch.Tensor:
-    """``t`` reduced (``min`` / ``max``) across the mesh: a DTensor Partial made whole."""
-    from torch.distributed.tensor import DTensor, Partial
+def _extremes(mn: torch.Tensor, mx: torch.Tensor, mesh: Any
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mn`` and ``mx`` reduced (min, max) across the mesh: one all-reduce (MIN of
+    ``[mn, -mx]``) on the mesh's process group."""
+    import torch.distributed as dist
 
-    return DTensor.from_local(t.contiguous(), mesh, [Partial(op)], run_check=False).full_tensor()
+    both = torch.cat([mn.reshape(-1), -mx.reshape(-1)]).contiguous()
+    dist.all_reduce(both, op=dist.ReduceOp.MIN, group=mesh.get_group())
+    return both[:mn.numel()].view_as(mn), -both[mn.numel():].view_as(mx)
 
 
-def _gather(t: torch.Tensor, mesh: Any, dim: int) -> torch.Tensor:
-    """The shards ``t`` of every rank joined along ``dim`` (even shards)."""
-    from torch.distributed.tensor import DTensor, Shard
+def _joined(mn: torch.Tensor, mx: torch.Tensor, mesh: Any, dim: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's ``mn`` and ``mx`` joined along ``dim`` (even shards, in mesh order):
+    one all-gather on the mesh's process group."""
+    import torch.distributed as dist
 
-    return DTensor.from_local(t.contiguous(), mesh, [Shard(dim)], run_check=False).full_tensor()
+    pair = torch.stack([mn, mx]).contiguous()
+    parts = [torch.empty_like(pair) for _ in range(mesh.size())]
+    dist.all_gather(parts, pair, group=mesh.get_group())
+    whole = torch.cat(parts, dim=dim + 1)
+    return whole[0], whole[1]
 
 
 def _offset(x: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -157,20 +174,17 @@ def _global_minmax(fq: nn.Module, x: Any, local: torch.Tensor, d: int | None
     mesh, g = x.device_mesh, fq.granularity
     rank = local.dim()
     if g == "per_token" and d != rank - 1:
-        return _gather(mn, mesh, d), _gather(mx, mesh, d)
+        return _joined(mn, mx, mesh, d)
     if g == "per_channel" and d == fq.axis % rank:
-        return _gather(mn, mesh, 0), _gather(mx, mesh, 0)
+        return _joined(mn, mx, mesh, 0)
     if g == "per_group":
-        rows = local.shape[0]
-        if d == 0:
-            return (_gather(mn.view(rows, -1), mesh, 0).reshape(-1),
-                    _gather(mx.view(rows, -1), mesh, 0).reshape(-1))
-        if rank == 2:  # groups along the sharded input features
-            return (_gather(mn.view(rows, -1), mesh, 1).reshape(-1),
-                    _gather(mx.view(rows, -1), mesh, 1).reshape(-1))
-        raise QCompileError(f"per-group quantizer on a {rank}-D tensor sharded along dim {d}",
-                            fix="plan this layer replicate")
-    return _all(mn, mesh, "min"), _all(mx, mesh, "max")
+        if d != 0 and rank != 2:
+            raise QCompileError(f"per-group quantizer on a {rank}-D tensor sharded along "
+                                f"dim {d}", fix="plan this layer replicate")
+        rows = local.shape[0]  # groups along the input features: whole rows or columns
+        mn, mx = _joined(mn.view(rows, -1), mx.view(rows, -1), mesh, 0 if d == 0 else 1)
+        return mn.reshape(-1), mx.reshape(-1)
+    return _extremes(mn, mx, mesh)
 
 
 def _local_rows(fq: nn.Module, t: torch.Tensor, x: Any, d: int | None) -> torch.Tensor:
@@ -190,13 +204,112 @@ def _local_rows(fq: nn.Module, t: torch.Tensor, x: Any, d: int | None) -> torch.
     return t
 
 
+def _key(local: torch.Tensor) -> tuple[int, int]:
+    """Which values a shard holds: its storage and its version (an optimizer step or
+    FSDP2's next unshard changes one)."""
+    return local.data_ptr(), local._version
+
+
+def _weight_kind(fq: nn.Module, d: int | None, rank: int) -> str | None:
+    """How a weight quantizer's whole-tensor statistics come from the shards: ``join``
+    (gathered: the statistics follow the shard dim), ``reduce`` (min / max across ranks),
+    ``amax`` (NVFP4's tensor scale), or None (local, or nothing observed)."""
+    if d is None:
+        return None
+    if fq.block_format is not None:
+        return "amax" if fq.block_format == "nvfp4" and fq.enabled else None
+    if fq.dynamic or fq.granularity == "per_token" or not fq.observe:
+        return None
+    if fq.granularity == "per_group" or (fq.granularity == "per_channel"
+                                         and d == fq.axis % rank):
+        return "join"
+    return "reduce"
+
+
+class WeightStatistics:
+    """Before a graph's forward (after FSDP2 has gathered its block), the whole-tensor
+    statistics of every sharded weight quantizer it runs, in two collectives in all (one
+    all-reduce, one all-gather) instead of one per layer; each quantizer then finds its
+    own (``fake_quant_dtensor``) while its weight holds the values they came from.
+
+    ``layers``: (ShardedLinear, its weight quantizer) pairs, in the graph's order."""
+
+    def __init__(self, layers: list[tuple[nn.Module, nn.Module]]) -> None:
+        self.layers = layers
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        reduce, join, mesh = [], [], None
+        for layer, fq in self.layers:
+            w = layer.weight
+            if not hasattr(w, "to_local"):
+                continue
+            w, d = _placement(w)
+            kind = _weight_kind(fq, d, w.dim())
+            if kind is None:
+                continue
+            mesh, local = w.device_mesh, w.to_local().detach()
+            if kind == "amax":
+                a = local.abs().amax().float().reshape(1)
+                reduce.append((fq, local, -a, a))
+            elif kind == "reduce":
+                reduce.append((fq, local, *fq._minmax(local.float())))
+            else:
+                join.append((fq, d, local, *fq._minmax(local.float())))
+        if reduce:
+            mins, maxs = _extremes(torch.cat([r[2].reshape(-1) for r in reduce]),
+                                   torch.cat([r[3].reshape(-1) for r in reduce]), mesh)
+            at = 0
+            for fq, local, mn, mx in reduce:
+                n = mn.numel()
+                fq.__dict__["_tp_stats"] = (_key(local), (mins[at:at + n].view_as(mn),
+                                                          maxs[at:at + n].view_as(mx)))
+                at += n
+        if join:
+            import torch.distributed as dist
+
+            flat = torch.cat([torch.cat([j[3].reshape(-1), j[4].reshape(-1)]) for j in join])
+            parts = [torch.empty_like(flat) for _ in range(mesh.size())]
+            dist.all_gather(parts, flat, group=mesh.get_group())
+            at = 0
+            for fq, d, local, mn, _ in join:
+                n = mn.numel()
+                # per channel: rows follow the shard; per group: [rows, groups] joined
+                # along the shard dim (rows colwise, groups rowwise)
+                shape = (-1,) if fq.granularity == "per_channel" else (local.shape[0], -1)
+                dim = 0 if fq.granularity == "per_channel" else d
+                mins = torch.cat([p[at:at + n].view(shape) for p in parts], dim=dim)
+                maxs = torch.cat([p[at + n:at + 2 * n].view(shape) for p in parts], dim=dim)
+                fq.__dict__["_tp_stats"] = (_key(local), (mins.reshape(-1), maxs.reshape(-1)))
+                at += 2 * n
+
+
+def _ready_stats(fq: nn.Module, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The statistics ``WeightStatistics`` computed for these values, once."""
+    stats = fq.__dict__.pop("_tp_stats", None)
+    if stats is None or stats[0] != _key(local):
+        return None
+    return stats[1]
+
+
 def _nvfp4(local: torch.Tensor, block: int, amax: torch.Tensor) -> torch.Tensor:
-    """NVFP4 fake-quant of a shard under the whole tensor's scale (the formula, the same
-    bits as the kernel), with the straight-through gradient."""
+    """NVFP4 fake-quant of a shard under the whole tensor's scale (``amax``: the largest
+    magnitude of every rank's shard), with the straight-through gradient.
+
+    The C++ kernel takes its tensor scale from its input's largest magnitude: given the
+    shard with one more row holding ``amax`` (a value of some rank's shard, so exact in the
+    shard's dtype), it computes the shard's blocks under the whole tensor's scale, the same
+    bits as the formula (``block_scales(..., tensor_scale=)``), at the kernel's speed."""
     with torch.no_grad():
-        xb = _blocks(local.detach(), block)
-        q = block_scales(xb, "nvfp4", tensor_scale=amax / _NVFP4_SCALE).fake_quant(xb)
-        q = q.reshape(local.shape).to(local.dtype)
+        rows = local.detach().reshape(-1, local.shape[-1])
+        if _kernel_ok(rows):
+            extra = rows.new_zeros(1, rows.shape[-1])
+            extra[0, 0] = amax.to(rows.dtype)
+            q = torch.ops.qcompile.block_fake_quant(torch.cat([rows, extra]), "nvfp4", block)
+            q = q[:-1].reshape(local.shape)
+        else:
+            xb = _blocks(rows, block)
+            q = block_scales(xb, "nvfp4", tensor_scale=amax / _NVFP4_SCALE).fake_quant(xb)
+            q = q.reshape(local.shape).to(local.dtype)
     return _StraightThrough.apply(local, q) if local.requires_grad else q
 
 
@@ -224,7 +337,12 @@ def fake_quant_dtensor(fq: nn.Module, x: Any) -> Any:
         if not fq.enabled:
             return x
         if fq.block_format == "nvfp4" and d is not None:
-            amax = _all(local.detach().abs().amax().float().reshape(1), x.device_mesh, "max")
+            ready = _ready_stats(fq, local)
+            if ready is not None:
+                amax = ready[1]
+            else:
+                a = local.detach().abs().amax().float().reshape(1)
+                amax = _extremes(-a, a, x.device_mesh)[1]
             out = _nvfp4(local, fq.group_size, amax.reshape(()))
         else:  # every block inside the shard (the plan checked): local
             out = fake_quantize_block(local.contiguous(), fq.block_format, fq.group_size)
@@ -234,13 +352,14 @@ def fake_quant_dtensor(fq: nn.Module, x: Any) -> Any:
         with torch.no_grad():
             mn, mx = fq._minmax(local.detach().float())
             if d is not None and (fq.granularity != "per_token" or d == local.dim() - 1):
-                mn, mx = _all(mn, x.device_mesh, "min"), _all(mx, x.device_mesh, "max")
+                mn, mx = _extremes(mn, mx, x.device_mesh)
             scale, zp = fq._qparams(mn, mx)
         out = fq._fake_quant(local, scale, zp, shaped=fq.granularity == "per_token")
     else:
         if fq.observe:
+            ready = _ready_stats(fq, local) if d is not None else None
             with torch.no_grad():
-                mn, mx = _global_minmax(fq, x, local, d)
+                mn, mx = ready if ready is not None else _global_minmax(fq, x, local, d)
             if fq.training and torch.is_grad_enabled() and fq.deferred():
                 _pend(fq, mn, mx)
                 if not fq._ready():

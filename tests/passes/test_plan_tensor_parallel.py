@@ -115,6 +115,15 @@ def test_without_shapes_is_an_error() -> None:
     assert "example_inputs" in e.value.fix
 
 
+def test_a_whole_tensor_observer_on_a_sharded_layer_is_refused() -> None:
+    m = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+    spec = {"quant": {"mode": "qat", "rules": [{"match": {"module": "Linear"}, "weight": {
+        "dtype": "int8", "observer": "mse"}}]}, "tensor_parallel": {"size": 2}}
+    with pytest.raises(qc.QCompileError) as e:
+        qc.qcompile(m, spec, example_inputs=(torch.randn(2, 8),))
+    assert "MseObserver" in e.value.message and "minmax" in e.value.fix
+
+
 def test_adapters_and_compile_once_are_refused() -> None:
     spec = qc.load_spec("qlora-nf4").model_dump()
     spec["tensor_parallel"] = {"size": 2}

@@ -151,8 +151,8 @@ _STATS_CODE = (os.path.join("qcompile", "runtime", "fake_quant.py"),
 _SHARDED = os.path.join("qcompile", "runtime", "sharded.py")
 # in sharded.py, the shard-statistics functions (not ShardedLinear / ShardedEmbedding's
 # forward, which run the layer itself)
-_SHARDED_STATS = frozenset({"fake_quant_dtensor", "_global_minmax", "_all", "_gather",
-                            "_nvfp4", "_pend", "_placement"})
+_SHARDED_STATS = frozenset({"fake_quant_dtensor", "_global_minmax", "_extremes", "_joined",
+                            "_nvfp4", "_pend", "_placement", "__call__"})
 
 
 def quantizer_part() -> str | None:
