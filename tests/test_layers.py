@@ -151,8 +151,10 @@ def test_specs_never_import_torch() -> None:
 
 # Writing a full value into an FSDP2 shard needs DTensor's own ``distribute_tensor``; the
 # quantizer reaches it only for a tensor that already is a DTensor (duck-typed), i.e. only
-# in a process where torch.distributed is in use.
-TORCH_DISTRIBUTED_ALLOWED = {"qcompile.runtime.fake_quant"}
+# in a process where torch.distributed is in use. So does a quantizer on a tensor-parallel
+# shard (``runtime.sharded``: the whole tensor's statistics across the tp mesh), reached
+# only for DTensor inputs, imported inside its functions.
+TORCH_DISTRIBUTED_ALLOWED = {"qcompile.runtime.fake_quant", "qcompile.runtime.sharded"}
 
 
 def test_only_distributed_imports_torch_distributed() -> None:

@@ -32,9 +32,17 @@ the fix names the ``gguf-*`` preset of the same width); an activation quantizer 
 than the blocks llama.cpp's CPU matmul makes of a layer's input on the fly (``q8_0`` for
 ``q4_0`` / ``q4_1`` / ``q8_0`` weights, ``q8_k`` for the K types); an architecture other
 than ``llama``, ``mistral``, ``mixtral``, ``qwen2`` and ``qwen2_moe``; pipeline stages,
-sharded (DTensor) or meta-device weights; unmerged LoRA adapters; a path that exists.
+FSDP2-sharded or meta-device weights; unmerged LoRA adapters; a path that exists.
 The file is written atomically (``qcompile.files.atomic_path``); the graph is never
 modified.
+
+A graph ``qc.distributed.wrap`` sharded for tensor parallelism is exported by every rank
+together: the ranks first agree on the call (the model, ``path``, ``config``, the
+tokenizer's kind; a call made on some ranks only or with other arguments is one
+``QCompileError`` on every rank, before any collective), then each sharded weight is
+gathered whole (``full_tensor()``) when its turn comes, one at a time, and goes through
+what one process's export does with it; rank 0 writes the file (the same bytes as one
+process exporting the unsharded graph), the other ranks return its path.
 
 The vocabulary comes from ``tokenizer`` (a transformers tokenizer) as the converter
 reads it: a byte-level BPE as model ``gpt2`` with its merges, a SentencePiece-style BPE
@@ -77,10 +85,16 @@ from qcompile.deploy.encodings import quantizer_bits
 from qcompile.deploy.whole_graph import (
     VIEWS,
     WeightRead,
+    agree_to_gather,
     call_name,
+    config_fingerprint,
     describe_scheme,
+    gathered,
+    is_sharded,
+    sharded_linear,
     weight_reads,
     whole_graph,
+    writes_here,
 )
 from qcompile.errors import QCompileError
 from qcompile.files import atomic_path
@@ -359,19 +373,39 @@ def _check_activations(gm: GraphModule, formats: Mapping[str, str]) -> None:
     for node in gm.graph.nodes:
         if node.op != "call_module" or node.target in weights:
             continue
-        fq = gm.get_submodule(str(node.target))
-        if not isinstance(fq, FakeQuantize) or not fq.enabled:
+        layer = sharded_linear(node)
+        if layer is not None:  # a tensor-parallel layer quantizing its own input
+            if layer.quantize_input:
+                name = f"{node.target}.input_fake_quant"
+                _check_activation(name, layer.input_fake_quant, _own_format(node, formats))
             continue
-        wfmt = _fed_weight_format(gm, node, formats)
-        want = ON_THE_FLY.get(wfmt) if wfmt else None
-        if fq.block_format is None or fq.block_format != want:
-            _refuse_activation(str(node.target), fq, wfmt, want)
+        fq = gm.get_submodule(str(node.target))
+        if isinstance(fq, FakeQuantize):
+            _check_activation(str(node.target), fq, _fed_weight_format(gm, node, formats))
+
+
+def _check_activation(name: str, fq: FakeQuantize, wfmt: str | None) -> None:
+    if not fq.enabled:
+        return
+    want = ON_THE_FLY.get(wfmt) if wfmt else None
+    if fq.block_format is None or fq.block_format != want:
+        _refuse_activation(name, fq, wfmt, want)
+
+
+def _own_format(node: Node, formats: Mapping[str, str]) -> str | None:
+    """The grid of a ``ShardedLinear`` call's weight (None when read as float)."""
+    layer = sharded_linear(node)
+    if layer is None or not layer.quantize_weight:
+        return None
+    return formats.get(f"{node.target}.weight_fake_quant")
 
 
 def _fed_weight_format(gm: GraphModule, node: Node, formats: Mapping[str, str]) -> str | None:
     """The grid of the weight read by the op this activation quantizer feeds (None when
     it feeds no op with a quantized weight)."""
     for user in node.users:
+        if (own := _own_format(user, formats)) is not None:
+            return own
         for arg in user.all_input_nodes:
             while call_name(arg) in VIEWS and arg.args and isinstance(arg.args[0], Node):
                 arg = arg.args[0]
@@ -399,11 +433,10 @@ def _refuse_activation(name: str, fq: FakeQuantize, wfmt: str | None, want: str 
 
 
 # -- tensor data -----------------------------------------------------------------------------
-def _data(gm: GraphModule, t: _Tensor, fmt: str | None, keep_f32: bool
+def _data(t: _Tensor, p: torch.Tensor, fmt: str | None, keep_f32: bool
           ) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
-    """(array, raw type) of one tensor: a grid's block bytes, or the float parameter
-    (F32 where llama.cpp wants float32)."""
-    p = t.rows(gm.get_parameter(t.param).detach().cpu()).contiguous()
+    """(array, raw type) of one tensor from its rows ``p``: a grid's block bytes, or the
+    float parameter (F32 where llama.cpp wants float32)."""
     if fmt is not None:
         if not bool(torch.isfinite(p).all()):
             raise QCompileError(f"{WHERE}: layer weight {t.param} holds NaN or inf, which no "
@@ -752,15 +785,31 @@ def export_gguf(gm: nn.Module, path: str | Path, *, config: Any = None,
     ``path`` (which must not exist) and return the path. ``config`` is the model's
     transformers config (or its dict); ``tokenizer`` an optional transformers tokenizer
     (without one: a plain vocabulary of ``vocab_size`` tokens). See the module for what is
-    written and what is refused; everything is checked before the file is created."""
+    written and what is refused; everything is checked before the file is created. A graph
+    sharded by tensor parallelism is exported by every rank together (each weight
+    gathered in turn); rank 0 writes the file, the other ranks return its path."""
     _require_gguf()
     graph = whole_graph(gm, WHERE, holds="a GGUF file", preset="gguf-q4_0-qat",
                         verb="export")
-    target = _target(path)
+    writes = writes_here(graph)
+    if not is_sharded(graph):
+        target = _target(path)
+    else:  # every rank exports a tensor-parallel graph together; rank 0 writes
+        target, refusal = Path(path), None
+        try:
+            if writes:
+                target = _target(path)
+        except QCompileError as e:
+            refusal = e
+        agree_to_gather(graph, WHERE, {
+            "path": str(path), "config": config_fingerprint(config),
+            "tokenizer": None if tokenizer is None else type(tokenizer).__name__}, refusal)
     hp = _hparams(config)
     _check_family(hp)
     family = FAMILIES[hp["model_type"]]
-    writer = _writer(graph, hp, family, _prepared(graph, hp, family), tokenizer)
+    writer = _writer(graph, hp, family, _prepared(graph, hp, family), tokenizer, keep=writes)
+    if writer is None:
+        return target
     try:
         with atomic_path(target) as tmp:
             writer.write_header_to_file(path=tmp)
@@ -791,20 +840,28 @@ def _prepared(graph: GraphModule, hp: Mapping[str, Any], family: _Family
 
 
 def _writer(graph: GraphModule, hp: Mapping[str, Any], family: _Family,
-            prepared: list[tuple[_Tensor, str | None, bool]], tokenizer: Any
-            ) -> gguf.GGUFWriter:
-    """A ``GGUFWriter`` holding the tensors, the metadata and the vocabulary, in memory."""
+            prepared: list[tuple[_Tensor, str | None, bool]], tokenizer: Any, *,
+            keep: bool = True) -> gguf.GGUFWriter | None:
+    """A ``GGUFWriter`` holding the tensors, the metadata and the vocabulary, in memory.
+    Each tensor is taken whole in turn (a tensor-parallel shard gathered: every rank makes
+    the same gathers, in this order, and converts each tensor, so that a refusal is every
+    rank's); ``keep`` False (a rank that does not write): none is kept, no writer."""
     rope = _rope(hp)
-    writer = gguf.GGUFWriter(path=None, arch=family.arch)
+    writer = gguf.GGUFWriter(path=None, arch=family.arch) if keep else None
     kinds: Counter[str] = Counter()
-    if family.arch == "llama" and rope.get("rope_type") == "llama3":
+    if writer is not None and family.arch == "llama" and rope.get("rope_type") == "llama3":
         writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
                           _llama3_rope_factors(hp, rope))
-    for t, fmt, keep in prepared:
-        data, raw = _data(graph, t, fmt, keep)
+    for t, fmt, keep_f32 in prepared:
+        p = t.rows(gathered(graph.get_parameter(t.param)).detach().cpu()).contiguous()
+        data, raw = _data(t, p, fmt, keep_f32)
+        if writer is None:
+            continue
         writer.add_tensor(t.name, data, raw_dtype=raw)
-        if fmt is not None or not keep:  # the weights a file type describes
-            kinds[_kind(fmt, raw, data)] += t.rows(graph.get_parameter(t.param)).numel()
+        if fmt is not None or not keep_f32:  # the weights a file type describes
+            kinds[_kind(fmt, raw, data)] += p.numel()
+    if writer is None:
+        return None
     _write_metadata(writer, hp, family, _file_type(kinds))
     if tokenizer is None:
         _plain_vocab(writer, hp)

@@ -72,10 +72,18 @@ each tensor with formulas compressed-tensors does not share); static activations
 calibrated; what transformers' loader would not load right (fused experts float next to
 compressed layers, or other than symmetric integers without int8 inputs or fp8;
 asymmetric packed weights next to another scheme); unmerged
-LoRA adapters (``qc.merge_adapters`` first); pending algorithms; pipeline stages; sharded
-(DTensor) or meta-device weights; a config that does not describe the graph; an output
+LoRA adapters (``qc.merge_adapters`` first); pending algorithms; pipeline stages;
+FSDP2-sharded or meta-device weights; a config that does not describe the graph; an output
 path that is a file or a non-empty directory. The directory is written atomically (a
 private temporary folder beside it, renamed into place); the graph is never modified.
+
+A graph ``qc.distributed.wrap`` sharded for tensor parallelism is saved by every rank
+together: the ranks first agree on the call (the model, ``directory``, ``config``; a call
+made on some ranks only or with other arguments is one ``QCompileError`` on every rank,
+before any collective), then each sharded weight is gathered whole (``full_tensor()``)
+when its layer's turn comes, one layer at a time, and compressed as one process would;
+rank 0 writes the directory (the same files as one process saving the unsharded graph),
+the other ranks return its path.
 
 Example:
     >>> import json, os, tempfile, torch, transformers, qcompile as qc
@@ -101,7 +109,7 @@ import math
 import os
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -111,11 +119,18 @@ from torch.fx import GraphModule, Node
 
 from qcompile.deploy.whole_graph import (
     VIEWS,
+    agree_to_gather,
     call_name,
+    config_fingerprint,
     describe_scheme,
+    gathered,
+    is_sharded,
+    sharded_linear,
     view_paths,
     weight_reads,
+    weight_sites,
     whole_graph,
+    writes_here,
 )
 from qcompile.errors import QCompileError
 from qcompile.files import (
@@ -133,7 +148,6 @@ from qcompile.runtime.calibration import (
     apply_view,
     refuse_nonfinite,
     uncalibrated,
-    weight_quantizer_sites,
 )
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.runtime.quant_math import FP8_DTYPES
@@ -175,10 +189,15 @@ def _require() -> None:
 
 # -- the graph, the target, the config -----------------------------------------------------
 def _graph(gm: nn.Module) -> GraphModule:
-    """The compiled graph (see ``whole_graph``), its parameters finite."""
-    inner = whole_graph(gm, WHERE, holds="a checkpoint", preset="w8-weight-only", verb="save")
-    refuse_nonfinite(dict(inner.named_parameters()), WHERE)
-    return inner
+    """The compiled graph (see ``whole_graph``)."""
+    return whole_graph(gm, WHERE, holds="a checkpoint", preset="w8-weight-only", verb="save")
+
+
+def _checked(graph: GraphModule, directory: str | os.PathLike[str], *, writes: bool) -> Path:
+    """The output directory (checked where this rank writes), the graph's parameters
+    finite (a tensor-parallel shard: this rank's part; no collective)."""
+    refuse_nonfinite(dict(graph.named_parameters()), WHERE)
+    return _target(directory) if writes else Path(directory)
 
 
 def _target(directory: str | os.PathLike[str]) -> Path:
@@ -369,21 +388,44 @@ def _activation_args(fq: FakeQuantize, name: str) -> tuple[Any, _Grid | None]:
 
 
 # -- weights ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Site:
+    """Where a quantized parameter is read: the graph holding it, its path there, its
+    quantizer and the views the quantizer reads it through."""
+
+    owner: GraphModule
+    path: str
+    fq: FakeQuantize
+    steps: Any
+
+
 @dataclass
 class _Weight:
-    """One quantized parameter: its quantizer, its fake-quantized values (float32, the
-    parameter's shape, ``dtype`` its own) and, where compressed-tensors compresses it, its
-    weight args and qparams, and the activation args and qparams of its layer's input and
-    output. A qparam of the parameter's rank holds one row per row of the parameter (split
-    with it); the others (shape ``(1,)``) are shared by every module it becomes."""
+    """One quantized parameter: its quantizer (``fq``, by name), where it is read
+    (``site``: its values come from there, ``_fake_quantized``), ``dtype`` its own and,
+    where compressed-tensors compresses it, its weight args and grid, and the activation
+    args and qparams of its layer's input and output."""
 
     fq: str
-    values: torch.Tensor
     dtype: torch.dtype
+    site: _Site
     args: Any = None
-    qparams: dict[str, torch.Tensor] = field(default_factory=dict)
+    grid: _Grid | None = None
     inputs: tuple[Any, dict[str, torch.Tensor]] | None = None
     outputs: tuple[Any, dict[str, torch.Tensor]] | None = None
+
+
+def _fake_quantized(w: _Weight) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``w``'s fake-quantized values (float32, the parameter's shape) and, for a compressed
+    parameter, its qparams (a qparam of the parameter's rank holds one row per row of the
+    parameter, split with it; the others, shape ``(1,)``, are shared by every module it
+    becomes). Computed when the parameter's turn comes: a tensor-parallel shard is
+    gathered whole first (a collective), one parameter at a time."""
+    param = gathered(w.site.owner.get_parameter(w.site.path))
+    view = apply_view(param, w.site.steps)
+    q, values = _observed(w.site.fq, view)
+    qparams = _qparams(q, view, param, w.grid) if w.args is not None else {}
+    return values.reshape(param.shape), qparams
 
 
 def _observed(fq: FakeQuantize, w: torch.Tensor) -> tuple[FakeQuantize, torch.Tensor]:
@@ -435,14 +477,14 @@ def _qparams(q: FakeQuantize, view: torch.Tensor, param: torch.Tensor, grid: _Gr
 def _weights(graph: GraphModule, linear: set[str]) -> dict[str, _Weight]:
     """Every parameter read through an enabled weight quantizer, by the name it is read
     by (a tied head and embedding: each its own, the quantizer ``<name>_fake_quant``
-    telling which): its fake-quantized values, and for the parameters of compressed
-    layers (``linear``: ``nn.Linear`` weights and fused experts) their args and qparams."""
+    telling which): where it is read, and for the parameters of compressed layers
+    (``linear``: ``nn.Linear`` weights and fused experts) their args and grid."""
     names = {id(m): n for n, m in graph.named_modules()}
     aliases: dict[int, list[str]] = {}
     for name, p in _model_params(graph, remove_duplicate=False).items():
         aliases.setdefault(id(p), []).append(name)
     out: dict[str, _Weight] = {}
-    for owner, path, fq, steps in weight_quantizer_sites(graph):
+    for owner, path, fq, steps in weight_sites(graph):
         if not fq.enabled:
             continue
         param = owner.get_parameter(path)
@@ -453,13 +495,10 @@ def _weights(graph: GraphModule, linear: set[str]) -> dict[str, _Weight]:
                                 f"({out[key].fq}, {names[id(fq)]}); a checkpoint holds one "
                                 "tensor per weight", fix="quantize every use of the weight "
                                 "with one rule")
-        view = apply_view(param, steps)
-        q, values = _observed(fq, view)
-        weight = _Weight(names[id(fq)], values.reshape(param.shape), param.dtype)
+        weight = _Weight(names[id(fq)], param.dtype, _Site(owner, path, fq, steps))
         if key in linear:
             _rows_view(key, param, steps)
-            weight.args, grid = _weight_args(fq, f"layer weight {key}")
-            weight.qparams = _qparams(q, view, param, grid)
+            weight.args, weight.grid = _weight_args(fq, f"layer weight {key}")
         out[key] = weight
     reads = weight_reads(graph)
     _share_tied(out, aliases, reads)
@@ -478,7 +517,7 @@ def _share_tied(weights: dict[str, _Weight], aliases: Mapping[int, list[str]],
         kinds = {r.fq if r.fq in enabled else None for r in reads.get(pid, [])}
         if len(names) > 1 and src is not None and kinds == {src.fq}:
             for name in names:
-                weights.setdefault(name, _Weight(src.fq, src.values, src.dtype))
+                weights.setdefault(name, _Weight(src.fq, src.dtype, src.site))
 
 
 def _check_reads(weights: Mapping[str, _Weight], aliases: Mapping[int, list[str]],
@@ -506,6 +545,9 @@ def _strip(node: Any) -> Any:
 
 def _weight_read(op: Node, by_node: Mapping[str, str]) -> str | None:
     """The compressed parameter (by quantizer) op ``op`` multiplies its first input by."""
+    layer = sharded_linear(op)
+    if layer is not None:  # a tensor-parallel layer quantizing its own weight
+        return by_node.get(f"{op.target}.weight_fake_quant") if layer.quantize_weight else None
     for arg in op.args[1:]:
         src = _strip(arg)
         if isinstance(src, Node) and src.op == "call_module" and str(src.target) in by_node:
@@ -546,28 +588,57 @@ def _activations(graph: GraphModule, weights: dict[str, _Weight]) -> None:
     for node in graph.graph.nodes:
         if node.op != "call_module" or str(node.target) in by_fq:
             continue
-        fq = graph.get_submodule(str(node.target))
-        if not isinstance(fq, FakeQuantize) or not fq.enabled or not _float_input(node):
+        layer = sharded_linear(node)
+        if layer is not None:  # a tensor-parallel layer quantizing its own input
+            if layer.quantize_input and _float_input(node):
+                _attach(f"{node.target}.input_fake_quant", layer.input_fake_quant,
+                        _own_input_slot(node, compressed), weights, missing,
+                        lambda node=node: f"linear of {node.target}.weight")
             continue
-        name = str(node.target)
-        slot = _slot(node, compressed)
-        if slot is None:
-            raise _refuse(f"activation quantizer {name}", fq, "it is not the input or the "
-                          "output of a layer compressed-tensors compresses (a linear layer "
-                          f"with a quantized weight): it feeds {_feeds(node)}",
-                          _activation_fix(name))
-        if name in missing:
-            raise QCompileError(f"{WHERE}: activation quantizer {name} has no range yet (its "
-                                "scale is a placeholder)", fix="run qc.calibrate(gm, batches) "
-                                "(static) or train it first, as for qc.export_encodings")
-        args, grid = _activation_args(fq, name)
-        prefix = slot[0]
-        qparams = {} if args.dynamic else _static_qparams(fq, grid, prefix)
-        for key in slot[1]:
-            if prefix == "input":
-                weights[key].inputs = (args, qparams)
-            else:
-                weights[key].outputs = (args, qparams)
+        fq = graph.get_submodule(str(node.target))
+        if isinstance(fq, FakeQuantize) and _float_input(node):
+            _attach(str(node.target), fq, _slot(node, compressed), weights, missing,
+                    lambda node=node: _feeds(node))
+
+
+def _own_input_slot(node: Node, by_node: Mapping[str, str]) -> tuple[str, set[str]] | None:
+    """``_slot`` of the input quantizer a ``ShardedLinear`` call runs itself: the input of
+    its own weight when compressed, else the output of the compressed layer whose only
+    reader the call is."""
+    param = _weight_read(node, by_node)
+    if param is not None:
+        return "input", {param}
+    src = _strip(node.args[0]) if node.args else None
+    if isinstance(src, Node):
+        param = _weight_read(src, by_node)
+        if param is not None and all(end is node for _, end in view_paths(src)):
+            return "output", {param}
+    return None
+
+
+def _attach(name: str, fq: FakeQuantize, slot: tuple[str, set[str]] | None,
+            weights: dict[str, _Weight], missing: set[str], feeds: Any) -> None:
+    """Activation quantizer ``name`` onto the compressed layers of its ``slot``, or
+    refused (``feeds()``: what it feeds, for the message)."""
+    if not fq.enabled:
+        return
+    if slot is None:
+        raise _refuse(f"activation quantizer {name}", fq, "it is not the input or the "
+                      "output of a layer compressed-tensors compresses (a linear layer "
+                      f"with a quantized weight): it feeds {feeds()}",
+                      _activation_fix(name))
+    if name in missing:
+        raise QCompileError(f"{WHERE}: activation quantizer {name} has no range yet (its "
+                            "scale is a placeholder)", fix="run qc.calibrate(gm, batches) "
+                            "(static) or train it first, as for qc.export_encodings")
+    args, grid = _activation_args(fq, name)
+    prefix = slot[0]
+    qparams = {} if args.dynamic else _static_qparams(fq, grid, prefix)
+    for key in slot[1]:
+        if prefix == "input":
+            weights[key].inputs = (args, qparams)
+        else:
+            weights[key].outputs = (args, qparams)
 
 
 def _feeds(node: Node) -> str:
@@ -575,6 +646,9 @@ def _feeds(node: Node) -> str:
     ops reading it multiply it by, else the ops."""
     out = []
     for _, end in view_paths(node):
+        if sharded_linear(end) is not None:
+            out.append(f"linear of {end.target}.weight")
+            continue
         params = [_strip(a) for a in end.args[1:] if isinstance(a, Node)]
         params = [_strip(p.args[0]) if p.op == "call_module" and p.args else p for p in params]
         named = [str(p.target) for p in params if isinstance(p, Node) and p.op == "get_attr"]
@@ -667,12 +741,12 @@ def _format(scheme: Any) -> Any:
     return infer_module_format(nn.Linear, scheme)
 
 
-def _module_state(w: _Weight, values: torch.Tensor, pieces: Mapping[str, torch.Tensor]
-                  ) -> dict[str, torch.Tensor]:
+def _module_state(w: _Weight, own: Mapping[str, torch.Tensor], values: torch.Tensor,
+                  pieces: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One compressed layer's state dict before compression (compressed-tensors' local
-    names)."""
+    names; ``own``: the weight's qparams)."""
     state = {"weight": values}
-    for qparams in (w.qparams, *(x[1] for x in (w.inputs, w.outputs) if x)):
+    for qparams in (own, *(x[1] for x in (w.inputs, w.outputs) if x)):
         for key, t in qparams.items():
             state[key] = pieces.get(key, t).clone()
     return state
@@ -723,9 +797,12 @@ def _group_key(scheme: Any) -> str:
                       default=str)
 
 
-def _plan(graph: GraphModule, skeleton: nn.Module) -> _Checkpoint:
+def _plan(graph: GraphModule, skeleton: nn.Module, *, keep: bool = True) -> _Checkpoint:
     """Every tensor of the checkpoint and its quantization config; every check is done
-    before anything is written."""
+    before anything is written. Each parameter is taken whole in its turn (a
+    tensor-parallel shard gathered: every rank makes the same gathers, in this order, and
+    compresses each layer, so that a refusal is every rank's); ``keep`` False (a rank that
+    does not write): no tensor is kept."""
     experts = _expert_params(graph)
     weights = _weights(graph, _linear_params(graph, skeleton) | experts)
     _activations(graph, weights)
@@ -742,11 +819,13 @@ def _plan(graph: GraphModule, skeleton: nn.Module) -> _Checkpoint:
     for name, p in params.items():
         if name not in schemes:  # float, or its fake-quantized values
             w = weights.get(name)
-            value = p.detach() if w is None else w.values.to(p.dtype)
-            tensors.update((k, v.contiguous()) for k, v in layout.split(name, value))
+            value = gathered(p).detach() if w is None else _fake_quantized(w)[0].to(p.dtype)
+            if keep:
+                tensors.update((k, v.contiguous()) for k, v in layout.split(name, value))
             continue
         for module, packed in _compressed(layout, name, weights[name], schemes[name]):
-            tensors.update(packed)
+            if keep:
+                tensors.update(packed)
             members.setdefault(keys[name], []).append(module)
     unique = {keys[name]: scheme for name, scheme in schemes.items()}
     groups, ignore = _groups(unique, members, skeleton, weights)
@@ -774,11 +853,12 @@ def _compressed(layout: _Layout, name: str, w: _Weight, scheme: Any
                 ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     """(checkpoint module, its compressed tensors) for each linear layer parameter
     ``name`` becomes (one, or one per expert)."""
-    rank = w.values.dim()
-    pieces = {k: dict(layout.split(name, t)) for k, t in w.qparams.items() if t.dim() == rank}
-    for ckpt, values in layout.split(name, w.values):
+    whole, qparams = _fake_quantized(w)
+    rank = whole.dim()
+    pieces = {k: dict(layout.split(name, t)) for k, t in qparams.items() if t.dim() == rank}
+    for ckpt, values in layout.split(name, whole):
         module = ckpt.removesuffix(".weight")
-        state = _module_state(w, values, {k: v[ckpt] for k, v in pieces.items()})
+        state = _module_state(w, qparams, values, {k: v[ckpt] for k, v in pieces.items()})
         yield module, _compress(module, state, scheme, w.dtype)
 
 
@@ -853,13 +933,28 @@ def save_pretrained(gm: nn.Module, directory: str | os.PathLike[str], *,
     Face checkpoint with a compressed-tensors ``quantization_config`` into ``directory``
     (new, or an empty directory) and return its path. ``config`` is the model's
     transformers config (or its ``to_dict()``). See the module for what each scheme
-    becomes and what is refused; everything is checked before anything is written."""
+    becomes and what is refused; everything is checked before anything is written. A
+    graph sharded by tensor parallelism is saved by every rank together (each layer's
+    weight gathered in turn); rank 0 writes the directory, the other ranks return its
+    path."""
     _require()
     graph = _graph(gm)
-    target = _target(directory)
+    writes = writes_here(graph)
+    if not is_sharded(graph):
+        target = _checked(graph, directory, writes=True)
+    else:  # every rank saves a tensor-parallel graph together; rank 0 writes
+        target, refusal = Path(directory), None
+        try:
+            target = _checked(graph, directory, writes=writes)
+        except QCompileError as e:
+            refusal = e
+        agree_to_gather(graph, WHERE, {"directory": os.fspath(directory),
+                                       "config": config_fingerprint(config)}, refusal)
     cfg = _config(config)
     skeleton = _skeleton(cfg, graph)
-    plan = _plan(graph, skeleton)
+    plan = _plan(graph, skeleton, keep=writes)
+    if not writes:
+        return target
     # what transformers' own save_pretrained records: the class (vLLM picks its model by
     # it) and the weights' dtype
     cfg.architectures = [type(skeleton).__name__]

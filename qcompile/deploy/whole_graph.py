@@ -2,6 +2,15 @@
 a compiled graph is one whole model whose weights they can read, and which op reads each
 parameter, through which view ops and which quantizer.
 
+A graph ``qc.distributed.wrap`` sharded for tensor parallelism is read as the graph it was
+compiled as: a ``ShardedLinear`` call is a linear read of ``<layer>.weight`` through
+``<layer>.weight_fake_quant`` (when its ``quantize_weight`` is set) of an input quantized
+by ``<layer>.input_fake_quant`` (``quantize_input``), a ``ShardedEmbedding`` call an
+embedding read, a ``SumGradients`` call the value it passes on. Its weights are read
+whole: ``gathered`` takes each sharded one whole (``DTensor.full_tensor()``, a collective)
+when the exporter reaches it, so every rank exports together (``agree_to_gather`` first,
+then the same reads in the same order) and rank 0 alone writes (``writes_here``).
+
 Example:
     >>> import torch, qcompile as qc
     >>> from qcompile.deploy.whole_graph import weight_reads, whole_graph
@@ -14,8 +23,11 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,11 +36,14 @@ from torch.fx import GraphModule, Node
 from qcompile.deploy.adapters import refuse_adapters, unwrap
 from qcompile.errors import QCompileError
 from qcompile.graph.algorithms import refuse_pending
-from qcompile.graph.meta import REPORT_KEY, STAGE_NAMES_KEY
+from qcompile.graph.meta import COLLECTIVES_KEY, REPORT_KEY, STAGE_NAMES_KEY, TP_SHARDED_KEY
+from qcompile.runtime.calibration import ViewSteps, weight_quantizer_sites
 from qcompile.runtime.fake_quant import FakeQuantize
+from qcompile.runtime.sharded import ShardedEmbedding, ShardedLinear, SumGradients
 
-__all__ = ["VIEWS", "WeightRead", "call_name", "describe_scheme", "is_dtensor", "view_paths",
-           "weight_reads", "whole_graph"]
+__all__ = ["VIEWS", "WeightRead", "agree_to_gather", "call_name", "config_fingerprint",
+           "describe_scheme", "gathered", "is_dtensor", "is_sharded", "sharded_linear",
+           "view_paths", "weight_reads", "weight_sites", "whole_graph", "writes_here"]
 
 #: ops that only reshape or relabel a tensor (a weight read through them is still the weight)
 VIEWS = frozenset({"reshape", "view", "_unsafe_view", "t", "transpose", "permute",
@@ -40,8 +55,9 @@ def whole_graph(gm: nn.Module, where: str, *, holds: str, preset: str,
     """The compiled graph of ``gm`` (inside a DDP wrapper too), refused for ``where`` (the
     caller's name) where ``holds`` (what it writes: "a GGUF file") cannot hold what it
     computes: a model qcompile did not compile (the fix names ``preset``), pipeline stages,
-    adapters, pending algorithms, sharded or meta-device weights; ``verb`` is what the
-    fixes tell the user to do with the gathered model ("export")."""
+    adapters, pending algorithms, sharded weights other than tensor parallelism's (its
+    ``tp`` shards are gathered as they are read), meta-device weights; ``verb`` is what
+    the fixes tell the user to do with the gathered model ("export")."""
     inner = unwrap(gm)
     meta = getattr(inner, "meta", None)
     if not isinstance(inner, GraphModule) or not isinstance(meta, dict) or REPORT_KEY not in meta:
@@ -59,7 +75,7 @@ def whole_graph(gm: nn.Module, where: str, *, holds: str, preset: str,
     refuse_adapters(inner, f"qc.{where}")
     refuse_pending(inner, where)
     for name, t in (*inner.named_parameters(), *inner.named_buffers()):
-        if is_dtensor(t):
+        if is_dtensor(t) and not _tp_shard(meta, t):
             raise QCompileError(f"{where}: {name} is a sharded DTensor ({type(t).__name__}); "
                                 f"{holds} holds whole tensors",
                                 fix="gather the model first (a full state dict: "
@@ -76,6 +92,88 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return any(c.__name__ == "DTensor" for c in type(t).__mro__)
 
 
+def _tp_shard(meta: Mapping[str, Any], t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor-parallel shard of a graph ``qc.distributed.wrap`` sharded
+    (a DTensor on the ``tp`` mesh alone; FSDP2's, over ``dp``, stay refused)."""
+    names = getattr(getattr(t, "device_mesh", None), "mesh_dim_names", None)
+    return bool(meta.get(TP_SHARDED_KEY)) and tuple(names or ()) == ("tp",)
+
+
+def is_sharded(gm: GraphModule) -> bool:
+    """Whether ``gm`` holds sharded (DTensor) parameters: exporting it is a collective."""
+    return any(is_dtensor(p) for p in gm.parameters())
+
+
+def gathered(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole and detached: a sharded DTensor gathered (``full_tensor()``, a
+    collective every rank makes, in the same order), as a ``Parameter`` when ``t`` is one
+    (a quantizer takes the same path on it as on the unsharded parameter); else ``t``."""
+    if not is_dtensor(t):
+        return t
+    whole = t.detach().full_tensor()
+    return nn.Parameter(whole, requires_grad=t.requires_grad) if isinstance(
+        t, nn.Parameter) else whole
+
+
+def writes_here(gm: GraphModule) -> bool:
+    """Whether this process writes ``gm``'s export: always for a whole graph; for a
+    sharded one (every rank exports it together) only the default group's rank 0. Read
+    through ``sys.modules``: this layer never imports ``torch.distributed`` itself."""
+    if not is_sharded(gm):
+        return True
+    dist = sys.modules.get("torch.distributed")
+    return dist is None or not dist.is_initialized() or int(dist.get_rank()) == 0
+
+
+def config_fingerprint(config: Any) -> Any:
+    """What ranks exporting together compare of a ``config`` argument: its dict (a
+    transformers config's ``to_dict()``), else its type's name."""
+    if config is None or isinstance(config, (str, int, float, bool)):
+        return config
+    if isinstance(config, Mapping):
+        return dict(config)
+    if callable(getattr(config, "to_dict", None)):
+        return config.to_dict()
+    return type(config).__name__
+
+
+_REFUSAL_FIX = ("fix what that rank's own error reports (it names the cause and the fix), "
+                "then call again on every rank")
+
+
+def agree_to_gather(gm: GraphModule, where: str, fingerprint: Mapping[str, Any],
+                    refusal: Exception | None) -> None:
+    """Before a sharded graph's first gather: every rank is in the same call ``where``,
+    with the same model and the same ``fingerprint`` (the call's arguments), and none
+    refused it on its own (``refusal``: what this rank's local checks raised, such as rank
+    0's check of the output path), else every rank raises, within seconds and before any
+    collective: the refusing rank its own error, the others one naming it. The meetings go
+    through the group ``qc.distributed.wrap`` recorded (``meta[COLLECTIVES_KEY]``:
+    ``qcompile.distributed.agree``); a graph without one is not checked."""
+    check = gm.meta.get(COLLECTIVES_KEY)
+    if check is None:
+        if refusal is not None:
+            raise refusal
+        return
+    check(where, gm, dict(fingerprint))
+    mine = None if refusal is None else str(getattr(refusal, "message", refusal))
+    try:
+        check(where, gm, {"refusal": mine and mine.removeprefix(f"{where}: ")})
+    except QCompileError as e:
+        if refusal is not None:
+            raise refusal from None
+        # agree's "<where>: the ranks disagree on refusal: rank 0: '...'; rank 1: None;
+        # every rank ...": the refusing ranks' (shortened) messages are what this one says
+        detail = e.message.split(": the ranks disagree on refusal: ", 1)[-1]
+        detail = detail.split("; every rank must agree", 1)[0]
+        detail = re.sub(r"(?:^|; )ranks? [\d, ]+: None(?=;|$)", "", detail).removeprefix("; ")
+        raise QCompileError(f"{where}: another rank refused the call before any tensor was "
+                            f"gathered, so no rank writes anything ({detail})",
+                            fix=_REFUSAL_FIX) from None
+    if refusal is not None:  # no process group to tell: this rank's own error
+        raise refusal
+
+
 def call_name(node: Node) -> str:
     """The bare name of what a node calls (``aten.view.default`` -> ``view``)."""
     if node.op == "call_method":
@@ -88,11 +186,33 @@ def call_name(node: Node) -> str:
     return str(getattr(node.target, "__name__", text)).split(".")[0]
 
 
+def _called(node: Node) -> nn.Module | None:
+    """The module a ``call_module`` node calls (None for other nodes)."""
+    gm = node.graph.owning_module
+    if node.op != "call_module" or gm is None:
+        return None
+    try:
+        return gm.get_submodule(str(node.target))
+    except AttributeError:
+        return None
+
+
+def sharded_linear(node: Node) -> ShardedLinear | None:
+    """The ``ShardedLinear`` a node calls (a tensor-parallel layer running its own
+    quantizers), or None."""
+    m = _called(node)
+    return m if isinstance(m, ShardedLinear) else None
+
+
 def view_paths(node: Node) -> Iterator[tuple[list[Node], Node]]:
     """Each path from ``node`` through view ops to the first node that is not one: (the
-    views, that node)."""
+    views, that node). A ``SumGradients`` call (tensor parallelism's: the identity
+    forward) is passed through, not listed."""
     for user in node.users:
-        if call_name(user) in VIEWS and user.args and user.args[0] is node:
+        if user.op == "call_module" and user.args and user.args[0] is node and isinstance(
+                _called(user), SumGradients):
+            yield from view_paths(user)
+        elif call_name(user) in VIEWS and user.args and user.args[0] is node:
             for views, end in view_paths(user):
                 yield [user, *views], end
         else:
@@ -111,9 +231,13 @@ class WeightRead:
 
 def weight_reads(gm: GraphModule) -> dict[int, list[WeightRead]]:
     """id(parameter) -> every read of it in the graph. A parameter read only inside a
-    module call (a leaf module of a symbolic trace) gets no entry: it is read as is."""
+    module call (a leaf module of a symbolic trace) gets no entry: it is read as is;
+    tensor parallelism's layers are read as the ops they stand for (see the module)."""
     out: dict[int, list[WeightRead]] = {}
     for node in gm.graph.nodes:
+        if node.op == "call_module":
+            _module_reads(node, out)
+            continue
         if node.op != "get_attr":
             continue
         try:
@@ -129,6 +253,47 @@ def weight_reads(gm: GraphModule) -> dict[int, list[WeightRead]]:
             else:
                 out.setdefault(id(value), []).append(WeightRead(None, tuple(views), end))
     return out
+
+
+def _module_reads(node: Node, out: dict[int, list[WeightRead]]) -> None:
+    """The reads of a ``ShardedLinear`` call (its weight through ``weight_fake_quant``
+    when it quantizes it, its bias as is) or a ``ShardedEmbedding`` call (its table)."""
+    m = _called(node)
+    if isinstance(m, ShardedLinear):
+        fq = f"{node.target}.weight_fake_quant" if m.quantize_weight else None
+        out.setdefault(id(m.weight), []).append(WeightRead(fq, (), node))
+        if m.bias is not None:
+            out.setdefault(id(m.bias), []).append(WeightRead(None, (), node))
+    elif isinstance(m, ShardedEmbedding):
+        out.setdefault(id(m.weight), []).append(WeightRead(None, (), node))
+
+
+def weight_sites(gm: nn.Module) -> list[tuple[GraphModule, str, FakeQuantize, ViewSteps]]:
+    """``weight_quantizer_sites`` with tensor parallelism's layers: (graph, ``<layer>.weight``,
+    its ``weight_fake_quant``, no views) for each ``ShardedLinear`` call that quantizes its
+    weight; then every site in the order of the parameters they read, the order of the
+    weight quantizers of the graph it was compiled as."""
+    found = weight_quantizer_sites(gm)
+    extra = []
+    for owner in gm.modules():
+        if not isinstance(owner, GraphModule):
+            continue
+        for node in owner.graph.nodes:
+            m = sharded_linear(node)
+            if m is not None and m.quantize_weight:
+                extra.append((owner, f"{node.target}.weight", m.weight_fake_quant, ()))
+    if not extra:
+        return found
+    order: dict[int, int] = {}
+    for i, (_, p) in enumerate(gm.named_parameters(remove_duplicate=False)):
+        order.setdefault(id(p), i)
+
+    def position(site: tuple[GraphModule, str, FakeQuantize, ViewSteps]) -> int:
+        parent, _, leaf = site[1].rpartition(".")
+        value = getattr(site[0].get_submodule(parent) if parent else site[0], leaf, None)
+        return order.get(id(value), len(order))
+
+    return sorted([*found, *extra], key=position)
 
 
 def describe_scheme(fq: FakeQuantize, *, brief: bool = False) -> str:

@@ -597,6 +597,10 @@ def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Modul
         return gm  # compile_once sharded it per block and syncs its observers already
     refuse_wrapped(gm)
     if spec.tensor_parallel is not None:
+        if group is not None:
+            raise QCompileError("qc.distributed.wrap: group= with a tensor_parallel section "
+                                "(the ranks form the spec's dp x tp mesh)",
+                                fix="leave group out; launch dp x tp processes")
         from qcompile.distributed.hybrid import agreed_mesh
         from qcompile.distributed.tensor_parallel import parallelize
 

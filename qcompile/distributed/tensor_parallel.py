@@ -108,6 +108,8 @@ def parallelize(gm: nn.Module, tp_mesh: Any) -> nn.Module:
     """Shard ``gm``'s planned layers across ``tp_mesh`` (in place; returns ``gm``)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    if getattr(gm, "meta", {}).get(TP_SHARDED_KEY):
+        return gm  # sharded already (wrap called again, e.g. by a second Lightning setup)
     plan = getattr(gm, "meta", {}).get(TP_PLAN_KEY)
     if plan is None:
         raise QCompileError("tensor parallel: this graph was compiled without a "

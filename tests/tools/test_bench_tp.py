@@ -78,7 +78,7 @@ def test_input_tensors_are_what_this_rank_puts_in() -> None:
 @pytest.mark.parametrize(("path", "function", "part"), [
     ("qcompile/distributed/data_parallel.py", "_reduce_observed", "sync"),
     ("qcompile/runtime/fake_quant.py", "forward", "stats"),
-    ("qcompile/runtime/sharded.py", "_all", "stats"),
+    ("qcompile/runtime/sharded.py", "_extremes", "stats"),
     ("qcompile/runtime/sharded.py", "forward", None),  # ShardedLinear: the layer's own
     ("torch/distributed/tensor/parallel/style.py", "_prepare_output_fn", None)])
 def test_a_collective_is_the_innermost_qcompile_frames(path: str, function: str,

@@ -110,6 +110,11 @@ SPECS = {
               weight: {dtype: int4, symmetric: true, granularity: per_channel, group_size: 32}
         """,
     "bad_yaml.yaml": "version: 1\nquant: {mode: qat\n  rules: [\n",
+    "tp.yaml": """\
+        version: 1
+        quant: {mode: qat}
+        tensor_parallel: {size: 2}
+    """,
 }
 
 NET_SHAPE = ["--input-shape", "1x3x8x8"]
@@ -118,7 +123,7 @@ TABLE_COLUMNS = ["node", "op", "target", "shape", "rule_match", "weight", "activ
 NODE_KEYS = {"node", "op", "target", "shape", "rule", "rule_match", "weight", "activation",
              "skip", "quantizer", "stage", "device"}
 SUMMARY_KEYS = {"quantizers", "fp32_bytes", "quantized_bytes", "stages", "balance_ratio",
-                "mode", "trace_method"}
+                "mode", "trace_method", "tensor_parallel"}
 
 
 @pytest.fixture(scope="module")
@@ -363,6 +368,24 @@ def test_show_text(capsys: pytest.CaptureFixture[str], work: Path) -> None:
     # conv 216 + conv2 576 + fc 32 int8 weights; biases and the (QAT, unfolded) bn in fp32
     assert (fp32, quantized) == (860 * 4, 824 + 36 * 4)
     assert "stages: none" in summary
+
+
+def test_show_lists_the_tensor_parallel_plan(capsys: pytest.CaptureFixture[str],
+                                             work: Path) -> None:
+    """The mlp's Linear pairs: colwise then rowwise, twice (the last ReLU reaches the head:
+    colwise, gathered); each line says why."""
+    rc, out, _ = run(capsys, "show", str(work / "tp.yaml"), "--model", ref(work, "mlp"),
+                     "--input-shape", "2x16")
+    assert rc == 0, out
+    plan = out[out.index("tensor parallel:"):].splitlines()
+    assert plan[0] == "tensor parallel: 2 colwise, 2 rowwise", plan
+    styles = [line.split()[:2] for line in plan[1:5]]
+    assert styles == [["0", "colwise"], ["2", "rowwise"], ["4", "colwise"], ["6", "rowwise"]]
+    assert "partial sums reduced across tp" in plan[2]
+    rc, out, _ = run(capsys, "show", str(work / "tp.yaml"), "--model", ref(work, "mlp"),
+                     "--input-shape", "2x16", "--format", "json")
+    records = json.loads(out)["summary"]["tensor_parallel"]
+    assert [r["style"] for r in records] == ["colwise", "rowwise", "colwise", "rowwise"]
 
 
 def test_show_json(capsys: pytest.CaptureFixture[str], work: Path) -> None:

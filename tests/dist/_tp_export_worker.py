@@ -1,0 +1,236 @@
+"""One rank of the exports-from-tensor-parallelism tests (``test_tp_export.py``).
+
+Run as a script, never imported from the tests folder::
+
+    python tests/dist/_tp_export_worker.py OUTDIR CASE [CASE ...]
+
+with ``RANK``, ``WORLD_SIZE`` (2: tp 2) and ``QC_DIST_INIT`` in the environment. Every rank
+compiles the same tiny Llama (same seed) with a ``tensor_parallel`` spec and wraps it
+(``qc.distributed.wrap``: its Linear layers and embedding sharded across the two ranks);
+every rank calls the export on the sharded graph (one path, shared by the ranks) and rank
+0 also exports, in this one process, the same graph compiled again and never sharded,
+then compares the files byte for byte. Each rank writes ``OUTDIR/rank<r>.json`` after
+every case.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import transformers
+from _worker_main import cases_in, error_of, run_cases
+
+import qcompile as qc
+
+PG_TIMEOUT = datetime.timedelta(seconds=30)  # a rank stuck in a gather fails in seconds
+TP = 2
+ROWS, SEQ, VOCAB = 2, 8, 64
+LR = 0.1
+OUTDIR = Path(".")
+
+
+def config() -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, use_cache=False,
+                                    tie_word_embeddings=False)
+
+
+def llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config())
+
+
+def spec_of(preset: str) -> Any:
+    d = qc.load_spec(preset).model_dump()
+    d["tensor_parallel"] = {"size": TP, "plan": "auto"}
+    return qc.specs.as_spec(d)
+
+
+def lm_batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {"input_ids": torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)}
+
+
+def lm_loss(out: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", out)
+    ids = batch["input_ids"]
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1])
+                                             .float(), ids[:, 1:].reshape(-1))
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def files_of(path: Path) -> dict[str, bytes]:
+    """A file's bytes (under ``""``), or every file of a directory by name."""
+    if path.is_file():
+        return {"": path.read_bytes()}
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def same_files(a: Path, b: Path) -> dict[str, Any]:
+    fa, fb = files_of(a), files_of(b)
+    return {"files": sorted(fa), "bytes": sum(len(v) for v in fa.values()),
+            "identical": fa.keys() == fb.keys() and all(fa[k] == fb[k] for k in fa),
+            "differ": sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))}
+
+
+def gguf_export(gm: Any, path: Path) -> Path:
+    return qc.export_gguf(gm, path, config=config())
+
+
+def hf_export(gm: Any, path: Path) -> Path:
+    return qc.save_pretrained(gm, path, config=config())
+
+
+def exported(export: Callable[[Any, Path], Path], model: Any, ref: Any, name: str
+             ) -> dict[str, Any]:
+    """Every rank exports the sharded ``model`` to one path (timed); rank 0 then exports
+    ``ref`` (the same weights, unsharded) in this process and compares the bytes."""
+    rank = dist.get_rank()
+    target = OUTDIR / name
+    start = time.monotonic()
+    got = export(model, target)
+    out: dict[str, Any] = {"seconds": round(time.monotonic() - start, 2),
+                           "returned": str(got) == str(target)}
+    dist.barrier()  # rank 0 has written by now
+    if rank == 0:
+        reference = OUTDIR / f"{name}_one_process"
+        export(ref, reference)
+        out.update(same_files(target, reference))
+        out["leftovers"] = sorted(p.name for p in OUTDIR.iterdir()
+                                  if p.name.startswith(f".{name}") or ".tmp" in p.name)
+    return out
+
+
+def compare(preset: str, export: Callable[[Any, Path], Path], kind: str) -> dict[str, Any]:
+    """The sharded graph's export against one process's: freshly compiled, and again after
+    one SGD step on the ranks (the reference then holds the gathered trained state)."""
+    spec = spec_of(preset)
+    batch = lm_batch()
+    gm = qc.qcompile(llama(), spec, example_kwargs=batch)
+    ref = qc.qcompile(llama(), spec, example_kwargs=batch)  # never sharded
+    plain = qc.qcompile(llama(), preset, example_kwargs=batch)  # no tensor_parallel section
+    model = qc.distributed.wrap(gm, spec)
+    out: dict[str, Any] = {"sharded": sorted(n for n, p in gm.named_parameters()
+                                             if hasattr(p, "full_tensor"))}
+    out["fresh"] = exported(export, model, ref, f"{kind}_fresh")
+    if dist.get_rank() == 0:  # the compile without a tensor_parallel section writes the same
+        export(plain, OUTDIR / f"{kind}_plain")
+        out["fresh"]["plain_identical"] = same_files(OUTDIR / f"{kind}_fresh",
+                                                     OUTDIR / f"{kind}_plain")["identical"]
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    loss = lm_loss(model(**batch), batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    state = {k: whole(v).detach() for k, v in model.state_dict().items()}  # every rank
+    trained = qc.qcompile(llama(), spec, example_kwargs=batch)
+    trained.load_state_dict(state)
+    out["trained"] = exported(export, model, trained, f"{kind}_trained")
+    if dist.get_rank() == 0:
+        out["trained"]["differs_from_fresh"] = not same_files(
+            OUTDIR / f"{kind}_trained", OUTDIR / f"{kind}_fresh")["identical"]
+    return out
+
+
+def case_gguf() -> dict[str, Any]:
+    return compare("gguf-q4_0-qat", gguf_export, "gguf")
+
+
+def case_hf() -> dict[str, Any]:
+    return compare("8da4w-qat", hf_export, "hf")
+
+
+def group_works() -> bool:
+    t = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    return t.item() == 3.0
+
+
+def mistake(out: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
+    """What ``fn`` raised on this rank and the seconds it took; then the ranks meet (a rank
+    stuck in a gather would make this barrier time out) and the group must still work."""
+    start = time.monotonic()
+    out[name] = error_of(fn)
+    out[name]["seconds"] = round(time.monotonic() - start, 2)
+    dist.barrier()
+    out[name]["group_works"] = group_works()
+
+
+def case_mistakes() -> dict[str, Any]:
+    """Calls the ranks do not make together: each is a QCompileError on both ranks, before
+    any gather, and the group and the agreement still work afterwards."""
+    rank = dist.get_rank()
+    spec = spec_of("gguf-q4_0-qat")
+    model = qc.distributed.wrap(qc.qcompile(llama(), spec, example_kwargs=lm_batch()), spec)
+    out: dict[str, Any] = {}
+    # rank 0 exports while rank 1 saves a checkpoint
+    mistake(out, "only_rank0", lambda: gguf_export(model, OUTDIR / "only.gguf") if rank == 0
+            else hf_export(model, OUTDIR / "only_hf"))
+    # another path, another config on rank 1
+    mistake(out, "path_differs", lambda: gguf_export(model, OUTDIR / f"path{rank}.gguf"))
+    other = config()
+    other.rms_norm_eps = 1e-6 if rank == 0 else 1e-5
+    mistake(out, "config_differs", lambda: qc.export_gguf(model, OUTDIR / "cfg.gguf",
+                                                          config=other))
+    # the path exists: rank 0 (the writer) refuses; rank 1 must not gather alone
+    exists = OUTDIR / "exists.gguf"
+    if rank == 0:
+        exists.write_bytes(b"mine")
+    dist.barrier()
+    mistake(out, "exists", lambda: gguf_export(model, exists))
+    out["exists"]["kept"] = exists.read_bytes() == b"mine"
+    # rank 0 alone, rank 1 making no qcompile call: rank 0 gives up after the timeout
+    os.environ["QCOMPILE_AGREE_TIMEOUT"] = "2"
+    try:
+        mistake(out, "absent", lambda: gguf_export(model, OUTDIR / "absent.gguf")
+                if rank == 0 else None)
+        # the ranks' next call finds them in step again (rank 1 skips the meeting it
+        # missed, with a warning): the same refusal of the q4_0 grid on both ...
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            mistake(out, "after_absent", lambda: hf_export(model, OUTDIR / "after_hf"))
+        out["after_absent"]["warnings"] = [str(w.message) for w in seen
+                                           if "without this rank" in str(w.message)]
+    finally:
+        del os.environ["QCOMPILE_AGREE_TIMEOUT"]
+    # ... and an export on both ranks writes the file
+    mistake(out, "good", lambda: gguf_export(model, OUTDIR / "good.gguf"))
+    out["good"]["written"] = (OUTDIR / "good.gguf").is_file()
+    # NaN in rank 1's shard: rank 1 refuses, rank 0 stops with it
+    weight = model.get_parameter("model.layers.0.mlp.up_proj.weight")
+    kept = weight.to_local().detach().clone()
+    if rank == 1:
+        with torch.no_grad():
+            weight.to_local()[0, 0] = float("nan")
+    mistake(out, "nan_on_rank1", lambda: hf_export(model, OUTDIR / "nan_hf"))
+    with torch.no_grad():
+        weight.to_local().copy_(kept)
+    out["unwritten"] = sorted(p.name for p in OUTDIR.iterdir() if p.name.startswith(
+        ("only", "path", "cfg", "absent", "after", "nan")))
+    return out
+
+
+CASES = cases_in(globals())
+
+
+def main(argv: list[str]) -> int:
+    global OUTDIR
+    OUTDIR = Path(argv[0])
+    return run_cases(OUTDIR, argv[1:], CASES, PG_TIMEOUT)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

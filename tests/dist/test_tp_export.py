@@ -1,0 +1,136 @@
+"""Exports from a tensor-parallel run: ``qc.export_gguf`` and ``qc.save_pretrained`` of a
+graph ``qc.distributed.wrap`` sharded across two gloo ranks (tp 2, a 2-layer Llama with
+GQA: every Linear and the embedding sharded). Every rank calls the export, each sharded
+weight is gathered in turn, rank 0 writes; the file (GGUF, ``gguf-q4_0-qat``) and the
+checkpoint (``8da4w-qat``) are byte-identical to one process's export of the same graph,
+freshly compiled and after one training step on the ranks. Calls the ranks do not make
+together are one ``QCompileError`` on every rank, within seconds.
+
+The cases run in ``_tp_export_worker.py``: one supervised launch runs every case the
+selected tests name (about 15 s); each test asserts on the JSON the ranks wrote.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dist_cases import uses, wanted_cases
+
+pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+pytest.importorskip("compressed_tensors")
+
+pytestmark = pytest.mark.dist
+
+WORKER = Path(__file__).with_name("_tp_export_worker.py")
+ORDER = ["gguf", "hf", "mistakes"]
+LAUNCH_DEADLINE = 120.0  # seconds for every case of the launch (about 15 s normally)
+# every linear layer's weight and the embedding are sharded (norms stay whole)
+SHARDED = {f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")} | {"model.embed_tokens.weight",
+                                                          "lm_head.weight"}
+FAST = 10.0  # seconds: a refusal before any gather (the launcher's ranks share 2 cores)
+
+
+@pytest.fixture(scope="module")
+def dist_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+             dist_launcher: Any) -> Any:
+    return dist_launcher(WORKER, wanted_cases(request, ORDER), tmp_path_factory.mktemp("tpx"),
+                         LAUNCH_DEADLINE)
+
+
+@pytest.mark.parametrize("case, files", [("gguf", [""]),
+                                         ("hf", ["config.json", "model.safetensors"])])
+def test_rank0_writes_what_one_process_writes(dist_run: Any, case: str,
+                                              files: list[str]) -> None:
+    """Both ranks call the export on the sharded graph and return the path; rank 0's
+    file(s) equal, byte for byte, those one process writes for the same graph never
+    sharded (and for the model compiled without a tensor_parallel section); after one SGD
+    step on the ranks, those one process writes for the gathered trained state."""
+    r0, r1 = dist_run.case(case)
+    for got in (r0, r1):
+        assert set(got["sharded"]) == SHARDED, got["sharded"]
+        for when in ("fresh", "trained"):
+            assert got[when]["returned"], (case, when, got[when])
+    for when in ("fresh", "trained"):
+        got = r0[when]
+        assert got["files"] == files, got
+        assert got["bytes"] > 0, got
+        assert got["identical"], f"{case} {when}: {got['differ']} differ from one process's"
+        assert got["leftovers"] == [], got
+    assert r0["fresh"]["plain_identical"], r0["fresh"]
+    assert r0["trained"]["differs_from_fresh"], "the training step changed nothing"
+
+
+@uses("mistakes")
+@pytest.mark.parametrize("what, parts", [
+    ("only_rank0", ["different qcompile calls", "rank 0: 'export_gguf'",
+                    "rank 1: 'save_pretrained'"]),
+    ("path_differs", ["export_gguf: the ranks disagree on path", "path0.gguf", "path1.gguf"]),
+    ("config_differs", ["export_gguf: the ranks disagree on config.rms_norm_eps"]),
+])
+def test_a_call_the_ranks_do_not_make_alike_is_one_error_on_both(dist_run: Any, what: str,
+                                                                 parts: list[str]) -> None:
+    """Rank 0 exports while rank 1 saves a checkpoint; another path, another config on
+    rank 1: the same QCompileError on both ranks, at once, before any gather."""
+    results = tuple(r[what] for r in dist_run.case("mistakes"))
+    for rank, got in enumerate(results):
+        assert got["raised"] == "QCompileError", (rank, got)
+        for part in parts:
+            assert part in got["message"], (rank, part, got["message"])
+        assert got["seconds"] < FAST and got["group_works"], (rank, got)
+    assert results[0]["message"] == results[1]["message"]
+
+
+@uses("mistakes")
+def test_a_path_rank0_refuses_stops_every_rank(dist_run: Any) -> None:
+    """The output path exists: rank 0 (the writer) raises its own refusal, rank 1 one
+    naming it, both before any gather; the file is untouched."""
+    r0, r1 = (r["exists"] for r in dist_run.case("mistakes"))
+    assert r0["raised"] == "QCompileError" and "exists.gguf' exists" in r0["message"], r0
+    assert "remove it first" in r0["fix"], r0
+    assert r1["raised"] == "QCompileError", r1
+    assert "another rank refused the call" in r1["message"], r1
+    assert "rank 0: " in r1["message"] and "rank 1" not in r1["message"], r1
+    assert "own error" in r1["fix"], r1
+    for got in (r0, r1):
+        assert got["seconds"] < FAST and got["group_works"] and got["kept"], got
+
+
+@uses("mistakes")
+def test_a_nan_in_one_ranks_shard_stops_every_rank(dist_run: Any) -> None:
+    """save_pretrained with a NaN in rank 1's shard of a weight: rank 1 names the tensor,
+    rank 0 stops with it, before any gather."""
+    r0, r1 = (r["nan_on_rank1"] for r in dist_run.case("mistakes"))
+    assert r1["raised"] == "QCompileError" and "model.layers.0.mlp.up_proj.weight" in (
+        r1["message"]) and "NaN" in r1["message"], r1
+    assert r0["raised"] == "QCompileError" and "another rank refused" in r0["message"], r0
+    assert "rank 1: " in r0["message"] and "rank 0" not in r0["message"], r0
+    for got in (r0, r1):
+        assert got["seconds"] < FAST and got["group_works"], got
+
+
+@uses("mistakes")
+def test_an_export_rank1_never_makes_is_named_and_the_ranks_meet_again(dist_run: Any) -> None:
+    """Rank 0 exports alone, rank 1 makes no qcompile call: rank 0 gives up after
+    QCOMPILE_AGREE_TIMEOUT (2 s here) naming rank 1; rank 1's next call skips the meeting
+    it missed (with a warning), both ranks then get the same refusal of that call, and an
+    export both make writes the file. No refused call wrote anything."""
+    results = dist_run.case("mistakes")
+    r0, r1 = (r["absent"] for r in results)
+    assert r0["raised"] == "QCompileError", r0
+    assert "rank 1 did not reach export_gguf within 2 s (rank 0 did)" in r0["message"], r0
+    assert "QCOMPILE_AGREE_TIMEOUT" in r0["fix"], r0
+    assert r0["seconds"] < FAST and r1["raised"] is None, (r0, r1)
+    a0, a1 = (r["after_absent"] for r in results)
+    assert a0["raised"] == a1["raised"] == "QCompileError", (a0, a1)
+    assert a0["message"] == a1["message"] and "q4_0" in a0["message"], (a0, a1)
+    assert a0["warnings"] == [], a0
+    assert len(a1["warnings"]) == 1 and "called export_gguf without this rank" in (
+        a1["warnings"][0]), a1
+    for rank, r in enumerate(results):
+        assert r["good"]["raised"] is None and r["good"]["written"], (rank, r["good"])
+        assert r["unwritten"] == [], (rank, r["unwritten"])
