@@ -96,7 +96,7 @@ from qcompile.errors import QCompileError
 from qcompile.files import atomic_paths, write_atomically
 from qcompile.graph.algorithms import refuse_pending
 from qcompile.graph.matching import layer_of
-from qcompile.graph.meta import REPORT_KEY
+from qcompile.graph.meta import REPORT_KEY, TP_SHARDED_KEY
 from qcompile.graph.signature import graph_inputs
 from qcompile.runtime.block_formats import quantize_blocks
 from qcompile.runtime.calibration import GraphInput, describe, quiet_fx_trace, uncalibrated
@@ -990,6 +990,14 @@ def export_onnx(
     Quantizers that still observe (QAT before ``qc.freeze``) are written with their
     current qparams, with a warning."""
     graph = _compiled(gm)
+    if getattr(graph, "meta", {}).get(TP_SHARDED_KEY):
+        raise QCompileError(
+            "export_onnx: this graph's layers are sharded across tensor-parallel ranks (each "
+            "rank holds rows or columns of their weights)",
+            fix="export an unsharded copy: on every rank sd = get_model_state_dict(model, "
+            "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) "
+            "(torch.distributed.checkpoint.state_dict); on rank 0 load sd into the graph "
+            "qc.qcompile returns for the same spec and export that")
     refuse_adapters(graph, "export_onnx")
     refuse_pending(graph, "export_onnx")
     onnxscript, ir = _require_onnx()

@@ -271,8 +271,8 @@ def _module_reads(node: Node, out: dict[int, list[WeightRead]]) -> None:
 def weight_sites(gm: nn.Module) -> list[tuple[GraphModule, str, FakeQuantize, ViewSteps]]:
     """``weight_quantizer_sites`` with tensor parallelism's layers: (graph, ``<layer>.weight``,
     its ``weight_fake_quant``, no views) for each ``ShardedLinear`` call that quantizes its
-    weight; then every site in the order of the parameters they read, the order of the
-    weight quantizers of the graph it was compiled as."""
+    weight; then every site in the order of the parameters they read (the order a compiled
+    graph's weight quantizers come in: one process's order for the unsharded graph)."""
     found = weight_quantizer_sites(gm)
     extra = []
     for owner in gm.modules():

@@ -192,13 +192,16 @@ def case_ddp_refused() -> dict[str, Any]:
 
 
 def case_convert_refused() -> dict[str, Any]:
-    """qc.convert of the sharded graph: refused with the gather recipe (no rank holds a
-    layer whole)."""
+    """qc.convert and qc.export_onnx of the sharded graph: refused with the gather recipe
+    (no rank holds a layer whole)."""
     spec = spec_of("int8-qat", dist.get_world_size() // TP)
     gm = qc.qcompile(llama(), spec, example_kwargs={"input_ids": torch.zeros(
         ROWS, SEQ, dtype=torch.long)})
     model = qc.distributed.wrap(gm, spec)
-    return error_of(lambda: qc.convert(model))
+    ids = torch.zeros(ROWS, SEQ, dtype=torch.long)
+    return {"convert": error_of(lambda: qc.convert(model)),
+            "onnx": error_of(lambda: qc.export_onnx(
+                model, "never-written.onnx", example_kwargs={"input_ids": ids}))}
 
 
 def case_plan_differs() -> dict[str, Any]:

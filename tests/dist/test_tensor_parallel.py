@@ -108,10 +108,13 @@ def test_ddp_with_tensor_parallel_is_refused_with_the_fix(dist_run: Any) -> None
 
 
 @uses("convert_refused")
-def test_convert_of_the_sharded_graph_is_refused(dist_run: Any) -> None:
+def test_convert_and_onnx_of_the_sharded_graph_are_refused(dist_run: Any) -> None:
     for rank, got in enumerate(dist_run.case("convert_refused")):
-        assert got["raised"] == "QCompileError", (rank, got)
-        assert "tensor-parallel" in got["message"] and "full_tensor" in got["fix"], (rank, got)
+        for call in ("convert", "onnx"):
+            err = got[call]
+            assert err["raised"] == "QCompileError", (rank, call, err)
+            assert "tensor-parallel" in err["message"], (rank, call, err)
+            assert "full_state_dict=True" in err["fix"], (rank, call, err)
 
 
 # a minute of launches: only with QCOMPILE_SWEEP=1 (.ci/run), at tp 2. (Under dp the
