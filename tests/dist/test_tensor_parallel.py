@@ -59,7 +59,8 @@ def dist_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
                         LAUNCH_DEADLINE, world=request.param)
 
 
-@pytest.mark.parametrize("case", [*PRESETS, "mixtral_8da4w_qat"])
+# Mixtral with the sweep (QCOMPILE_SWEEP=1): the default suite's budget
+@pytest.mark.parametrize("case", [*PRESETS, *(["mixtral_8da4w_qat"] if FULL else [])])
 def test_training_equals_one_process(dist_run: Any, case: str) -> None:
     """Attention and MLP pairs and the LM head sharded; the ranks hold half of each sharded
     weight; five SGD steps equal one process on the global batch (first step to float

@@ -7,11 +7,14 @@ freshly compiled and after one training step on the ranks. Calls the ranks do no
 together are one ``QCompileError`` on every rank, within seconds.
 
 The cases run in ``_tp_export_worker.py``: one supervised launch runs every case the
-selected tests name (about 15 s); each test asserts on the JSON the ranks wrote.
+selected tests name (about 15 s); each test asserts on the JSON the ranks wrote. With
+``QCOMPILE_SWEEP=1``, as ``.ci/run`` runs it after the default suite (the exporters' own
+tests and the ranks' training are in the default suite).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 pytest.importorskip("compressed_tensors")
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(
+    os.environ.get("QCOMPILE_SWEEP") != "1",
+    reason="a 2-rank launch of exports: .ci/run runs it (QCOMPILE_SWEEP=1)")]
 
 WORKER = Path(__file__).with_name("_tp_export_worker.py")
 ORDER = ["gguf", "hf", "mistakes"]
