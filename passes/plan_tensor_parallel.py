@@ -8,10 +8,13 @@ that slicing through the graph from every candidate ``colwise`` layer, one dim p
 and keeps a candidate only where its whole region closes: every op on the way keeps the
 sliced dim, every Linear reached reads it as its input features. So ``plan: auto`` finds
 attention (q/k/v colwise, output rowwise) and MLP (gate/up colwise, down rowwise) pairs
-in Llama, Mistral, Qwen2 and GPT-2 (``nn.Linear``) graphs from their structure, not
-their names; the Linear whose output is the graph's (the LM head) is colwise with its
-logits gathered; an embedding is sharded by vocabulary (rowwise), unless its weight is
-tied to another layer. The plan, per layer with its reason, is in the report
+from the graph's structure, not layer names (Llama, Mistral, Qwen2/3, Gemma2, the
+attention of Mixtral, the MLPs of Falcon and GPT-NeoX); the Linear whose output is the
+graph's (the LM head) is colwise with its logits gathered; an embedding is sharded by
+rows (rowwise), unless its weight is tied to another layer. Parameters read inside a
+sliced region (Qwen3's per-head norms) are recorded: each rank's gradient is its heads'
+part, summed across tp. Matrices no linear or embedding op reads (Conv1D weights,
+experts stored as one parameter) are reported kept whole. The plan, per layer with its reason, is in the report
 (``report.tensor_parallel``) and in ``gm.meta`` for ``qc.distributed.wrap``, which
 applies it with torch's ``parallelize_module``.
 

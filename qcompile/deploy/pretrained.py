@@ -571,6 +571,11 @@ def _slot(node: Node, by_node: Mapping[str, str]) -> tuple[str, set[str]] | None
               for end in ends}
     if ends and None not in params:
         return "input", params  # type: ignore[return-value]
+    return _output_slot(node, by_node)
+
+
+def _output_slot(node: Node, by_node: Mapping[str, str]) -> tuple[str, set[str]] | None:
+    """The output of the compressed layer whose only reader ``node`` is, or None."""
     src = _strip(node.args[0]) if node.args else None
     if isinstance(src, Node):
         param = _weight_read(src, by_node)
@@ -608,12 +613,7 @@ def _own_input_slot(node: Node, by_node: Mapping[str, str]) -> tuple[str, set[st
     param = _weight_read(node, by_node)
     if param is not None:
         return "input", {param}
-    src = _strip(node.args[0]) if node.args else None
-    if isinstance(src, Node):
-        param = _weight_read(src, by_node)
-        if param is not None and all(end is node for _, end in view_paths(src)):
-            return "output", {param}
-    return None
+    return _output_slot(node, by_node)
 
 
 def _attach(name: str, fq: FakeQuantize, slot: tuple[str, set[str]] | None,
