@@ -14,9 +14,9 @@ graph's (the LM head) is colwise with its logits gathered; an embedding is shard
 rows (rowwise), unless its weight is tied to another layer. Parameters read inside a
 sliced region (Qwen3's per-head norms) are recorded: each rank's gradient is its heads'
 part, summed across tp. Matrices no linear or embedding op reads (Conv1D weights,
-experts stored as one parameter) are reported kept whole. The plan, per layer with its reason, is in the report
-(``report.tensor_parallel``) and in ``gm.meta`` for ``qc.distributed.wrap``, which
-applies it with torch's ``parallelize_module``.
+experts stored as one parameter) are reported kept whole. The plan, per layer with its
+reason, is in the report (``report.tensor_parallel``) and in ``gm.meta`` for
+``qc.distributed.wrap``, which applies it with torch's ``parallelize_module``.
 
 Shapes written into the graph (``view(2, 8, 4, 16)`` as ``torch.export`` records it)
 count whole heads; the pass records where a region's shape argument counts the sliced
