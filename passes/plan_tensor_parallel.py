@@ -99,6 +99,8 @@ class TensorParallelPlan:
     region_quantizers: tuple[str, ...]
     # parameters read inside sharded regions, and the nodes there reading them
     region_params: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # every node whose value is a slice on each rank (a pipeline cut must not cross one)
+    region_nodes: frozenset[str] = frozenset()
 
     def sharded(self) -> dict[str, LayerPlan]:
         return {p.layer: p for p in self.layers if p.style != "replicate"}
@@ -543,7 +545,8 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
     return TensorParallelPlan(size, tuple(out), tuple(prop.shape_args),
                               tuple(sorted(prop.quantizers)),
                               tuple((k, tuple(sorted(v)))
-                                    for k, v in sorted(prop.region_params.items())))
+                                    for k, v in sorted(prop.region_params.items())),
+                              frozenset(n.name for n in prop.state))
 
 
 def _other_weights(gm: GraphModule, planned: set[str]) -> list[LayerPlan]:

@@ -49,15 +49,19 @@ def _drop(gm: GraphModule, *nodes: object) -> None:
 
 
 def shard_tensor_parallel(gm: GraphModule, plan: TensorParallelPlan,
-                          reduce_gradients: nn.Module | None = None) -> dict[str, LayerPlan]:
+                          reduce_gradients: nn.Module | None = None, *,
+                          within: str | None = None) -> dict[str, LayerPlan]:
     """Rewrite ``gm`` (in place; its child graphs too: the blocks FSDP2 shards) for one
     rank's shards. Returns the sharded layers by qualified name within ``gm``.
 
     ``reduce_gradients`` (``qcompile.runtime.sharded.SumGradients`` on the tp mesh) is
     put between each parameter read inside a sharded region and the ops there reading it:
-    a per-head norm's weight gets the gradient of this rank's heads, summed across tp."""
+    a per-head norm's weight gets the gradient of this rank's heads, summed across tp.
+    ``within``: only that child graph (this rank's pipeline stage; the other stages' layers
+    are other ranks')."""
     sharded = plan.sharded()
-    graphs = [(name, g) for name, g in gm.named_modules() if isinstance(g, GraphModule)]
+    graphs = [(name, g) for name, g in gm.named_modules() if isinstance(g, GraphModule)
+              and (within is None or name == within)]
     done: dict[str, LayerPlan] = {}
     found: set[str] = set()
     for prefix, g in graphs:
@@ -68,7 +72,7 @@ def shard_tensor_parallel(gm: GraphModule, plan: TensorParallelPlan,
                 found.add(name)
                 done[f"{prefix}.{name}" if prefix else name] = sharded[name]
     missing = sorted(set(sharded) - found)
-    if missing:
+    if missing and within is None:
         raise QCompileError(f"tensor parallel: the plan's layer {missing[0]} is not in this "
                             "graph (changed after qcompile)",
                             fix="wrap the graph qc.qcompile returned, as it returned it")

@@ -597,6 +597,11 @@ def wrap(gm: nn.Module, spec: Any, group: Any = None, **kwargs: Any) -> nn.Modul
         return gm  # compile_once sharded it per block and syncs its observers already
     refuse_wrapped(gm)
     if spec.tensor_parallel is not None:
+        if spec.pipeline is not None:
+            raise QCompileError("qc.distributed.wrap: the spec has pipeline stages and a "
+                                "tensor_parallel section",
+                                fix="run it with qc.distributed.pipeline(gm, spec, "
+                                "loss_fn=...), which shards each stage across tp")
         if group is not None:
             raise QCompileError("qc.distributed.wrap: group= with a tensor_parallel section "
                                 "(the ranks form the spec's dp x tp mesh)",

@@ -311,20 +311,36 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
         raise QCompileError(f"qc.distributed.pipeline: the graph has no {missing[0]}",
                             fix="pass the GraphModule qc.qcompile returned for this spec")
     hybrid = spec.data_parallel.kind != "none"
-    step_group = None if hybrid else group  # with data parallel, every rank steps together
+    tp_mesh = sync_group = None
+    tensor_parallel = spec.tensor_parallel is not None
+    # with data or tensor parallel, every rank steps together
+    step_group = None if hybrid or tensor_parallel else group
     dp_group = dp_mesh = None
     columns: list[list[int]] | None = None
-    if hybrid:  # pipeline x data parallel: validated before any communication
+    if hybrid or tensor_parallel:  # a mesh: validated before any communication
         from qcompile.distributed.hybrid import agreed_mesh
 
         if group is not None:
-            raise QCompileError("qc.distributed.pipeline: pipeline x data parallel builds "
-                                "its own 2-D mesh over the world; group= is not supported",
-                                fix="drop group=, or set data_parallel.kind: none")
+            raise QCompileError("qc.distributed.pipeline: pipeline x data (or tensor) "
+                                "parallel builds its own mesh over the world; group= is not "
+                                "supported", fix="drop group=, or set data_parallel.kind: "
+                                "none and remove tensor_parallel")
         device_mesh = agreed_mesh(spec)
-        group, dp_group = device_mesh.get_group("pp"), device_mesh.get_group("dp")
-        dp_mesh = device_mesh["dp"]
-        columns = [[int(r) for r in col] for col in device_mesh.mesh.t().tolist()]
+        names = device_mesh.mesh_dim_names
+        group = device_mesh.get_group("pp")
+        if "dp" in names:
+            dp_group, dp_mesh = device_mesh.get_group("dp"), device_mesh["dp"]
+        sync_group = dp_group
+        if tensor_parallel:
+            tp_mesh = device_mesh["tp"]
+            # a stage's activation statistics combine over its dp x tp ranks (sharded
+            # regions hold a slice of each activation on each tp rank)
+            sync_group = (device_mesh["dp", "tp"]._flatten().get_group() if "dp" in names
+                          else device_mesh.get_group("tp"))
+        # the global ranks of every pp group: one per (dp, tp) index
+        pp_last = device_mesh.mesh.movedim(0, -1)
+        columns = [[int(r) for r in col]
+                   for col in pp_last.reshape(-1, pp_last.shape[-1]).tolist()]
     world = torch.distributed.get_world_size(group)
     rank = torch.distributed.get_rank(group)
     kind = spec.pipeline.schedule
@@ -345,13 +361,20 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
     devices = [torch.device(d) for d in stage_devices(spec.pipeline)]
     stage_rank = {s: s % world for s in range(k)}
     modules = {s: gm.get_submodule(f"stage_{s}") for s in mine}
+    if tensor_parallel:  # this rank's stage sharded across its tp ranks (torch's styles)
+        from qcompile.distributed.tensor_parallel import parallelize, refuse_sliced_cuts
+
+        refuse_sliced_cuts(gm, k)
+
+        for s in mine:
+            parallelize(gm, tp_mesh, within=f"stage_{s}")
     wrapped = ({s: _replicate(mod, spec, dp_group, dp_mesh) for s, mod in modules.items()}
                if hybrid else modules)
     m = spec.pipeline.microbatches
     # the local part (this rank's stages on its devices, the schedule): a failure on one
     # rank fails every rank (with pipeline x data parallel, every rank of the world)
     with collective_phase("qc.distributed.pipeline (building this rank's stages)",
-                          None if hybrid else group):
+                          None if hybrid or tensor_parallel else group):
         stages = [protect_observers(pp.PipelineStage(wrapped[s], s, k, devices[s],
                                                      group=group)) for s in mine]
         # Gradients are averaged over micro-batches here, once per distinct parameter:
@@ -368,14 +391,15 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
     tied = _tied_groups(gm, stage_rank, mine, group, columns)
     from qcompile.distributed.data_parallel import apply_pending, reduce_observers
 
-    synced = hybrid and spec.quant.sync_observers
+    synced = (hybrid or tensor_parallel) and spec.quant.sync_observers
+    weights = spec.data_parallel.kind != "ddp" and not tensor_parallel
 
     def sync() -> dict[str, int]:
-        """Once per step: over this stage's dp group only (pipeline x data parallel), or
-        this rank's own step updates applied (each stage's quantizers live on one rank)."""
+        """Once per step: over this stage's dp (x tp) ranks only, or this rank's own step
+        updates applied (each stage's quantizers live on one rank)."""
         stats = {"collectives": 0, "bytes": 0}
         for mod in modules.values():
-            done = (reduce_observers(mod, dp_group, weights=spec.data_parallel.kind != "ddp")
+            done = (reduce_observers(mod, sync_group, weights=weights)
                     if synced else apply_pending(mod, sync=False))
             for key, value in done.items():
                 stats[key] += value

@@ -11,6 +11,8 @@ statistics across every rank once per optimizer step, as data parallelism does.
 
 The mesh (``qc.distributed.mesh(spec)``): dims among ``("pp", "dp", "tp")`` in that
 order, ``tp`` innermost (ranks ``0..T-1`` of a node share a layer), ``dp`` across nodes.
+With pipeline stages, ``qc.distributed.pipeline`` shards each rank's stage across its tp
+ranks (``parallelize(gm, tp_mesh, within="stage_<s>")``) and replicates it over dp.
 
 Example:
     >>> import qcompile as qc
@@ -18,6 +20,8 @@ Example:
     {'dp': 2, 'tp': 2}
     >>> mesh_dims({"tensor_parallel": {"size": 2}}, 2)
     {'tp': 2}
+    >>> mesh_dims({"tensor_parallel": {"size": 2}, "pipeline": {"stages": 2}}, 4)
+    {'pp': 2, 'tp': 2}
     >>> try:
     ...     mesh_dims({"tensor_parallel": {"size": 2}}, 4)
     ... except qc.QCompileError as e:
@@ -46,15 +50,18 @@ def mesh_dims(spec: Any, world: int) -> dict[str, int]:
     spec = as_spec(spec)
     tp = spec.tensor_parallel.size
     kind = spec.data_parallel.kind
+    pp = 1
     if spec.pipeline is not None:
-        raise QCompileError("tensor parallel with pipeline stages is not supported",
-                            fix="remove the pipeline section (tensor_parallel x "
-                            "data_parallel), or the tensor_parallel section")
-    if world % tp:
-        raise QCompileError(f"tensor parallel: {world} ranks do not split into groups of "
-                            f"tensor_parallel.size {tp}",
-                            fix=f"launch a multiple of {tp} processes")
-    dp = world // tp
+        if spec.pipeline.schedule == "interleaved_1f1b":
+            raise QCompileError("tensor parallel with interleaved_1f1b is not supported",
+                                fix="use pipeline.schedule: 1f1b or gpipe")
+        pp = spec.pipeline.num_stages
+    if world % (pp * tp):
+        what = f"{pp} stages x tensor_parallel.size {tp}" if pp > 1 else \
+            f"groups of tensor_parallel.size {tp}"
+        raise QCompileError(f"tensor parallel: {world} ranks do not split into {what}",
+                            fix=f"launch a multiple of {pp * tp} processes")
+    dp = world // (pp * tp)
     if kind == "ddp":
         raise QCompileError("tensor parallel with data_parallel.kind: ddp: torch's "
                             "DistributedDataParallel does not take sharded (DTensor) "
@@ -63,12 +70,18 @@ def mesh_dims(spec: Any, world: int) -> dict[str, int]:
     if dp > 1 and kind == "none":
         raise QCompileError(f"tensor parallel: {world} ranks hold {dp} replicas of each "
                             "shard, and data_parallel.kind is none: they would train apart",
-                            fix=f"set data_parallel.kind: fsdp2, or launch {tp} processes")
+                            fix=f"set data_parallel.kind: fsdp2, or launch {pp * tp} "
+                            "processes")
     if dp == 1 and kind != "none":
         raise QCompileError(f"tensor parallel: data_parallel.kind: {kind} on {world} ranks "
                             f"of tensor_parallel.size {tp} leaves one replica",
-                            fix=f"launch {2 * tp} processes, or set data_parallel.kind: none")
-    return {"dp": dp, "tp": tp} if dp > 1 else {"tp": tp}
+                            fix=f"launch {2 * pp * tp} processes, or set data_parallel.kind: "
+                            "none")
+    dims = {"pp": pp} if pp > 1 else {}
+    if dp > 1:
+        dims["dp"] = dp
+    dims["tp"] = tp
+    return dims
 
 
 def _style(p: LayerPlan) -> Any:
@@ -104,8 +117,29 @@ def _plain_state(layer: nn.Module) -> None:
                 m._buffers[key] = buf.to_local()
 
 
-def parallelize(gm: nn.Module, tp_mesh: Any) -> nn.Module:
-    """Shard ``gm``'s planned layers across ``tp_mesh`` (in place; returns ``gm``)."""
+def refuse_sliced_cuts(gm: nn.Module, stages: int) -> None:
+    """A pipeline cut inside a sharded region would send one rank's slice of an activation
+    as if it were the whole: refused, naming the value (every rank raises it, before any
+    communication)."""
+    plan = getattr(gm, "meta", {}).get(TP_PLAN_KEY)
+    if plan is None:
+        return
+    for s in range(stages):
+        stage = gm.get_submodule(f"stage_{s}")
+        crossing = [n.name for n in stage.graph.nodes
+                    if n.op == "placeholder" and n.name in plan.region_nodes]
+        if crossing:
+            raise QCompileError(
+                f"tensor parallel x pipeline: stage_{s} receives {crossing[0]}, which is a "
+                "slice on each tp rank (inside an attention or MLP block's sharded region)",
+                fix="cut the pipeline between blocks: pipeline.stages as lists of whole "
+                "blocks, e.g. [{modules: [model.embed_tokens, model.layers.0, "
+                "'model.layers.0.*']}, ...]")
+
+
+def parallelize(gm: nn.Module, tp_mesh: Any, within: str | None = None) -> nn.Module:
+    """Shard ``gm``'s planned layers across ``tp_mesh`` (in place; returns ``gm``);
+    ``within``: only the layers of that child graph (this rank's pipeline stage)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     if getattr(gm, "meta", {}).get(TP_SHARDED_KEY):
@@ -119,7 +153,7 @@ def parallelize(gm: nn.Module, tp_mesh: Any) -> nn.Module:
         raise QCompileError(f"tensor parallel: the graph was planned for "
                             f"tensor_parallel.size {plan.size}, the mesh's tp dim has "
                             f"{tp_mesh.size()} ranks", fix="compile and wrap with one spec")
-    sharded = shard_tensor_parallel(gm, plan, SumGradients(tp_mesh))
+    sharded = shard_tensor_parallel(gm, plan, SumGradients(tp_mesh), within=within)
     gm.meta[TP_SHARDED_KEY] = plan.size
     parallelize_module(gm, tp_mesh, {name: _style(p) for name, p in sharded.items()})
     for name in sharded:

@@ -204,6 +204,78 @@ def case_convert_refused() -> dict[str, Any]:
                 model, "never-written.onnx", example_kwargs={"input_ids": ids}))}
 
 
+BLOCKS = [{"modules": ["model.embed_tokens", "model.rotary_emb", "model.layers.0",
+                       "model.layers.0.*"]},
+          {"modules": ["model.layers.1", "model.layers.1.*", "model.norm", "lm_head"]}]
+
+
+def pipelined(preset: str) -> dict[str, Any]:
+    """pp 2 x tp 2 (4 ranks): two stages of whole blocks, each sharded across its two tp
+    ranks; GPipe, 2 micro-batches; three SGD steps against one process on the batch."""
+    d = qc.load_spec(preset).model_dump()
+    d["tensor_parallel"] = {"size": TP}
+    d["pipeline"] = {"stages": BLOCKS, "microbatches": 2, "schedule": "gpipe"}
+    spec = qc.specs.as_spec(d)
+    batch = lm_batch(2 * ROWS)["input_ids"]
+    gm = qc.qcompile(llama(), spec, example_kwargs={"input_ids": batch[:ROWS]})
+    ref = qc.qcompile(llama(), qc.load_spec(preset), example_kwargs={"input_ids": batch})
+    stage, schedule = qc.distributed.pipeline(gm, spec, loss_fn=lambda out, ids: lm_loss(
+        out, {"input_ids": ids}))
+    opt = torch.optim.SGD(stage.submod.parameters(), lr=LR)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=LR)
+    losses, ref_losses = [], []
+    for _ in range(3):
+        got: list = []
+        schedule.step(input_ids=batch, target=batch, losses=got)
+        opt.step()
+        opt.zero_grad()
+        r = lm_loss(ref(input_ids=batch), {"input_ids": batch})
+        r.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        ref_losses.append(float(r))
+        if got:  # the last stage's ranks: the micro-batches' mean
+            losses.append(sum(float(v) for v in got) / len(got))
+    mine = state_of(stage.submod)
+    whole = state_of(ref)
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest(mine))
+    rank = dist.get_rank()
+    return {"losses": losses, "ref_losses": ref_losses if losses else [],
+            "trained": differences(mine, {k: whole[k] for k in mine}),
+            "tp_equal": digests[rank] == digests[rank ^ 1],  # the other tp rank of my stage
+            "local": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                         for p in stage.submod.parameters())}
+
+
+def case_pp_int8_qat() -> dict[str, Any]:
+    return pipelined("int8-qat")
+
+
+def case_pp_8da4w_qat() -> dict[str, Any]:
+    return pipelined("8da4w-qat")
+
+
+def case_pp_nvfp4_qat() -> dict[str, Any]:
+    return pipelined("nvfp4-qat")
+
+
+def case_pp_cut_in_a_block() -> dict[str, Any]:
+    """A stage boundary between q/k/v and o_proj: refused on every rank by name."""
+    d = qc.load_spec("8da4w-qat").model_dump()
+    d["tensor_parallel"] = {"size": TP}
+    attn = "model.layers.0.self_attn"
+    d["pipeline"] = {"stages": [
+        {"modules": ["model.embed_tokens", "model.rotary_emb", "model.layers.0.input_layernorm",
+                     f"{attn}.q_proj", f"{attn}.q_proj.*", f"{attn}.k_proj", f"{attn}.k_proj.*",
+                     f"{attn}.v_proj", f"{attn}.v_proj.*"]},
+        {"modules": ["model.layers.0", "model.layers.0.*", "model.layers.1",
+                     "model.layers.1.*", "model.norm", "lm_head"]}], "microbatches": 2}
+    spec = qc.specs.as_spec(d)
+    gm = qc.qcompile(llama(), spec, example_kwargs={"input_ids": lm_batch(ROWS)["input_ids"]})
+    return error_of(lambda: qc.distributed.pipeline(gm, spec, loss_fn=lm_loss))
+
+
 def case_plan_differs() -> dict[str, Any]:
     """Rank 1 wraps with another plan: the same clear error on every rank, no hang."""
     dp = dist.get_world_size() // TP

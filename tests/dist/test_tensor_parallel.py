@@ -26,8 +26,9 @@ PRESETS = ("int8_qat", "8da4w_qat", "nvfp4_qat")
 # every other decoder family of the architecture table: tp 2, with QCOMPILE_SWEEP=1
 FAMILIES = ["mistral", "qwen2", "qwen3", "qwen2_moe", "olmoe", "gemma2", "phi3", "falcon",
             "gpt_neox", "bloom", "gpt2", "deepseek_v3"]
+PIPELINED = ["pp_int8_qat", "pp_8da4w_qat", "pp_nvfp4_qat"]
 ORDER = [*PRESETS, "mixtral_8da4w_qat", "plan_differs", "ddp_refused", "convert_refused",
-         *(f"family_{f}" for f in FAMILIES)]
+         *(f"family_{f}" for f in FAMILIES), *PIPELINED, "pp_cut_in_a_block"]
 FULL = os.environ.get("QCOMPILE_SWEEP") == "1"
 WORLDS = [2, 4] if FULL else [2]
 LAUNCH_DEADLINE = 240.0  # seconds for every case of one launch (about 40 s normally)
@@ -55,6 +56,8 @@ def dist_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     cases = wanted_cases(request, ORDER)
     if request.param > 2:  # the families at tp 2 only (see their test)
         cases = [c for c in cases if not c.startswith("family_")] or [PRESETS[0]]
+    else:  # pipeline x tensor parallel: 4 ranks
+        cases = [c for c in cases if not c.startswith("pp_")] or [PRESETS[0]]
     return dist_launcher(WORKER, cases, tmp_path_factory.mktemp(f"tp{request.param}"),
                         LAUNCH_DEADLINE, world=request.param)
 
@@ -138,3 +141,36 @@ def test_every_decoder_family_trains_as_one_process(dist_run: Any, case: str) ->
             assert worst[1] <= trained_tol, f"rank {rank}: {worst[0]} differs by {worst[1]:.2e}"
         assert got["replicas_equal"], rank
         assert got["local_parameters"] < got["parameters"], got["plan"]
+
+
+@pytest.mark.parametrize("case", PIPELINED if FULL else [])
+def test_pipeline_stages_sharded_across_tp_train_as_one_process(dist_run: Any,
+                                                                case: str) -> None:
+    """pp 2 x tp 2: each stage (whole blocks) sharded across its two tp ranks, GPipe over
+    two micro-batches: the losses equal one process's on the batch (NVFP4: each
+    micro-batch's activations take their own tensor scale), the stage's tensors too, and
+    its two tp ranks hold one state."""
+    if dist_run.world != 4:
+        pytest.skip("pipeline x tensor parallel runs on 4 ranks")
+    preset = case.removeprefix("pp_")
+    # micro-batches of 2 rows multiply in another blocking than one process's 4: the grid
+    # flips of dp (see TOLERANCE), within three steps
+    tol, trained_tol = {"nvfp4_qat": (1e-2, None)}.get(preset, (1e-4, 1e-2))
+    results = dist_run.case(case)
+    assert [bool(r["losses"]) for r in results] == [False, False, True, True]
+    for rank, got in enumerate(results):
+        assert got["tp_equal"], rank
+        for step, (a, b) in enumerate(zip(got["losses"], got["ref_losses"], strict=True)):
+            assert abs(a - b) <= tol * abs(b), f"rank {rank} step {step}: {a} vs {b}"
+        if trained_tol is not None:
+            worst = max(got["trained"].items(), key=lambda kv: kv[1])
+            assert worst[1] <= trained_tol, f"rank {rank}: {worst[0]} differs by {worst[1]:.2e}"
+
+
+@uses("pp_cut_in_a_block")
+def test_a_stage_cut_inside_a_sharded_block_is_refused(dist_run: Any) -> None:
+    if dist_run.world != 4:
+        pytest.skip("pipeline x tensor parallel runs on 4 ranks")
+    for rank, got in enumerate(dist_run.case("pp_cut_in_a_block")):
+        assert got["raised"] == "QCompileError", (rank, got)
+        assert "slice on each tp rank" in got["message"] and "between blocks" in got["fix"]
