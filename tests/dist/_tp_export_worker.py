@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import transformers
+from _tensor_parallel_worker import lm_batch, lm_loss
 from _worker_main import cases_in, error_of, run_cases
 
 import qcompile as qc
@@ -54,18 +55,6 @@ def spec_of(preset: str) -> Any:
     d = qc.load_spec(preset).model_dump()
     d["tensor_parallel"] = {"size": TP, "plan": "auto"}
     return qc.specs.as_spec(d)
-
-
-def lm_batch() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return {"input_ids": torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)}
-
-
-def lm_loss(out: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    logits = out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", out)
-    ids = batch["input_ids"]
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1])
-                                             .float(), ids[:, 1:].reshape(-1))
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
@@ -118,7 +107,7 @@ def compare(preset: str, export: Callable[[Any, Path], Path], kind: str) -> dict
     """The sharded graph's export against one process's: freshly compiled, and again after
     one SGD step on the ranks (the reference then holds the gathered trained state)."""
     spec = spec_of(preset)
-    batch = lm_batch()
+    batch = lm_batch(ROWS)
     gm = qc.qcompile(llama(), spec, example_kwargs=batch)
     ref = qc.qcompile(llama(), spec, example_kwargs=batch)  # never sharded
     plain = qc.qcompile(llama(), preset, example_kwargs=batch)  # no tensor_parallel section
@@ -174,7 +163,7 @@ def case_mistakes() -> dict[str, Any]:
     any gather, and the group and the agreement still work afterwards."""
     rank = dist.get_rank()
     spec = spec_of("gguf-q4_0-qat")
-    model = qc.distributed.wrap(qc.qcompile(llama(), spec, example_kwargs=lm_batch()), spec)
+    model = qc.distributed.wrap(qc.qcompile(llama(), spec, example_kwargs=lm_batch(ROWS)), spec)
     out: dict[str, Any] = {}
     # rank 0 exports while rank 1 saves a checkpoint
     mistake(out, "only_rank0", lambda: gguf_export(model, OUTDIR / "only.gguf") if rank == 0
