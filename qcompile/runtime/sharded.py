@@ -165,26 +165,39 @@ def _offset(x: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(shape), tuple(start)
 
 
+def _join_dim(fq: nn.Module, d: int, local: torch.Tensor) -> int | None:
+    """The dim of a statistic (``_grid``) along which the shards' statistics are joined
+    (they follow the shard dim ``d``), or None: they are reduced (``d`` is reduced over)."""
+    rank, g = local.dim(), fq.granularity
+    if g == "per_token":
+        return d if d != rank - 1 else None
+    if g == "per_channel":
+        return 0 if d == fq.axis % rank else None
+    if g == "per_group":  # groups along the input features: whole rows or whole groups
+        if d != 0 and rank != 2:
+            raise QCompileError(f"per-group quantizer on a {rank}-D tensor sharded along "
+                                f"dim {d}", fix="plan this layer replicate")
+        return d
+    return None
+
+
+def _grid(fq: nn.Module, stat: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A statistic shaped so that shards join along ``_join_dim``: per group ``[rows,
+    groups]``, else as ``fq._minmax`` gives it."""
+    return stat.view(local.shape[0], -1) if fq.granularity == "per_group" else stat
+
+
 def _global_minmax(fq: nn.Module, x: Any, local: torch.Tensor, d: int | None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``fq._minmax`` gives on the whole tensor, from this rank's shard."""
     mn, mx = fq._minmax(local.detach().float())
     if d is None:
         return mn, mx
-    mesh, g = x.device_mesh, fq.granularity
-    rank = local.dim()
-    if g == "per_token" and d != rank - 1:
-        return _joined(mn, mx, mesh, d)
-    if g == "per_channel" and d == fq.axis % rank:
-        return _joined(mn, mx, mesh, 0)
-    if g == "per_group":
-        if d != 0 and rank != 2:
-            raise QCompileError(f"per-group quantizer on a {rank}-D tensor sharded along "
-                                f"dim {d}", fix="plan this layer replicate")
-        rows = local.shape[0]  # groups along the input features: whole rows or columns
-        mn, mx = _joined(mn.view(rows, -1), mx.view(rows, -1), mesh, 0 if d == 0 else 1)
-        return mn.reshape(-1), mx.reshape(-1)
-    return _extremes(mn, mx, mesh)
+    dim = _join_dim(fq, d, local)
+    if dim is None:
+        return _extremes(mn, mx, x.device_mesh)
+    mn, mx = _joined(_grid(fq, mn, local), _grid(fq, mx, local), x.device_mesh, dim)
+    return (mn.reshape(-1), mx.reshape(-1)) if fq.granularity == "per_group" else (mn, mx)
 
 
 def _local_rows(fq: nn.Module, t: torch.Tensor, x: Any, d: int | None) -> torch.Tensor:
@@ -210,7 +223,7 @@ def _key(local: torch.Tensor) -> tuple[int, int]:
     return local.data_ptr(), local._version
 
 
-def _weight_kind(fq: nn.Module, d: int | None, rank: int) -> str | None:
+def _weight_kind(fq: nn.Module, d: int | None, local: torch.Tensor) -> str | None:
     """How a weight quantizer's whole-tensor statistics come from the shards: ``join``
     (gathered: the statistics follow the shard dim), ``reduce`` (min / max across ranks),
     ``amax`` (NVFP4's tensor scale), or None (local, or nothing observed)."""
@@ -220,10 +233,7 @@ def _weight_kind(fq: nn.Module, d: int | None, rank: int) -> str | None:
         return "amax" if fq.block_format == "nvfp4" and fq.enabled else None
     if fq.dynamic or fq.granularity == "per_token" or not fq.observe:
         return None
-    if fq.granularity == "per_group" or (fq.granularity == "per_channel"
-                                         and d == fq.axis % rank):
-        return "join"
-    return "reduce"
+    return "reduce" if _join_dim(fq, d, local) is None else "join"
 
 
 class WeightStatistics:
@@ -244,10 +254,10 @@ class WeightStatistics:
             if not hasattr(w, "to_local"):
                 continue
             w, d = _placement(w)
-            kind = _weight_kind(fq, d, w.dim())
+            mesh, local = w.device_mesh, w.to_local().detach()
+            kind = _weight_kind(fq, d, local)
             if kind is None:
                 continue
-            mesh, local = w.device_mesh, w.to_local().detach()
             if kind == "amax":
                 a = local.abs().amax().float().reshape(1)
                 reduce.append((fq, local, -a, a))
@@ -273,12 +283,10 @@ class WeightStatistics:
             at = 0
             for fq, d, local, mn, _ in join:
                 n = mn.numel()
-                # per channel: rows follow the shard; per group: [rows, groups] joined
-                # along the shard dim (rows colwise, groups rowwise)
-                shape = (-1,) if fq.granularity == "per_channel" else (local.shape[0], -1)
-                dim = 0 if fq.granularity == "per_channel" else d
-                mins = torch.cat([p[at:at + n].view(shape) for p in parts], dim=dim)
-                maxs = torch.cat([p[at + n:at + 2 * n].view(shape) for p in parts], dim=dim)
+                dim = _join_dim(fq, d, local)
+                mins = torch.cat([_grid(fq, p[at:at + n], local) for p in parts], dim=dim)
+                maxs = torch.cat([_grid(fq, p[at + n:at + 2 * n], local) for p in parts],
+                                 dim=dim)
                 fq.__dict__["_tp_stats"] = (_key(local), (mins.reshape(-1), maxs.reshape(-1)))
                 at += 2 * n
 
