@@ -3,6 +3,11 @@
     torchrun --standalone --nproc_per_node=2 examples/tp_train.py                    # tp 2
     torchrun --standalone --nproc_per_node=4 examples/tp_train.py                    # dp 2 x tp 2
 
+Quantized once, each rank reading only its share of each weight from a safetensors
+checkpoint (rank 0 saves the float model first, standing in for one you already have):
+
+    torchrun --standalone --nproc_per_node=4 examples/tp_train.py --once
+
 Across two nodes, tp inside each node and dp across them (run the same command on both,
 ``--node_rank`` 0 and 1, the rendezvous on the first node's address):
 
@@ -21,6 +26,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
+import shutil
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -45,6 +53,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--preset", default="8da4w-qat")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--once", action="store_true",
+                        help="qc.distributed.compile_once from a safetensors checkpoint")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -55,11 +65,30 @@ def main() -> None:
     spec["data_parallel"] = {"kind": "fsdp2" if dp > 1 else "none"}
     ids = torch.randint(0, VOCAB, (ROWS * dp, SEQ), generator=torch.Generator().manual_seed(1))
     mine = ids[(rank // args.tp) * ROWS:(rank // args.tp + 1) * ROWS]  # this replica's rows
-    gm = qc.qcompile(build(), spec, example_kwargs={"input_ids": mine})
+    if args.once:  # no rank builds the model: each reads its share of the checkpoint
+        folder = [tempfile.mkdtemp(prefix="qc-ckpt-") if rank == 0 else None]
+        dist.broadcast_object_list(folder)  # one machine here; a shared folder across nodes
+        checkpoint = os.path.join(folder[0], "model.safetensors")
+        if rank == 0:
+            from safetensors.torch import save_model
+
+            save_model(build(), checkpoint)
+        dist.barrier()
+        gm = qc.distributed.compile_once(build, spec, example_kwargs={"input_ids": mine},
+                                         checkpoint=checkpoint)
+        dist.barrier()  # every rank has read it
+        if rank == 0:
+            shutil.rmtree(folder[0])
+    else:
+        gm = qc.qcompile(build(), spec, example_kwargs={"input_ids": mine})
     if rank == 0:
         sharded = [r for r in qc.report(gm).tensor_parallel if r.style != "replicate"]
         print(f"{len(sharded)} layers sharded {args.tp} ways, dp {dp}")
     model = qc.distributed.wrap(gm, spec)  # parallelize_module on tp, fully_shard on dp
+    if rank == 0:
+        share = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+                    for p in model.parameters()) / sum(p.numel() for p in model.parameters())
+        print(f"rank 0 holds {share:.0%} of the parameters")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(args.steps):
         logits = model(input_ids=mine).logits

@@ -78,6 +78,12 @@ from qcompile.distributed.guards import (
     unwrap_compiled,
     wrapper_under_construction,
 )
+from qcompile.distributed.tensor_parallel import (
+    observe_sharded_weights,
+    refuse_differing_tp_batches,
+    refuse_tensor_parallel_once,
+    shard_on_mesh,
+)
 from qcompile.errors import QCompileError
 from qcompile.graph.meta import ADAPTERS_KEY, ALGORITHMS_SKIPPED_KEY, FOLDS_KEY, SHARDED_KEY
 from qcompile.graph.records import report
@@ -301,6 +307,30 @@ def _rows(t: torch.Tensor, rank: int, world: int) -> slice | None:
     return slice(start, start + local)
 
 
+def _box(t: torch.Tensor) -> tuple[slice, ...] | None:
+    """This rank's part of a sharded DTensor ``t`` in the whole tensor's coordinates, one
+    slice per dim (FSDP2's rows, a tensor-parallel shard's rows or columns, or both on a
+    ``(dp, tp)`` mesh), or None for a whole tensor. The offsets are torch's own
+    (``compute_local_shape_and_global_offset``), so FSDP2's ``_StridedShard`` over a
+    tensor-parallel shard lands where torch puts it."""
+    if not (hasattr(t, "to_local") and hasattr(t, "placements")):
+        return None
+    if all(p.is_replicate() for p in t.placements):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, start = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(slice(s, s + n) for s, n in zip(start, shape))
+
+
+def _across(box: tuple[slice, ...] | None, shape: torch.Size) -> tuple[slice, ...] | None:
+    """The slices of ``box`` past dim 0 when one of them is not the whole dim (a rowwise
+    tensor-parallel shard's columns), else None."""
+    if box is None or all(s.start == 0 and s.stop == n for s, n in zip(box[1:], shape[1:])):
+        return None
+    return (slice(None), *box[1:])
+
+
 class _Loader:
     """Puts values into the allocated graph, one tensor at a time: ``read(name, rows)``
     gives them (a checkpoint, on every rank) or rank 0 broadcasts each whole tensor
@@ -333,28 +363,35 @@ class _Loader:
     @torch.no_grad()
     def put(self, target: torch.Tensor, name: str,
             compute: Callable[[slice | None], torch.Tensor]) -> None:
-        """Write ``compute(rows)`` (this rank's rows, or all) into ``target``."""
-        rows = _rows(target, self.rank, self.world)
-        local = target.to_local() if rows is not None else target
+        """Write ``compute(rows)`` (this rank's rows, or all) into ``target``; of a
+        tensor-parallel shard, this rank's columns of those rows."""
+        box = _box(target)
+        rows = box[0] if box is not None else None
+        local = target.to_local() if box is not None else target
         if self.stream:
             whole = self._full(name, target, (lambda: compute(None)) if self.rank == 0
                                else None)
-            value = whole[rows] if rows is not None else whole
+            value = whole[box] if box is not None else whole
             if self.rank == 0 and self.sent is not None:
                 self.sent(name)  # every rank has it now: rank 0 may let it go
         else:
             value = compute(rows)
+            columns = _across(box, target.shape)
+            if columns is not None:
+                value = value[columns]
         local.copy_(value.to(local.dtype))
 
 
 @torch.no_grad()
-def _read_into(ckpt: Checkpoint, name: str, target: torch.Tensor, rank: int,
-               world: int) -> bool:
+def _read_into(ckpt: Checkpoint, name: str, target: torch.Tensor) -> bool:
     """This rank's rows of ``name`` read from the checkpoint straight into ``target``'s
-    local shard (no temporary); False when that shard cannot take a direct read."""
-    rows = _rows(target, rank, world)
-    local = target.to_local() if rows is not None else target
-    return ckpt.read_into(name, rows, local)
+    local shard (no temporary); False when that shard cannot take a direct read (a
+    rowwise tensor-parallel shard's columns are not one byte range)."""
+    box = _box(target)
+    if _across(box, target.shape) is not None:
+        return False
+    local = target.to_local() if box is not None else target
+    return ckpt.read_into(name, box[0] if box is not None else None, local)
 
 
 def _sharded(gm: nn.Module, group: Any, device: torch.device) -> None:
@@ -592,11 +629,9 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
                 "compile_once(lambda: MyModel(config), ...): every rank builds it, on the "
                 "meta device where it needs no memory")
     spec = as_spec(spec)
-    if spec.tensor_parallel is not None:
-        raise QCompileError("compile_once with a tensor_parallel section: compile_once shards "
-                            "by data-parallel rows, not by the tensor-parallel plan",
-                            fix="compile with qc.qcompile on every rank (same model, same "
-                            "seed), then qc.distributed.wrap(gm, spec) shards it")
+    tp = spec.tensor_parallel is not None and initialised()
+    if tp:
+        refuse_tensor_parallel_once(spec, group)
     if spec.quant.search is not None:
         raise QCompileError("quant.search: this spec describes a search, not one "
                             "quantization; compile_once compiles the spec the search returns",
@@ -633,23 +668,28 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
             "example_inputs": shapes_of(inputs),
             "example_kwargs": {k: shapes_of(v) for k, v in sorted((example_kwargs or {}).items())},
         }, group, fixes=_FIXES)
-    if ckpt is None and not shard and (not on or spec.quant.algorithms):
+    if ckpt is None and not shard and not tp and (not on or spec.quant.algorithms):
         gm, source = _replicated_from_rank0(build_model, spec, inputs, example_kwargs,
                                             rank, group, src, hashing=directory is not None)
     else:
-        gm, source = _from_meta(build_model, spec, inputs, example_kwargs, ckpt, shard,
+        gm, source = _from_meta(build_model, spec, inputs, example_kwargs, ckpt, shard, tp,
                                 rank, world, group, src, hashing=directory is not None)
     # -- the cache: what compile + calibrate produced, keyed by where the weights came from
     key, why = None, "no cache_dir"
     produced = _produced(gm, source["weights"])
     # each rank's calibration data goes into the cache key; the counts are checked anyway
-    mine = (_digest(batches) if directory is not None else None, _count(batches),
-            [" ".join(shapes_of(b)) for b in batches] if shard and batches is not None else None)
+    # (and under tensor parallelism the ranks sharing a layer must calibrate on one batch)
+    together = shard or tp  # every forward is a collective
+    mine = (_digest(batches) if directory is not None or tp else None, _count(batches),
+            [" ".join(shapes_of(b)) for b in batches] if together and batches is not None
+            else None)
     digests: list[Any] = [mine]
     if on:
         digests = [None] * world
         torch.distributed.all_gather_object(digests, mine, group=group)
-        _refuse_uneven(digests, shard)
+        _refuse_uneven(digests, together)
+        if tp:
+            refuse_differing_tp_batches([d[0] for d in digests], spec.tensor_parallel.size)
     hit = False
     state: dict[str, torch.Tensor] | None = None
     if directory is not None:
@@ -675,7 +715,7 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
             q.enabled, q.observe = bool(q.mode_flags[0]), bool(q.mode_flags[1])
     elif batches is not None:
         sync = spec.quant.sync_observers and on
-        if shard:  # every forward is a collective: counts and shapes were agreed above
+        if together:  # every forward is a collective: counts and shapes were agreed above
             with one_block_at_a_time(gm):
                 collect_statistics(gm, batches, signature=graph_inputs(gm),
                                    sync=(lambda m: sync_observers(m, group, everything=True))
@@ -692,9 +732,10 @@ def compile_once(build_model: Any, spec: Any, example_inputs: Any = None, *,
             if rank == 0:  # a folder rank 0 cannot write is an error on every rank
                 CompileCache(directory).store(key, entry, report(gm).model_dump_json())
     report(gm).passes[-1].notes.append(f"compile cache: {why}")
-    if shard:  # step updates applied after each optimizer step, across the group
+    if together:  # step updates applied after each optimizer step, across the group
         keep_observers_in_sync(watch_observer_sync(gm), spec, group)
-        gm.meta[SHARDED_KEY] = True
+        if shard:
+            gm.meta[SHARDED_KEY] = True
         return gm
     return watch_observer_sync(gm)
 
@@ -762,11 +803,12 @@ def _replicated_from_rank0(build_model: Any, spec: CompileSpec, inputs: Any,
 
 
 def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs: Any,
-               ckpt: Checkpoint | None, shard: bool, rank: int, world: int, group: Any,
-               src: int, *, hashing: bool) -> tuple[nn.Module, dict[str, Any]]:
-    """Every rank compiles the meta model (sharded: one FSDP2 group per block), allocates
-    it, and loads the weights: its rows of each from the checkpoint, or from rank 0's
-    stream."""
+               ckpt: Checkpoint | None, shard: bool, tp: bool, rank: int, world: int,
+               group: Any, src: int, *, hashing: bool) -> tuple[nn.Module, dict[str, Any]]:
+    """Every rank compiles the meta model (sharded: one FSDP2 group per block; ``tp``: its
+    planned layers sharded across the mesh's tp dim first, as ``qc.distributed.wrap``
+    does), allocates it, and loads the weights: its part of each from the checkpoint, or
+    from rank 0's stream."""
     on = initialised()
     with collective_phase("compile_once (building and compiling the model)", group):
         # a factory returning the user's own model gets a meta copy: nothing touches it
@@ -803,7 +845,14 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
         rep.passes[-1].notes.append(f"compile_once: {len(found)} blocks as FSDP2 groups "
                                     f"({found[0]} .. {found[-1]})")
     device = collective_device(group) if on else torch.device("cpu")
-    if shard:
+    if tp:  # on meta: torch's parallelize_module, then fully_shard over dp
+        shard_on_mesh(gm, spec)
+        if shard and device.type == "cpu":
+            gather = GatherInPlace()
+            for n, child in gm.named_children():
+                if n.startswith("stage_") and hasattr(child, "set_custom_all_gather"):
+                    child.set_custom_all_gather(gather)
+    elif shard:
         _sharded(gm, group, device)
     ties = _ties(gm)
     gm.to_empty(device=device)
@@ -857,7 +906,7 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
             fold, which = folds[name]
             loader.put(target, name, lambda r, f=fold, i=which: f.apply(read, r)[i])
         elif name in names:
-            if ckpt is not None and _read_into(ckpt, name, target, rank, world):
+            if ckpt is not None and _read_into(ckpt, name, target):
                 continue
             loader.put(target, name, lambda r, n=name: read(n, r))
     # buffers outside the state dict (non-persistent: rotary tables, masks, position ids):
@@ -880,7 +929,10 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
     # a NaN in one rank's rows is an error on every rank (the ranges below are collectives)
     with collective_phase("compile_once (loading the weights)", group):
         refuse_nonfinite(model_weights(gm), "compile_once")
-    _observe_weights(gm, group, rank, world)
+    if tp:
+        observe_sharded_weights(gm)
+    else:
+        _observe_weights(gm, group, rank, world)
     if ckpt is not None:
         ckpt.close()  # the memory maps of the headers (data was read with readinto)
     return gm, {"weights": weights | set(folds) | adapted,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.fx import GraphModule
 
@@ -40,7 +41,13 @@ from qcompile.errors import QCompileError
 from qcompile.graph.meta import TP_SHARDED_KEY
 from qcompile.passes.plan_tensor_parallel import TP_PLAN_KEY, LayerPlan
 from qcompile.passes.shard_tensor_parallel import shard_tensor_parallel
-from qcompile.runtime.sharded import ShardedLinear, SumGradients, WeightStatistics
+from qcompile.runtime.sharded import (
+    ShardedLinear,
+    SumGradients,
+    WeightStatistics,
+    _global_minmax,
+    _placement,
+)
 from qcompile.specs import as_spec
 
 
@@ -169,3 +176,85 @@ def parallelize(gm: nn.Module, tp_mesh: Any, within: str | None = None) -> nn.Mo
         if layers:
             g.register_forward_pre_hook(WeightStatistics(layers))
     return gm
+
+
+# -- compile_once at 1/(T x D) ----------------------------------------------------------------
+def refuse_tensor_parallel_once(spec: Any, group: Any) -> None:
+    """What ``compile_once`` does not do with a ``tensor_parallel`` section, refused from
+    the spec and arguments alone (every rank raises it, before any communication)."""
+    if spec.pipeline is not None:
+        raise QCompileError("compile_once with tensor_parallel and pipeline stages",
+                            fix="compile with qc.qcompile on every rank, then "
+                            "qc.distributed.pipeline(gm, spec, loss_fn=...) shards each "
+                            "stage across tp")
+    if group is not None:
+        raise QCompileError("compile_once: group= with a tensor_parallel section (the ranks "
+                            "form the spec's dp x tp mesh)",
+                            fix="leave group out; launch dp x tp processes")
+    if spec.adapters:
+        raise QCompileError("compile_once with tensor_parallel and adapters: frozen bases "
+                            "are not sharded across tp",
+                            fix="drop the tensor_parallel section (data_parallel fsdp2 "
+                            "shards a frozen base at 1/N), or the adapters section")
+
+
+def refuse_differing_tp_batches(digests: list[Any], size: int) -> None:
+    """Ranks sharing a layer (one tp group: ranks ``k*size .. k*size + size-1``) run every
+    calibration forward together and must see the same batches: each holds part of a
+    layer, and a rowwise layer sums the parts. ``digests``: each rank's digest of its
+    batches, in rank order (None: no batches)."""
+    for start in range(0, len(digests), size):
+        group = digests[start:start + size]
+        if len(set(group)) > 1:
+            odd = next(start + i for i, d in enumerate(group) if d != group[0])
+            raise QCompileError(
+                f"compile_once: ranks {start} and {odd} share tensor-parallel layers but "
+                "were given different calibration batches",
+                fix="give the ranks of one tp group the same batches (the data-parallel "
+                "replica's, e.g. by rank // tensor_parallel.size)")
+
+
+def shard_on_mesh(gm: nn.Module, spec: Any) -> nn.Module:
+    """``gm`` (on the meta device: no memory) sharded as ``qc.distributed.wrap`` shards
+    it: its planned layers across the mesh's ``tp`` dim, then ``fully_shard`` over ``dp``;
+    in place (``to_empty`` then allocates only this rank's part)."""
+    from qcompile.distributed.data_parallel import wrap
+
+    return wrap(gm, spec)
+
+
+def observe_sharded_weights(gm: nn.Module) -> None:
+    """Weight quantizers observe their weights (loaded after compiling on meta) as one
+    process observes the whole weight: a sharded layer's range from every rank's shard
+    (``qcompile.runtime.sharded``: one reduction or gather across tp per layer), any other
+    weight whole. Block by block: each FSDP2 block is unsharded while it is read."""
+    from qcompile.runtime.calibration import return_freed_memory, weight_quantizers
+
+    owners = [m for n, m in gm.named_children() if n.startswith("stage_")] or [gm]
+    for owner in owners:
+        unshard = getattr(owner, "unshard", None)
+        if unshard is not None:
+            # the previous block's gathered weights, freed: back to the OS before this
+            # block's arrive (glibc would keep them, a block per block; see
+            # qcompile.distributed.once.one_block_at_a_time)
+            return_freed_memory()
+            unshard()
+        try:  # the weights as the unsharded block holds them (read after the unshard)
+            pairs = [*weight_quantizers(owner),
+                     *((m.weight_fake_quant, m.weight) for m in owner.modules()
+                       if isinstance(m, ShardedLinear) and m.quantize_weight)]
+            with torch.no_grad():
+                for fq, w in pairs:
+                    if fq.observer is None:
+                        continue
+                    fq.observer.reset()
+                    if hasattr(w, "placements"):
+                        x, d = _placement(w)
+                        fq.observe_range(*_global_minmax(fq, x, x.to_local(), d))
+                    else:
+                        fq.observe_tensor(w.detach())
+        finally:
+            reshard = getattr(owner, "reshard", None)
+            if reshard is not None:
+                reshard()
+    return_freed_memory()
