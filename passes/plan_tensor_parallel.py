@@ -53,9 +53,10 @@ from torch.fx.passes.shape_prop import TensorMetadata
 
 from qcompile.errors import QCompileError
 from qcompile.graph.context import Context
-from qcompile.graph.meta import TENSOR_META
+from qcompile.graph.meta import ADAPTERS_KEY, TENSOR_META
 from qcompile.graph.pipeline import graph_pass
 from qcompile.runtime.fake_quant import FakeQuantize
+from qcompile.runtime.frozen import FrozenWeight
 
 TP_PLAN_KEY = "qcompile.tp_plan"
 
@@ -101,6 +102,10 @@ class TensorParallelPlan:
     region_params: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # every node whose value is a slice on each rank (a pipeline cut must not cross one)
     region_nodes: frozenset[str] = frozenset()
+    # activation quantizers computing per forward on a value sliced along its last dim
+    # (per token, dynamic, blocks), with that dim counted from the end: ``wrap`` hands them
+    # the slice as a DTensor, so that a range over the features is reduced across tp
+    sliced_quantizers: tuple[tuple[str, int], ...] = ()
 
     def sharded(self) -> dict[str, LayerPlan]:
         return {p.layer: p for p in self.layers if p.style != "replicate"}
@@ -115,6 +120,10 @@ class _Layer:
     out_features: int
     in_features: int
     quantizers: dict[str, str] = field(default_factory=dict)  # role -> quantizer name
+    # a base held quantized (``FrozenWeight``, QLoRA): ``weight`` names its storage module
+    frozen: bool = False
+    # an adapter's lora_A / lora_B: the adapted layer whose placement it follows
+    follows: str | None = None
 
 
 @dataclass
@@ -158,7 +167,10 @@ def _param_of(gm: GraphModule, n: Any) -> tuple[str, str | None] | None:
 def find_layers(gm: GraphModule) -> dict[Node, _Layer]:
     """The Linear and embedding layers of ``gm`` that tensor parallelism can shard: a
     ``linear`` or ``embedding`` op reading a parameter of its own (possibly through its
-    weight quantizer), or a call of an ``nn.Linear`` / ``nn.Embedding``."""
+    weight quantizer) or a frozen base's storage (``<layer>.weight_frozen()``), or a call
+    of an ``nn.Linear`` / ``nn.Embedding`` (an adapter's ``lora_A`` / ``lora_B`` follow
+    their layer)."""
+    adapted = set(gm.meta.get(ADAPTERS_KEY) or {})
     found: dict[Node, _Layer] = {}
     for n in gm.graph.nodes:
         op = _op(n)
@@ -169,9 +181,19 @@ def find_layers(gm: GraphModule) -> dict[Node, _Layer]:
                 w = m.weight  # an embedding's "input features" are its vocabulary rows
                 rows, cols = (w.shape[0], w.shape[1]) if kind == "linear" else (w.shape[1],
                                                                                  w.shape[0])
-                found[n] = _Layer(str(n.target), kind, n, f"{n.target}.weight", rows, cols)
+                owner, _, part = str(n.target).rpartition(".")
+                follows = owner if part in ("lora_A", "lora_B") and owner in adapted else None
+                found[n] = _Layer(str(n.target), kind, n, f"{n.target}.weight", rows, cols,
+                                  follows=follows)
             continue
         if op in _LINEAR and len(n.args) >= 2:
+            w_node = n.args[1]
+            if isinstance(w_node, Node) and w_node.op == "call_module" and str(
+                    w_node.target).endswith(".weight_frozen") and isinstance(
+                    fw := gm.get_submodule(str(w_node.target)), FrozenWeight):
+                found[n] = _Layer(str(w_node.target)[: -len(".weight_frozen")], "linear", n,
+                                  str(w_node.target), fw.rows, fw.cols, frozen=True)
+                continue
             read = _param_of(gm, n.args[1])
             if read is None or not read[0].endswith(".weight"):
                 continue
@@ -261,6 +283,8 @@ class _Propagation:
         self.rowwise: dict[str, frozenset[str]] = {}
         self.shape_args: list[tuple[str, tuple[int, ...], int]] = []
         self.quantizers: set[str] = set()
+        # each one's input: (sliced dim counted from the end, that dim's size)
+        self.quantizer_dims: dict[str, tuple[int, int]] = {}
         self.outputs: set[str] = set()  # colwise layers whose slice reaches the output
         # parameters read inside sharded regions (per-head norms' weights), with the region
         # nodes reading them: each rank's gradient is its heads' part, summed across tp
@@ -299,6 +323,16 @@ class _Propagation:
     def _linear(self, n: Node, layer: _Layer) -> None:
         x = n.args[0]
         st = self.state.get(x) if isinstance(x, Node) else None
+        if layer.follows is not None and layer.name.endswith(".lora_B"):
+            # B reads A's rank-r output (whole on every rank); its output joins its layer's:
+            # sliced as the layer's when that one is colwise (B colwise with it)
+            if st is not None:
+                raise _Fail(n.name, f"{layer.name} reads a sliced value", sources=st.sources)
+            if layer.follows in self.colwise and layer.follows not in self.gathered:
+                out = _shape(n)
+                if out is not None:
+                    self.state[n] = _State(len(out) - 1, frozenset({layer.follows}))
+            return
         if st is not None:
             rank = len(_shape(x) or ())
             if st.dim != rank - 1:
@@ -320,6 +354,11 @@ class _Propagation:
             if isinstance(m, FakeQuantize):
                 if str(n.target) not in self.layer_inputs:  # those run inside their layer
                     self.quantizers.add(str(n.target))
+                    a, st = sharded[0]
+                    shape = _shape(a) or ()
+                    if shape:
+                        self.quantizer_dims[str(n.target)] = (st.dim - len(shape),
+                                                              shape[st.dim])
                 return sharded[0][1]
             if isinstance(m, _ELEMENTWISE_MODULES):
                 return sharded[0][1]
@@ -443,6 +482,8 @@ def _tied(gm: GraphModule, layers: dict[Node, _Layer]) -> set[str]:
     readers: dict[int, set[str]] = {}
     counts: dict[int, int] = {}
     for layer in layers.values():
+        if layer.frozen:  # its own storage, never shared
+            continue
         key = id(gm.get_parameter(layer.weight))
         readers.setdefault(key, set()).add(layer.name)
         counts[key] = counts.get(key, 0) + 1
@@ -459,6 +500,8 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
     reasons: dict[str, str] = {}
     if explicit is not None:
         for name in by_name:
+            if by_name[name].follows is not None:
+                continue  # an adapter is placed with its layer, whatever the globs say
             style = _explicit(explicit, name)
             if style == "sequence":
                 raise QCompileError(
@@ -466,17 +509,18 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
                     "this graph computes its norms as ops",
                     fix="leave norms out of the plan (they are replicated)")
         unknown = [g for g in explicit
-                   if not any(fnmatch.fnmatchcase(n, g) for n in by_name)]
+                   if not any(fnmatch.fnmatchcase(n, g) for n in by_name
+                              if by_name[n].follows is None)]
         if unknown:
             raise QCompileError(
                 f"tensor_parallel.plan: {unknown[0]!r} matches no Linear or embedding layer "
                 f"of the graph (layers: {', '.join(sorted(by_name)[:8])}...)",
                 fix="give a glob matching layer names, e.g. '*.q_proj'")
         colwise = {n for n in by_name if _explicit(explicit, n) == "colwise"
-                   and by_name[n].kind == "linear"}
+                   and by_name[n].kind == "linear" and by_name[n].follows is None}
     else:
         colwise = {n for n, layer in by_name.items()
-                   if layer.kind == "linear" and n not in tied}
+                   if layer.kind == "linear" and n not in tied and layer.follows is None}
     # drop candidates whose regions do not close, until every one does (each pass finds
     # every failure: a few passes, each linear in the graph)
     gathered: set[str] = set()
@@ -508,8 +552,13 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
     rowwise = prop.rowwise
     used = set().union(*rowwise.values()) if rowwise else set()
     out: list[LayerPlan] = []
+    styles: dict[str, LayerPlan] = {}
+    followers = []
     for layer in by_name.values():  # graph order
         name = layer.name
+        if layer.follows is not None:
+            followers.append(layer)
+            continue
         if name in rowwise:
             style, why = "rowwise", ("reads the slices of " + ", ".join(sorted(rowwise[name]))
                                      + "; partial sums reduced across tp")
@@ -537,16 +586,39 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
                     "its output (e.g. q/k/v colwise with o_proj rowwise), or plan: auto")
         if style != "replicate":
             _check_sizes(gm, layer, style, size)
-        out.append(LayerPlan(name, layer.kind, style, why,
-                             gather=style == "colwise" and name in gathered))
+        styles[name] = LayerPlan(name, layer.kind, style, why,
+                                 gather=style == "colwise" and name in gathered)
+        out.append(styles[name])
+    for layer in followers:  # peft's and torchtitan's layout: A rowwise, or B colwise
+        base = styles[layer.follows]
+        part = layer.name.rpartition(".")[2]
+        if part == "lora_A" and layer.name in rowwise:
+            style, why = "rowwise", (f"reads {layer.follows}'s input slice; its rank-r "
+                                     "output reduced across tp")
+        elif part == "lora_B" and base.style == "colwise":
+            style, why = "colwise", f"output features sliced as {layer.follows}'s"
+        else:
+            style, why = "replicate", (f"whole on every rank ({layer.follows} is "
+                                       f"{base.style})")
+        if style != "replicate":
+            _check_sizes(gm, layer, style, size)
+        at = max(i for i, q in enumerate(out)
+                 if q.layer == layer.follows or q.layer.startswith(f"{layer.follows}."))
+        out.insert(at + 1, LayerPlan(layer.name, layer.kind, style, why,  # after its layer
+                                     gather=style == "colwise" and base.gather))
     out += _other_weights(gm, {layer.weight for layer in layers.values()})
+    sliced = []
     for q in sorted(prop.quantizers):
-        _check_region_quantizer(gm, q)
+        if _sliced_quantizer(gm, q, prop.quantizer_dims.get(q), size):
+            sliced.append((q, prop.quantizer_dims[q][0]))
+        else:
+            _check_region_quantizer(gm, q)
     return TensorParallelPlan(size, tuple(out), tuple(prop.shape_args),
-                              tuple(sorted(prop.quantizers)),
+                              tuple(q for q in sorted(prop.quantizers)
+                                    if q not in dict(sliced)),
                               tuple((k, tuple(sorted(v)))
                                     for k, v in sorted(prop.region_params.items())),
-                              frozenset(n.name for n in prop.state))
+                              frozenset(n.name for n in prop.state), tuple(sliced))
 
 
 def _other_weights(gm: GraphModule, planned: set[str]) -> list[LayerPlan]:
@@ -579,6 +651,17 @@ def _check_sizes(gm: GraphModule, layer: _Layer, style: str, size: int) -> None:
             f"tensor_parallel: {layer.name} ({style}) has {sliced} {what}, not divisible by "
             f"tensor_parallel.size {size}",
             fix=f"use a size dividing {sliced}, or plan: {{{layer.name!r}: replicate}}")
+    if layer.frozen and style == "rowwise":  # storage split along its columns
+        fw = gm.get_submodule(layer.weight)
+        local = layer.in_features // size
+        codes = fw.codes.shape[1]
+        if (fw.block and local % fw.block) or codes % size:
+            raise QCompileError(
+                f"tensor_parallel: {layer.name}'s frozen base stores blocks of "
+                f"{fw.block or 1} along its {layer.in_features} input features, "
+                f"{local} per rank at size {size}: a block would straddle two shards",
+                fix=f"a size leaving a multiple of {fw.block or 2} input features per rank, "
+                f"or plan: {{{layer.name!r}: replicate}}")
     for role, q in layer.quantizers.items():
         fq = gm.get_submodule(q)
         if fq.learnable:
@@ -605,6 +688,28 @@ def _check_sizes(gm: GraphModule, layer: _Layer, style: str, size: int) -> None:
                 f"{{{layer.name!r}: replicate}}")
 
 
+def _sliced_quantizer(gm: GraphModule, name: str, dim: tuple[int, int] | None,
+                     size: int) -> bool:
+    """Whether activation quantizer ``name`` computes its qparams in each forward from a
+    value sliced along its last dim (a LoRA layer's input, read by the rowwise base and
+    its ``lora_A``): per token or dynamic, with a range over the features reduced across
+    tp; blocks along the features (whole on each rank, NVFP4's tensor scale reduced).
+    A block straddling two shards is refused by name."""
+    fq = gm.get_submodule(name)
+    if dim is None or dim[0] != -1 or fq.learnable:
+        return False
+    if fq.block_format is None and not (fq.dynamic or fq.granularity == "per_token"):
+        return False
+    block = fq.group_size if fq.block_format is not None else None
+    if block and (dim[1] // size) % block:
+        raise QCompileError(
+            f"tensor_parallel: {name} quantizes in blocks of {block} along {dim[1]} "
+            f"features, {dim[1] // size} per rank at size {size}: a block would straddle "
+            "two shards", fix=f"a size leaving a multiple of {block} per rank, or plan the "
+            "layers around it replicate")
+    return True
+
+
 def _check_region_quantizer(gm: GraphModule, name: str) -> None:
     """An activation quantizer reading a slice: its statistics must combine across tp
     ranks as the data-parallel step reduction does (a per-tensor min / max, applied once per
@@ -624,11 +729,6 @@ def _check_region_quantizer(gm: GraphModule, name: str) -> None:
 def plan_tensor_parallel(gm: GraphModule, ctx: Context) -> GraphModule:
     """Plan the ``tp`` sharding of every Linear and embedding (``gm.meta``, the report)."""
     tp = ctx.spec.tensor_parallel
-    if ctx.spec.adapters:
-        raise QCompileError("tensor_parallel with adapters: LoRA layers are not sharded "
-                            "across tensor-parallel ranks",
-                            fix="remove the tensor_parallel section (data parallelism shards "
-                            "adapters' frozen bases: data_parallel: {kind: fsdp2})")
     if not ctx.has_shapes:
         raise QCompileError("tensor_parallel plans from the graph's shapes, and it was "
                             "compiled without example inputs",

@@ -34,7 +34,12 @@ from torch.fx import GraphModule, Node
 
 from qcompile.errors import QCompileError
 from qcompile.passes.plan_tensor_parallel import LayerPlan, TensorParallelPlan, find_layers
-from qcompile.runtime.sharded import ShardedEmbedding, ShardedLinear
+from qcompile.runtime.sharded import (
+    AsShard,
+    ShardedEmbedding,
+    ShardedFrozenLinear,
+    ShardedLinear,
+)
 
 
 def _set(gm: GraphModule, name: str, module: nn.Module) -> None:
@@ -80,6 +85,7 @@ def shard_tensor_parallel(gm: GraphModule, plan: TensorParallelPlan,
         _shape_args(g, plan)
         if reduce_gradients is not None:
             _sum_gradients(g, plan, reduce_gradients)
+            _sliced_quantizers(g, plan, reduce_gradients.mesh)
         g.graph.lint()
         g.recompile()
     return done
@@ -103,6 +109,27 @@ def _sum_gradients(g: GraphModule, plan: TensorParallelPlan, module: nn.Module) 
             summed = g.graph.call_module(_SUM, (n,))
         for user in inside:
             user.replace_input_with(n, summed)
+
+
+def _sliced_quantizers(g: GraphModule, plan: TensorParallelPlan, mesh: Any) -> None:
+    """Each planned sliced-activation quantizer reads its slice as a DTensor (``Shard`` of
+    that dim on the tp mesh) and returns the local values: its range over the features is
+    then reduced across tp (``qcompile.runtime.sharded.fake_quant_dtensor``)."""
+    dims = dict(plan.sliced_quantizers)
+    for n in list(g.graph.nodes):
+        if n.op != "call_module" or str(n.target) not in dims:
+            continue
+        dim = dims[str(n.target)]
+        holder = f"tp_as_shard{-dim}"
+        if not hasattr(g, holder):
+            g.add_module(holder, AsShard(mesh, dim))
+        with g.graph.inserting_before(n):
+            wrapped = g.graph.call_module(holder, (n.args[0],))
+        n.replace_input_with(n.args[0], wrapped)
+        with g.graph.inserting_after(n):
+            local = g.graph.call_method("to_local", (n,))
+        n.replace_all_uses_with(local, delete_user_cb=lambda u, local=local: u is not local)
+        local.meta = dict(n.meta)
 
 
 def _shape_args(g: GraphModule, plan: TensorParallelPlan) -> None:
@@ -137,6 +164,18 @@ def _shard_layer(gm: GraphModule, layer: Any, p: LayerPlan) -> None:
         with gm.graph.inserting_before(node):
             call = gm.graph.call_module(name, (ids,))
         rest: tuple = (node.args[0] if aten else node.args[1],)
+    elif layer.frozen:  # linear(x, L.weight_frozen()): L dequantizes its shard itself
+        x, w = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        if bias is not None and not (isinstance(bias, Node) and bias.op == "get_attr"
+                                     and str(bias.target) == f"{name}.bias"):
+            raise QCompileError(f"tensor parallel: {name}'s frozen base adds a bias that is "
+                                "not its own", fix=f"plan: {{{name!r}: replicate}}")
+        _set(gm, name, ShardedFrozenLinear.adopt(holder, dim=0 if p.style == "colwise"
+                                                 else 1))
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_module(name, (x,))
+        rest = (w, bias)
     else:
         x, w = node.args[0], node.args[1]
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")

@@ -6,7 +6,10 @@ stdout and diagnostics on stderr):
 - ``validate SPEC``: check a spec file without importing torch.
 - ``schema``: the JSON schema of the spec.
 - ``show SPEC --model REF --input-shape 1x3x32x32``: the compiled graph as a table (node,
-  op, target, shape, rule, scheme, quantizers, stage, device) and a summary.
+  op, target, shape, rule, scheme, quantizers, stage, device) and a summary; ``--world N``
+  adds the device mesh the spec lays out on N ranks (pp x dp x tp: each rank's coordinates,
+  stage, tp shard, fsdp2 rows and parameters held) and, with ``--graph svg|html``, its
+  picture ``<out stem>-mesh.svg`` (``inspect_picture.mesh``).
 - ``explain SPEC --model REF ... [--node NAME]``: the nodes each rule selected; for one
   node, every rule and why it did or did not match.
 - ``passes SPEC --model REF ... --dump-dir DIR [--diff PASS]``: numbered per-pass dumps
@@ -46,6 +49,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from qcompile.errors import QCompileError
@@ -323,6 +327,236 @@ def write_picture(args: argparse.Namespace, rows: list[dict[str, Any]], gm: Any,
     return written, drawn
 
 
+
+# -- the device mesh (show --world) -------------------------------------------------------------
+MESH_DIMS = ("pp", "dp", "tp")  # torch's order as qc.distributed.mesh builds it: tp innermost
+# (style, kind) of a planned layer -> the weight dim its tp shards split (torch's
+# ColwiseParallel / RowwiseParallel), and how the text says it; read-only
+TP_SPLITS = MappingProxyType({("colwise", "linear"): (0, "colwise rows"),
+                              ("rowwise", "linear"): (1, "rowwise input columns"),
+                              ("rowwise", "embedding"): (0, "embedding rows"),
+                              ("colwise", "embedding"): (1, "embedding columns")})
+TP_ORDER = tuple(what for _, what in TP_SPLITS.values())
+
+
+def mesh_layout(spec: Any, world: int) -> dict[str, int]:
+    """The mesh ``spec`` lays out on ``world`` ranks: its dims (among pp, dp, tp, in that
+    order) and their sizes, as ``qc.distributed.mesh`` and ``qc.distributed.pipeline``
+    build it; or a ``QCompileError`` saying why the spec does not fit ``world`` ranks,
+    from the spec alone (nothing is compiled or launched)."""
+    try:
+        if spec.tensor_parallel is not None:
+            from qcompile.distributed.tensor_parallel import mesh_dims
+
+            return mesh_dims(spec, world)
+        if spec.pipeline is not None and spec.data_parallel.kind != "none":
+            from qcompile.distributed.hybrid import mesh_shape
+
+            pp, dp = mesh_shape(spec, world)
+            return {"pp": pp, "dp": dp}
+    except QCompileError as e:  # the library's reason and fix, said about --world
+        raise QCompileError(f"--world {world}: {e.message}", fix=e.fix) from e
+    if spec.pipeline is not None:  # a pipeline alone: stages placed as pipeline() places them
+        k, schedule = spec.pipeline.num_stages, spec.pipeline.schedule
+        if schedule == "interleaved_1f1b":
+            if k % world or k // world < 2:
+                fits = max(w for w in range(1, k + 1) if k % w == 0 and k // w >= 2)
+                raise QCompileError(f"--world {world}: pipeline.schedule interleaved_1f1b "
+                                    f"needs 2 or more of the {k} stages on each rank, the same "
+                                    "number on each", fix=f"use --world {fits} (or another "
+                                    f"divisor of {k} leaving 2 or more stages per rank)")
+        elif k != world:
+            raise QCompileError(f"--world {world}: pipeline.schedule {schedule} runs one "
+                                f"stage per rank, and the spec has {k} stages",
+                                fix=f"use --world {k}, or set pipeline.stages: {world}")
+        return {"pp": world}
+    if spec.data_parallel.kind != "none":
+        return {"dp": world}
+    if world != 1:
+        raise QCompileError(f"--world {world}: the spec has no pipeline, data_parallel or "
+                            "tensor_parallel section, so its ranks form no mesh (each would "
+                            "train a whole copy of its own)",
+                            fix="use --world 1, or add data_parallel: {kind: ddp} (or fsdp2), "
+                            "pipeline stages or tensor_parallel")
+    return {}
+
+
+def _chunk(n: int, parts: int, i: int) -> tuple[int, int]:
+    """``[start, stop)`` of piece ``i`` of ``n`` split in ``parts`` as ``torch.chunk``
+    splits it (DTensor's ``Shard`` and FSDP2 do): pieces of ``ceil(n / parts)``, the last
+    ones shorter or empty."""
+    size = -(-n // parts)
+    return min(n, i * size), min(n, (i + 1) * size)
+
+
+def _numel(shape: list[int]) -> int:
+    count = 1
+    for d in shape:
+        count *= d
+    return count
+
+
+def mesh_report(gm: Any, spec: Any, dims: dict[str, int]) -> dict[str, Any]:
+    """What each rank of the mesh holds (``show``'s JSON ``mesh``): its coordinates,
+    pipeline stage(s), tp shard of each planned layer (``report.tensor_parallel`` and the
+    compiled graph's weight shapes), dp replica and, under fsdp2, chunk of rows; and the
+    parameter elements it keeps, from the graph's parameter shapes."""
+    import torch
+
+    pp, dp, tp = (dims.get(d, 1) for d in MESH_DIMS)
+    report = qc_report(gm)
+    # every distinct parameter once, under the model's name (a tied name aliases the first)
+    shapes: dict[str, list[int]] = {}
+    element: dict[str, int] = {}
+    canonical: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name, p in gm.state_dict(keep_vars=True).items():
+        if isinstance(p, torch.nn.Parameter):
+            canonical[name] = first.setdefault(id(p), name)
+            if canonical[name] == name:
+                shapes[name], element[name] = list(p.shape), p.element_size()
+    total = sum(_numel(s) for s in shapes.values())
+    # the dim tp splits, per parameter; what no sharded layer owns stays whole on each rank
+    split: dict[str, tuple[int, str]] = {}
+    for r in report.tensor_parallel:
+        how, weight = TP_SPLITS.get((r.style, r.kind)), canonical.get(f"{r.layer}.weight")
+        if how is not None and weight is None:  # a frozen base: its storage, laid out by rows
+            for name in shapes:
+                if name.startswith(f"{r.layer}.weight_frozen.") and len(shapes[name]) == 2 \
+                        and shapes[name][how[0]] > 1:
+                    split[name] = how
+            continue
+        if how is None or weight is None:
+            continue
+        split[weight] = how
+        bias = canonical.get(f"{r.layer}.bias")
+        if bias is not None and r.style == "colwise":  # a rowwise layer's bias is whole
+            split[bias] = (0, how[1])
+    # the parameters of each pipeline stage, by identity (a stage may name them its way)
+    stages: list[dict[str, Any]] = []
+    of_stage: list[list[str]] = []
+    if spec.pipeline is not None:
+        records = {s.stage: s for s in report.stages}
+        for s in range(spec.pipeline.num_stages):
+            names = [first[id(w)] for w in gm.get_submodule(f"stage_{s}").parameters()
+                     if id(w) in first]
+            of_stage.append(names)
+            owners = [n.rpartition(".")[0] or n for n in names]
+            rec = records.get(s)
+            stages.append({"stage": s, "modules": rec.modules if rec else [],
+                           "parameters": rec.parameters if rec else
+                           sum(_numel(shapes[n]) for n in names),
+                           "range": [owners[0], owners[-1]] if owners else []})
+    fsdp = spec.data_parallel.kind == "fsdp2" and "dp" in dims
+    ranks = []
+    for rank in range(pp * dp * tp):
+        p, d, t = rank // (dp * tp), rank // tp % dp, rank % tp
+        mine = list(range(p, len(stages), pp))  # interleaved: stages p, p + pp, ...
+        names = [n for s in mine for n in of_stage[s]] if stages else list(shapes)
+        held = nbytes = 0
+        ranges: dict[tuple[str, int], dict[str, Any]] = {}
+        for name in dict.fromkeys(names):  # a parameter two of its stages share, once
+            shape = list(shapes[name])
+            if name in split and "tp" in dims:
+                dim, what = split[name]
+                start, stop = _chunk(shape[dim], tp, t)
+                if name.endswith(".weight"):
+                    entry = ranges.setdefault((what, shape[dim]), {
+                        "what": what, "dim": dim, "start": start, "stop": stop,
+                        "of": shape[dim], "layers": 0})
+                    entry["layers"] += 1
+                shape[dim] = stop - start
+            if fsdp and shape:  # fully_shard: this rank's torch.chunk of dim 0 over dp
+                start, stop = _chunk(shape[0], dp, d)
+                shape[0] = stop - start
+            held += _numel(shape)
+            nbytes += _numel(shape) * element[name]
+        ranks.append({
+            "rank": rank, "coords": {"pp": p, "dp": d, "tp": t},
+            "stage": mine[0] if len(mine) == 1 else None, "stages": mine,
+            "holds": {"parameters": held, "parameter_bytes": nbytes,
+                      "share": round(held / total, 6) if total else 0.0,
+                      "tp_shard": t if "tp" in dims else None,
+                      "tp_ranges": sorted(ranges.values(), key=lambda e: (
+                          TP_ORDER.index(e["what"]), e["of"])),
+                      "fsdp2_chunk": d if fsdp else None}})
+    return {"world": pp * dp * tp, "dims": dims, "data_parallel": spec.data_parallel.kind,
+            "parameters": total,
+            "sharded_layers": sum(1 for r in report.tensor_parallel
+                                  if (r.style, r.kind) in TP_SPLITS),
+            "replicated_layers": sum(1 for r in report.tensor_parallel
+                                     if r.style == "replicate"),
+            "stages": stages, "ranks": ranks}
+
+
+def _tp_ranges_text(ranges: list[dict[str, Any]]) -> str:
+    """``colwise rows 32-63 of 64 (3 layers), 64-127 of 128 (2 layers); rowwise ...``."""
+    parts: dict[str, list[str]] = {}
+    for e in ranges:
+        span = (f"{e['start']}-{e['stop'] - 1}" if e["stop"] > e["start"] else "none")
+        parts.setdefault(e["what"], []).append(
+            f"{span} of {e['of']} ({e['layers']} layer{'s' if e['layers'] != 1 else ''})")
+    return "; ".join(f"{what} {', '.join(spans)}" for what, spans in parts.items())
+
+
+def mesh_lines(mesh: dict[str, Any]) -> list[str]:
+    """``show --world``'s text: the mesh's dims, then each rank's coordinates and holdings."""
+    from qcompile.tools.inspect_picture.mesh import formula, stage_text, title
+
+    dims, total = mesh["dims"], mesh["parameters"]
+    lines = [title(mesh) + (f" ({formula(dims)})" if len(dims) > 1 else "")]
+    kind = mesh["data_parallel"]
+    if "dp" in dims and kind == "fsdp2":
+        lines.append(f"  dp: fsdp2, so each rank keeps 1/{dims['dp']} of the rows (dim 0, as "
+                     "torch.chunk splits it) of every parameter its dp replica holds")
+    elif "dp" in dims and kind == "ddp":
+        lines.append("  dp: ddp, so each dp replica holds a whole copy")
+    if "tp" in dims:
+        lines.append(f"  tp: {mesh['sharded_layers']} layer(s) sharded across each group of "
+                     f"{dims['tp']} ranks; {mesh['replicated_layers']} replicated layer(s), "
+                     "norms and other parameters whole on each rank")
+    stages = {s["stage"]: s for s in mesh["stages"]}
+    for r in mesh["ranks"]:
+        c, held = r["coords"], r["holds"]
+        coords = ", ".join(f"{d} {c[d]}" for d in MESH_DIMS if d in dims)
+        parts = []
+        if r["stages"]:
+            about = [stages[s] for s in r["stages"] if s in stages]
+            span = about[0]["range"] if len(about) == 1 else []  # interleaved: no one span
+            params = f"{sum(a['parameters'] for a in about)} params"
+            parts.append(stage_text(r) + (f" ({span[0]} .. {span[-1]}, {params})" if span
+                                          else f" ({params})" if about else ""))
+        if "dp" in dims:
+            parts.append(f"dp replica {c['dp']} of {dims['dp']}")
+        parts.append(f"holds {held['parameters']} of {total} params ({held['share']:.1%})")
+        lines.append(f"  rank {r['rank']}" + (f" ({coords})" if coords else "") + ": "
+                     + "; ".join(parts))
+        if held["tp_shard"] is not None:
+            lines.append(f"      tp {held['tp_shard']} of {dims['tp']}: "
+                         + (_tp_ranges_text(held["tp_ranges"]) or "no sharded layer here"))
+        if held["fsdp2_chunk"] is not None:
+            lines.append(f"      fsdp2: keeps chunk {held['fsdp2_chunk']} of {dims['dp']} of "
+                         "the rows of each of those parameters")
+    return lines
+
+
+def write_mesh_picture(args: argparse.Namespace, written: list[str],
+                       mesh: dict[str, Any]) -> str | None:
+    """``<out stem>-mesh.svg`` next to the ``--graph svg|html`` picture (``written``: its
+    files); returns its path (None: no picture asked for, or a DOT one)."""
+    if getattr(args, "graph", None) == "dot":  # DOT text of the graph only: say so
+        note("note: --graph dot draws no mesh picture (--graph svg or html do)")
+    if getattr(args, "graph", None) not in ("svg", "html") or not written:
+        return None
+    from qcompile.tools.inspect_picture import mesh as mesh_picture
+
+    picture = Path(written[-1])  # the .svg or .html (a .dot comes first with --layout dot)
+    path = picture.with_name(f"{picture.stem}-mesh.svg")
+    write_atomically(path, mesh_picture.to_svg(mesh))
+    note(f"wrote {path}")
+    return str(path)
+
+
 # -- subcommands ----------------------------------------------------------------------------------
 def cmd_validate(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
@@ -358,10 +592,20 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    dims = None
+    if args.world is not None:  # a layout that does not fit: said before compiling anything
+        import qcompile as qc
+
+        dims = mesh_layout(qc.load_spec(args.spec), args.world)
     gm, spec, _ = compile_graph(args)
     rows = node_rows(gm, spec)
     info = summary(gm)
     written, drawn = write_picture(args, rows, gm, info)
+    mesh = mesh_report(gm, spec, dims) if dims is not None else None
+    if mesh is not None:
+        mesh_file = write_mesh_picture(args, written, mesh)
+        if mesh_file is not None:
+            written.append(mesh_file)
     cols = ["node", "op", "target", "shape", "rule_match", "weight", "activation", "quantizer"]
     if info["stages"]:
         cols += ["stage", "device"]
@@ -387,6 +631,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     data = {"nodes": rows, "summary": info, "files": written}
     if drawn is not None:
         data["picture"] = drawn
+    if mesh is not None:
+        lines += mesh_lines(mesh)
+        data["mesh"] = mesh
     emit(args, data, "\n".join(lines))
     return 0
 
@@ -887,6 +1134,10 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", parents=[common], help="the compiled graph as a table")
     _model_args(p)
     _picture_args(p)
+    p.add_argument("--world", type=_positive, metavar="N",
+                   help="also lay the spec out on N ranks: the mesh (pp x dp x tp), each "
+                   "rank's coordinates, stage and parameters held (with --graph svg|html, a "
+                   "picture of it: <out stem>-mesh.svg)")
     p.set_defaults(fn=cmd_show)
     p = sub.add_parser("explain", parents=[common], help="which rule matched what, and why")
     _model_args(p)

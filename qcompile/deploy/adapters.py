@@ -635,8 +635,8 @@ def merge_adapters(gm: nn.Module) -> GraphModule:
     for name, p in graph.named_parameters():
         if _dtensor(p):
             raise QCompileError(
-                f"merge_adapters: parameter {name!r} is a sharded DTensor (FSDP2): a merge "
-                "needs whole weights",
+                f"merge_adapters: parameter {name!r} is a sharded DTensor (FSDP2 or tensor "
+                "parallel): a merge needs whole weights",
                 fix="save the adapters with qc.save_adapters (every rank), or gather the "
                     "full state dict and merge an unsharded copy of the graph on one rank")
     for name in layers:  # before copying anything: a mistake leaves nothing half done

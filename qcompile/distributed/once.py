@@ -924,7 +924,7 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
         else:
             built_loader.put(b, short, lambda r, n=short: built[n] if r is None else
                              built[n][r])
-    adapted = _fill_adapters(gm, spec, read, loader, group, rank, world)
+    adapted = _fill_adapters(gm, spec, read, loader, group, rank, world, tp)
     real.clear()
     # a NaN in one rank's rows is an error on every rank (the ranges below are collectives)
     with collective_phase("compile_once (loading the weights)", group):
@@ -1134,8 +1134,8 @@ def _by_model_name(gm: nn.Module) -> dict[str, nn.Module]:
 
 @torch.no_grad()
 def _fill_adapters(gm: nn.Module, spec: CompileSpec, read: Callable[[str, slice | None],
-                   torch.Tensor], loader: _Loader, group: Any, rank: int, world: int
-                   ) -> set[str]:
+                   torch.Tensor], loader: _Loader, group: Any, rank: int, world: int,
+                   tp: bool = False) -> set[str]:
     """Give the adapted layers their values on every rank: each frozen base stores this
     rank's rows of its weight, quantized (a scale that spans the rows, per tensor or
     NVFP4's tensor scale, from the range reduced across ranks); ``lora_A`` / ``lora_B``
@@ -1154,9 +1154,9 @@ def _fill_adapters(gm: nn.Module, spec: CompileSpec, read: Callable[[str, slice 
         b = torch.empty(tuple(lora_b.shape), dtype=lora_b.dtype)
         init_adapter(a, b, layer, rec.seed)
         for param, value in ((lora_a, a), (lora_b, b)):
-            rows = _rows(param, rank, world)
-            local = param.to_local() if rows is not None else param
-            local.copy_(value[rows] if rows is not None else value)
+            box = _box(param)  # FSDP2's rows, a tensor-parallel shard, or both
+            local = param.to_local() if box is not None else param
+            local.copy_(value[box] if box is not None else value)
         filled |= {f"{layer}.lora_A.weight", f"{layer}.lora_B.weight"}
         if rec.storage is None:
             continue
@@ -1170,8 +1170,85 @@ def _fill_adapters(gm: nn.Module, spec: CompileSpec, read: Callable[[str, slice 
             def rows_of(name: str, rows: slice | None, read=read) -> torch.Tensor:
                 w = read(name, None).t()
                 return w if rows is None else w[rows]
-        _store_rows(fw, rec, f"{layer}.weight", spec, rows_of, loader, group, rank, world, on)
+        if tp:
+            _store_box(fw, rec, f"{layer}.weight", spec, rows_of, loader)
+        else:
+            _store_rows(fw, rec, f"{layer}.weight", spec, rows_of, loader, group, rank, world,
+                        on)
     return filled
+
+
+@torch.no_grad()
+def _store_box(fw: FrozenWeight, rec: Any, name: str, spec: CompileSpec,
+               read: Callable[[str, slice | None], torch.Tensor], loader: _Loader) -> None:
+    """Under tensor parallelism: this rank's part of weight ``name`` (its rows of a
+    colwise layer or its block columns of a rowwise one, FSDP2's rows of those), quantized
+    into ``fw``'s storage shards. What spans the parts is reduced across every rank first,
+    one small all-reduce: any non-finite value, the whole weight's range (per tensor,
+    NVFP4's tensor scale) and each row's range (per channel, when the columns are split);
+    blocks and groups never straddle a shard (the plan checked)."""
+    dist = torch.distributed
+    box = _box(fw.codes)
+    width = fw.codes.shape[1]  # stored columns: a fixed number per weight column
+    rows = box[0] if box is not None else slice(0, fw.rows)
+    part = box[1] if box is not None else slice(0, width)
+    cols = slice(part.start * fw.cols // width, part.stop * fw.cols // width)
+    split = cols.stop - cols.start < fw.cols
+    if loader.stream:  # rank 0 sends the whole float weight; this rank keeps its part
+        whole = torch.empty((fw.rows, fw.cols), dtype=fw.out_dtype, device=loader.device)
+        loader.put(whole, name, lambda r: read(name, r))
+        w = whole[rows, cols]
+    else:
+        w = read(name, rows)[:, cols]
+    w = w.to(loader.device).float()
+    fq = FakeQuantize.from_scheme(rec.scheme, role="weight",
+                                  shape=(max(w.shape[0], 1), max(w.shape[1], 1)),
+                                  target=spec.quant.target).to(w.device)
+    # [non-finite, -min, max] of the whole weight, then -min and max of each row
+    per_row = split and fq.block_format is None and fq.granularity == "per_channel"
+    stats = torch.full((3 + (2 * fw.rows if per_row else 0),), float("-inf"), device=w.device)
+    if w.numel():
+        stats[0] = float(not bool(torch.isfinite(w).all()))
+        finite = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
+        stats[1], stats[2] = -finite.min(), finite.max()
+        if per_row:
+            at = slice(3 + rows.start, 3 + rows.stop)
+            stats[at] = -finite.amin(1)
+            stats[3 + fw.rows:][rows] = finite.amax(1)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # every rank holds a part of every weight
+    if stats[0] > 0:
+        raise QCompileError(f"compile_once: the checkpoint's {name} holds NaN or inf: its "
+                            "frozen base would store NaN scales",
+                            fix="repair the checkpoint (or the model that wrote it)")
+    if not w.numel():  # an FSDP2 chunk with no rows: nothing to store here
+        return
+    tensor_scale = None
+    if fq.block_format == "nvfp4":
+        tensor_scale = nvfp4_tensor_scale(torch.maximum(stats[1], stats[2]).reshape(1))
+    elif fq.block_format is None and fq.granularity == "per_tensor":
+        fq.observe_range((-stats[1]).reshape(1), stats[2].reshape(1))
+    elif per_row:
+        fq.observe_range(-stats[3:3 + fw.rows][rows], stats[3 + fw.rows:][rows])
+    elif fq.observer is not None:
+        fq.observe_tensor(w)
+    n = w.shape[0]
+    step = max(1, _ENCODE_CHUNK // max(w.shape[1], 1))
+    by_row = fq.block_format is None and fq.granularity in ("per_channel", "per_group")
+    for start in range(0, n, step):  # a few rows at a time: NF4's temporaries (see below)
+        chunk = slice(start, min(start + step, n))
+        qparams = {}
+        if by_row:
+            qparams = {k: getattr(fq, k).detach().reshape(n, -1)[chunk].reshape(-1)
+                       for k in ("scale", "zero_point")}
+        values, _ = FrozenWeight.encode(fq, w[chunk], tensor_scale=tensor_scale, **qparams)
+        for leaf, param in fw.named_parameters():
+            value = values[leaf]
+            pbox = _box(param)  # None: whole on this rank (maybe a replicated DTensor)
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if param.shape[0] == fw.rows and fw.rows > 1:
+                local[chunk].copy_(value)  # laid out by rows: these rows, this part
+            elif start == 0:  # one value for the whole weight, the same on every rank
+                local.copy_(value[pbox] if pbox is not None else value)
 
 
 def _store_rows(fw: FrozenWeight, rec: Any, name: str, spec: CompileSpec,

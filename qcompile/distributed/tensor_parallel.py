@@ -91,19 +91,57 @@ def mesh_dims(spec: Any, world: int) -> dict[str, int]:
     return dims
 
 
+_ADAPTER_PARTS = ("lora_A", "lora_B", "lora_dropout")
+
+
+def _frozen_placement(t: Any, fw: nn.Module, dim: int) -> Any:
+    """Where a frozen base's stored tensor ``t`` (laid out by the weight's rows, blocks
+    along its columns) is split: the rows a colwise shard holds, the block columns a
+    rowwise one holds; one value for many rows or columns (a per-tensor scale, NVFP4's
+    tensor scale, a rowwise shard's per-channel scales) stays whole on every rank."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if t.dim() == 2 and dim == 0 and t.shape[0] == fw.rows and fw.rows > 1:
+        return Shard(0)
+    if t.dim() == 2 and dim == 1 and t.shape[1] > 1:
+        return Shard(1)
+    return Replicate()
+
+
+def _partition(dim: int) -> Any:
+    """``_partition_linear_fn`` for a planned layer: its own weight and bias (torch's
+    colwise or rowwise placements), its frozen base's storage (``_frozen_placement``);
+    its quantizers hold no shards, and its adapters (``lora_A``, ``lora_B``) have their
+    own plan entries."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    def partition(name: str, module: nn.Module, mesh: Any) -> None:
+        if name == "weight_frozen":
+            places = {leaf: _frozen_placement(t, module, dim)
+                      for leaf, t in module.named_parameters(recurse=False)}
+        elif not name:
+            places = {"weight": Shard(dim), "bias": Shard(0) if dim == 0 else Replicate()}
+        else:
+            return
+        for leaf, place in places.items():
+            t = module._parameters.get(leaf)
+            if t is not None:
+                module.register_parameter(leaf, nn.Parameter(
+                    distribute_tensor(t, mesh, [place]), requires_grad=t.requires_grad))
+    return partition
+
+
 def _style(p: LayerPlan) -> Any:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     class Colwise(ColwiseParallel):
         def _partition_linear_fn(self, name, module, device_mesh):  # type: ignore[override]
-            if not name:  # the layer's own weight and bias; its quantizers hold no shards
-                super()._partition_linear_fn(name, module, device_mesh)
+            _partition(0)(name, module, device_mesh)
 
     class Rowwise(RowwiseParallel):
         def _partition_linear_fn(self, name, module, device_mesh):  # type: ignore[override]
-            if not name:
-                super()._partition_linear_fn(name, module, device_mesh)
+            _partition(1)(name, module, device_mesh)
 
     if p.style == "colwise":
         return Colwise(output_layouts=Replicate()) if p.gather else Colwise()
@@ -162,7 +200,21 @@ def parallelize(gm: nn.Module, tp_mesh: Any, within: str | None = None) -> nn.Mo
                             f"{tp_mesh.size()} ranks", fix="compile and wrap with one spec")
     sharded = shard_tensor_parallel(gm, plan, SumGradients(tp_mesh), within=within)
     gm.meta[TP_SHARDED_KEY] = plan.size
-    parallelize_module(gm, tp_mesh, {name: _style(p) for name, p in sharded.items()})
+    styles = {name: _style(p) for name, p in sharded.items()}
+    # (in the plan's order: every rank makes the same collectives in the same order)
+    adapters = [n for n in styles if n.rpartition(".")[2] in _ADAPTER_PARTS]
+    if adapters:  # first: their layers' own sharding must not touch them (below)
+        parallelize_module(gm, tp_mesh, {n: styles[n] for n in adapters})
+    # torch's distribute_module replicates every parameter under a layer it shards as a
+    # DTensor: a layer's adapters are set aside meanwhile (the sharded ones are done, the
+    # others stay plain tensors, whole on every rank)
+    aside = [(m, k, m._modules.pop(k)) for n in styles if n not in adapters
+             for m in [gm.get_submodule(n)] for k in _ADAPTER_PARTS if k in m._modules]
+    try:
+        parallelize_module(gm, tp_mesh, {n: s for n, s in styles.items() if n not in adapters})
+    finally:
+        for m, k, child in aside:
+            m._modules[k] = child
     for name in sharded:
         _plain_state(gm.get_submodule(name))
     # each graph (the root, or each block FSDP2 gathers) computes its sharded weights'
@@ -191,11 +243,6 @@ def refuse_tensor_parallel_once(spec: Any, group: Any) -> None:
         raise QCompileError("compile_once: group= with a tensor_parallel section (the ranks "
                             "form the spec's dp x tp mesh)",
                             fix="leave group out; launch dp x tp processes")
-    if spec.adapters:
-        raise QCompileError("compile_once with tensor_parallel and adapters: frozen bases "
-                            "are not sharded across tp",
-                            fix="drop the tensor_parallel section (data_parallel fsdp2 "
-                            "shards a frozen base at 1/N), or the adapters section")
 
 
 def refuse_differing_tp_batches(digests: list[Any], size: int) -> None:

@@ -80,6 +80,56 @@ class ShardedLinear(nn.Linear):
         return F.linear(x, w, self.bias)
 
 
+class ShardedFrozenLinear(ShardedLinear):
+    """A Linear whose weight is a frozen base's storage (``weight_frozen``, QLoRA): its
+    tensors hold this rank's shard (the weight's rows colwise, ``dim`` 0, or its columns
+    rowwise, ``dim`` 1), which each forward dequantizes, as one process dequantizes the
+    whole, into the shard torch's style expects."""
+
+    @classmethod
+    def adopt(cls, holder: nn.Module, *, dim: int) -> ShardedFrozenLinear:  # type: ignore[override]
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._parameters.update(holder._parameters)
+        layer._modules.update(holder._modules)
+        if "bias" not in layer._parameters:
+            layer.register_parameter("bias", None)
+        layer.register_parameter("weight", None)  # the storage is the weight
+        fw = layer.weight_frozen
+        layer.out_features, layer.in_features = fw.rows, fw.cols
+        layer.quantize_weight = layer.quantize_input = False
+        layer.shard_dim = dim
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard
+
+        fw = self.weight_frozen
+        if not isinstance(x, DTensor):  # not sharded (yet): the whole weight
+            return F.linear(x, fw(), self.bias)
+        w = local_frozen(fw, self.shard_dim).dequantize()
+        w = DTensor.from_local(w, x.device_mesh, [Shard(self.shard_dim)], run_check=False,
+                               shape=torch.Size((fw.rows, fw.cols)), stride=(fw.cols, 1))
+        return F.linear(x, w, self.bias)
+
+
+def local_frozen(fw: nn.Module, dim: int) -> nn.Module:
+    """A ``FrozenWeight`` over this rank's part of ``fw``'s storage (its tensors' local
+    shards, no copy): the weight's rows (``dim`` 0) or columns (``dim`` 1) it holds."""
+    from qcompile.runtime.frozen import FrozenWeight
+
+    local = {k: t.to_local() if hasattr(t, "to_local") else t
+             for k, t in fw.named_parameters()}
+    codes = fw.codes
+    rows, cols = fw.rows, fw.cols
+    if dim == 0:
+        rows = local["codes"].shape[0]
+    else:  # codes hold a fixed number of bytes per column: the shard's share of them
+        cols = fw.cols * local["codes"].shape[1] // codes.shape[1]
+    return FrozenWeight(local, shape=(rows, cols), dtype=fw.out_dtype, fmt=fw.fmt,
+                        block=fw.block, packed=fw.packed, offset=fw.offset)
+
+
 class ShardedEmbedding(nn.Embedding):
     """An ``nn.Embedding`` holding a graph's embedding weight (the same Parameter)."""
 
@@ -111,6 +161,22 @@ class SumGradients(nn.Module):
 
         return DTensor.from_local(p, self.mesh, [Replicate()], run_check=False).to_local(
             grad_placements=[Partial()])
+
+
+class AsShard(nn.Module):
+    """This rank's slice of an activation as the DTensor it is (``Shard(dim)`` on the tp
+    mesh), for a quantizer whose qparams span the sliced dim (``fake_quant_dtensor``); the
+    gradient passes through."""
+
+    def __init__(self, mesh: Any, dim: int) -> None:
+        super().__init__()
+        self.__dict__["mesh"] = mesh  # not state: rebuilt by wrap
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> Any:
+        from torch.distributed.tensor import DTensor, Shard
+
+        return DTensor.from_local(x, self.mesh, [Shard(self.dim % x.dim())], run_check=False)
 
 
 # -- fake-quant of a shard -----------------------------------------------------------------

@@ -106,13 +106,13 @@ def trained(model: Any, batch: dict[str, torch.Tensor], loss_fn: Any = lm_loss,
 
 
 def presets(preset: str, build: Any = llama, batch_of: Any = None,
-            loss_fn: Any = lm_loss) -> dict[str, Any]:
+            loss_fn: Any = lm_loss, **extra: Any) -> dict[str, Any]:
     """``compile_once`` from a checkpoint (calibrated on the replica's rows for a static
     preset) against one process (``qc.qcompile`` + ``qc.calibrate`` on the global
     batches): the state as loaded; then three steps on the ranks against three steps of
     the same spec compiled by ``qc.qcompile`` on every rank and wrapped (the same shards,
     so the same bits) and of one process."""
-    spec = spec_of(preset)
+    spec = spec_of(preset, **extra)
     static = "static" in preset
     cal = batches(batch_of=batch_of)
     mine = [replica_rows(b) for b in cal]
@@ -121,7 +121,8 @@ def presets(preset: str, build: Any = llama, batch_of: Any = None,
                                      calibration=mine if static else None, checkpoint=path)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                 for p in gm.parameters())
-    ref = qc.qcompile(build(), qc.load_spec(preset), example_kwargs=cal[0])
+    one = qc.specs.as_spec({**qc.load_spec(preset).model_dump(), **extra})
+    ref = qc.qcompile(build(), one, example_kwargs=cal[0])
     if static:
         qc.calibrate(ref, cal)
     loaded = differences(plain(state_of(gm)), state_of(ref))
@@ -190,6 +191,34 @@ for _name in FAMILIES:
     globals()[f"case_family_{_name}"] = lambda _name=_name: family(_name)
 
 
+def case_qlora_nf4() -> dict[str, Any]:
+    """QLoRA from a checkpoint: each rank quantizes only its part of each frozen base (its
+    rows, or its block columns) into its shard of the storage; the result trains as
+    ``qc.qcompile`` + ``wrap`` of the real model (the same bits)."""
+    from _tensor_parallel_worker import llama_wide
+
+    return presets("qlora-nf4", llama_wide)
+
+
+FROZEN = [{"match": {"name": ["lm_head"]}, "skip": True},
+          {"match": {"module": ["Linear"]}, "rank": 8, "alpha": 16}]
+
+
+def case_frozen_int8() -> dict[str, Any]:
+    """int8-qat's per-channel weights as frozen bases: a rowwise shard's rows take their
+    range over every rank's columns."""
+    from _tensor_parallel_worker import llama_wide
+
+    return presets("int8-qat", llama_wide, adapters=FROZEN)
+
+
+def case_frozen_nvfp4() -> dict[str, Any]:
+    """NVFP4 frozen bases: the tensor scale from the whole weight's range."""
+    from _tensor_parallel_worker import llama_wide
+
+    return presets("nvfp4-qat", llama_wide, adapters=FROZEN)
+
+
 def case_sources() -> dict[str, Any]:
     """int8-static three ways: from the checkpoint, from rank 0's stream (no checkpoint),
     and from the cache a first call filled: the same bits on every rank."""
@@ -223,10 +252,6 @@ def case_mistakes() -> dict[str, Any]:
         checkpoint=path))
     out["pipeline"] = error_of(lambda: qc.distributed.compile_once(
         llama, spec_of("int8-static", pipeline={"stages": 2}), example_kwargs=ids,
-        checkpoint=path))
-    qlora = qc.load_spec("qlora-nf4").model_dump()
-    out["adapters"] = error_of(lambda: qc.distributed.compile_once(
-        llama, spec_of("int8-static", adapters=qlora["adapters"]), example_kwargs=ids,
         checkpoint=path))
     t = torch.ones(1)
     dist.all_reduce(t)

@@ -30,6 +30,7 @@ PG_TIMEOUT = datetime.timedelta(seconds=60)
 TP = 2
 ROWS, SEQ, VOCAB = 2, 8, 64  # rows per replica
 STEPS, LR = 5, 0.1
+OUTDIR = Path(".")
 
 
 def llama() -> torch.nn.Module:
@@ -288,11 +289,113 @@ def case_plan_differs() -> dict[str, Any]:
     return error_of(lambda: qc.distributed.wrap(gm, spec))
 
 
+# -- adapters: LoRA on a frozen NF4 base (QLoRA) and on a QAT base -----------------------------
+def llama_wide() -> torch.nn.Module:
+    """Llama with 128 features: o_proj's and down_proj's inputs split in two hold whole
+    NF4 blocks of 64."""
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, use_cache=False,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def lora_spec(preset: str, dp: int) -> Any:
+    d = qc.load_spec(preset).model_dump()
+    if preset != "qlora-nf4":  # LoRA on the preset's QAT base (torchao's QAT + LoRA)
+        d["adapters"] = [{"match": {"name": ["lm_head"]}, "skip": True},
+                         {"match": {"module": ["Linear"]}, "rank": 8, "alpha": 16,
+                          "base": "qat"}]
+    d["tensor_parallel"] = {"size": TP}
+    d["data_parallel"] = {"kind": "fsdp2" if dp > 1 else "none"}
+    return qc.specs.as_spec(d)
+
+
+def adapters(preset: str) -> dict[str, Any]:
+    """Three SGD steps of the adapters on the ranks (the base frozen, sharded as its layer)
+    against one process on the global batch; then ``qc.save_adapters`` from the ranks, and
+    (rank 0) peft's model on the float weights the ranks trained against, loading it."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = world // TP
+    spec = lora_spec(preset, dp)
+    one = qc.specs.as_spec({**spec.model_dump(), "tensor_parallel": None,
+                            "data_parallel": {"kind": "none"}})
+    batch = lm_batch(ROWS * dp)
+    rows = slice((rank // TP) * ROWS, (rank // TP + 1) * ROWS)
+    mine = {k: v[rows] for k, v in batch.items()}
+    gm = qc.qcompile(llama_wide(), spec, example_kwargs=mine)
+    ref = qc.qcompile(llama_wide(), one, example_kwargs=batch)
+    plan = {r.layer: r.style for r in qc.report(gm).tensor_parallel}
+    model = qc.distributed.wrap(gm, spec)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    opt_ref = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5)
+    losses, ref_losses = [], []
+    for _ in range(3):
+        loss = lm_loss(model(**mine), mine)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+        r = lm_loss(ref(**batch), batch)
+        r.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        ref_losses.append(float(r))
+    lora = {k: v for k, v in state_of(model).items() if ".lora_" in k}
+    lora = {(k.partition(".")[2] if k.startswith("stage_") else k): v for k, v in lora.items()}
+    want = {k: v for k, v in state_of(ref).items() if ".lora_" in k}
+    folder = OUTDIR / f"adapter_{preset}_{world}"
+    qc.save_adapters(model, str(folder))
+    probe = batch["input_ids"][:ROWS]
+    with torch.no_grad():
+        ours = model(input_ids=probe).logits  # every rank: the LM head's logits gathered
+    out = {"plan": plan, "losses": losses, "ref_losses": ref_losses,
+           "lora_names_equal": sorted(lora) == sorted(want),
+           "trained": max(differences(lora, want).values()),
+           "local_bytes": sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+                              * p.element_size() for p in model.parameters()),
+           "bytes": sum(p.numel() * p.element_size() for p in ref.parameters())}
+    if rank == 0:  # the file against one process's, and peft loading it
+        from peft import PeftModel
+        from safetensors.torch import load_file
+
+        from qcompile.graph.meta import ADAPTERS_KEY
+
+        qc.save_adapters(ref, str(folder) + "_one")
+        mine_t = load_file(str(folder / "adapter_model.safetensors"))
+        one_t = load_file(str(folder) + "_one/adapter_model.safetensors")
+        out["file_names_equal"] = sorted(mine_t) == sorted(one_t)
+        out["file_gap"] = max(differences(mine_t, one_t).values())
+        if preset == "qlora-nf4":  # weight-only: peft on the NF4 values is the model
+            base = llama_wide()
+            with torch.no_grad():  # the weights the ranks trained against (the same codes)
+                for layer, rec in ref.meta[ADAPTERS_KEY].items():
+                    base.get_submodule(layer).weight.copy_(ref.get_submodule(rec.storage)())
+                theirs = PeftModel.from_pretrained(base, str(folder)).eval()(
+                    input_ids=probe).logits
+            out["peft_gap"] = float((theirs - ours).abs().max())
+            out["peft_scale"] = float(ours.abs().max())
+    return out
+
+
+def case_qlora_nf4() -> dict[str, Any]:
+    return adapters("qlora-nf4")
+
+
+def case_lora_8da4w_qat() -> dict[str, Any]:
+    return adapters("8da4w-qat")
+
+
 CASES = cases_in(globals())
 
 
 def main(argv: list[str]) -> int:
-    return run_cases(Path(argv[0]), argv[1:], CASES, PG_TIMEOUT)
+    global OUTDIR
+    OUTDIR = Path(argv[0])
+    return run_cases(OUTDIR, argv[1:], CASES, PG_TIMEOUT)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ training is in tests/dist/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -14,7 +16,7 @@ import qcompile as qc
 from qcompile.graph.dump import format_graph
 from qcompile.passes.plan_tensor_parallel import TP_PLAN_KEY
 from qcompile.passes.shard_tensor_parallel import shard_tensor_parallel
-from qcompile.runtime.sharded import ShardedLinear
+from qcompile.runtime.sharded import ShardedFrozenLinear, ShardedLinear, SumGradients
 
 transformers = pytest.importorskip("transformers")
 
@@ -124,16 +126,36 @@ def test_a_whole_tensor_observer_on_a_sharded_layer_is_refused() -> None:
     assert "MseObserver" in e.value.message and "minmax" in e.value.fix
 
 
-def test_adapters_and_compile_once_are_refused() -> None:
+def test_adapters_follow_their_layers() -> None:
+    """QLoRA: each adapted layer's base is planned as without adapters; ``lora_B`` of a
+    colwise layer is colwise with it, ``lora_A`` of a rowwise layer rowwise (it reads the
+    slice), the others whole; the NF4 block (64) must not straddle a rowwise shard."""
     spec = qc.load_spec("qlora-nf4").model_dump()
     spec["tensor_parallel"] = {"size": 2}
-    with pytest.raises(qc.QCompileError) as e:
-        qc.qcompile(llama(), spec, example_kwargs={"input_ids": torch.zeros(2, 8).long()})
-    assert "adapters" in e.value.message and "fsdp2" in e.value.fix
+    ids = {"input_ids": torch.zeros(2, 8).long()}
+    gm = qc.qcompile(llama(hidden_size=128, intermediate_size=256), spec, example_kwargs=ids)
+    plan = {r.layer: r.style for r in qc.report(gm).tensor_parallel}
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                 "mlp.gate_proj", "mlp.up_proj"):
+        layer = f"model.layers.0.{name}"
+        assert (plan[layer], plan[f"{layer}.lora_A"], plan[f"{layer}.lora_B"]) == (
+            "colwise", "replicate", "colwise"), name
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        layer = f"model.layers.0.{name}"
+        assert (plan[layer], plan[f"{layer}.lora_A"], plan[f"{layer}.lora_B"]) == (
+            "rowwise", "rowwise", "replicate"), name
+    with pytest.raises(qc.QCompileError) as e:  # 64 features: 32 a rank, blocks of 64
+        qc.qcompile(llama(), spec, example_kwargs=ids)
+    assert "o_proj" in e.value.message and "straddle" in e.value.message, e.value.message
+    assert "replicate" in e.value.fix
+
+
+def test_compile_once_in_one_process_keeps_the_plan() -> None:
+    """Without a process group compile_once is one process's compile (the plan recorded
+    for a later wrap)."""
     spec = {"quant": {"mode": "qat"}, "tensor_parallel": {"size": 2}}
-    with pytest.raises(qc.QCompileError) as e:
-        qc.distributed.compile_once(lambda: nn.Linear(4, 4), spec, (torch.randn(2, 4),))
-    assert "qc.qcompile on every rank" in e.value.fix
+    gm = qc.distributed.compile_once(lambda: MLP(), spec, (torch.randn(2, 64),))
+    assert [r.style for r in qc.report(gm).tensor_parallel] == ["colwise", "rowwise"]
 
 
 class NormBetween(nn.Module):
@@ -187,3 +209,41 @@ def test_golden_no_pair_found(golden) -> None:
     golden("shard_tensor_parallel_no_pair", text)
     assert not any(isinstance(m, ShardedLinear) for m in gm.modules())
     assert "LayerNorm" in text or "layer_norm" in text
+
+
+class WideMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(128, 256), nn.Linear(256, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+LORA_QAT = [{"match": {"module": ["Linear"]}, "rank": 4, "alpha": 8, "base": "qat"}]
+
+
+@pytest.mark.parametrize(("preset", "adapters"), [("qlora-nf4", None),
+                                                   ("8da4w-qat", LORA_QAT)],
+                         ids=["qlora", "lora_qat"])
+def test_golden_adapters(golden, preset: str, adapters: Any) -> None:
+    """A LoRA MLP: up colwise with its lora_B, down rowwise with its lora_A. A frozen base
+    becomes a ``ShardedFrozenLinear``; a QAT base's per-token input quantizer, read by the
+    base and lora_A, gets its slice as a DTensor (``AsShard``) and hands back the local
+    values."""
+    spec = qc.load_spec(preset).model_dump()
+    if adapters is not None:
+        spec["adapters"] = adapters
+    spec["tensor_parallel"] = {"size": 2}
+    torch.manual_seed(0)
+    gm = qc.qcompile(WideMLP(), qc.specs.as_spec(spec), example_inputs=(torch.randn(2, 128),))
+    before = format_graph(gm)
+    plan = "\n".join(f"{r.layer}: {r.style}" for r in qc.report(gm).tensor_parallel)
+    shard_tensor_parallel(gm, gm.meta[TP_PLAN_KEY], SumGradients(None))
+    golden(f"shard_tensor_parallel_{preset.replace('-', '_')}_lora",
+           f"## before shard_tensor_parallel\n{before}\n## plan\n{plan}\n"
+           f"## after shard_tensor_parallel\n{format_graph(gm)}")
+    layer = ShardedFrozenLinear if adapters is None else ShardedLinear
+    assert type(gm.up) is layer and type(gm.down) is layer
+    assert isinstance(gm.down.lora_A, nn.Linear)  # the adapters stay the graph's modules
+    assert ("to_local" in gm.code) == (adapters is not None)
