@@ -19,7 +19,7 @@ gate/up colwise, o_proj and down_proj rowwise, the LM head colwise with its logi
 gathered, the embedding by vocabulary); ``qc.distributed.wrap`` applies it with torch's
 ``parallelize_module`` on the mesh's ``tp`` dim and ``fully_shard`` on its ``dp`` dim.
 Each dp replica reads its own rows of the global batch; both tp ranks of a replica read
-the same rows. Quantizer state is whole and equal on every rank.
+the same rows. A colwise layer's per-row qparams are held for its rows, as its weight is.
 """
 
 from __future__ import annotations

@@ -142,12 +142,27 @@ def _names(gm: nn.Module) -> dict[str, tuple[str, str]]:
     return names
 
 
+def _refuse_sharded(gm: nn.Module, where: str) -> None:
+    """A tensor-parallel graph keeps a colwise layer's per-row qparams for this rank's rows
+    (``qcompile.runtime.sharded.keep_local_rows``): an encodings file holds whole ones."""
+    from qcompile.runtime.sharded import holds_rows
+
+    for name, m in gm.named_modules():
+        if isinstance(m, FakeQuantize) and holds_rows(m):
+            raise QCompileError(
+                f"{where}: {name} holds one tensor-parallel rank's rows of its qparams (the "
+                "graph is sharded across tp)", fix="gather the full state dict "
+                "(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))"
+                ", load it into the graph qc.qcompile returned, and use that")
+
+
 def export_encodings(gm: nn.Module, path: str | Path) -> None:
     """Write every quantizer's encoding to ``path`` (JSON), atomically.
 
     Refuses (``QCompileError``, no file written) a graph whose activation quantizers never
     observed data: a static graph before ``qc.calibrate``, a QAT graph before training."""
     refuse_adapters(gm, "export_encodings")
+    _refuse_sharded(gm, "export_encodings")
     mode = report(gm).mode
     refuse_pending(gm, "export_encodings")
     missing = uncalibrated(gm, mode)
@@ -394,6 +409,7 @@ def load_encodings(gm: nn.Module, path: str | Path) -> nn.Module:
     """Apply an encodings file to ``gm``'s quantizers (then frozen and enabled).
 
     Every entry is checked before any is applied: a refused file leaves ``gm`` as it was."""
+    _refuse_sharded(gm, "load_encodings")
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

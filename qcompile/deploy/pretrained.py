@@ -151,6 +151,7 @@ from qcompile.runtime.calibration import (
 )
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.runtime.quant_math import FP8_DTYPES
+from qcompile.runtime.sharded import whole_quantizer
 
 try:  # the [hf] extra; save_pretrained says how to install it
     import compressed_tensors
@@ -432,7 +433,7 @@ def _observed(fq: FakeQuantize, w: torch.Tensor) -> tuple[FakeQuantize, torch.Te
     """A copy of ``fq`` after the graph's next forward and what that forward computes of
     ``w`` (a quantizer still observing its weight observes it once more): the graph keeps
     its own quantizer untouched."""
-    q = copy.deepcopy(fq)
+    q = whole_quantizer(fq)  # a tensor-parallel shard's rows of state gathered: collective
     q.reuse_weight = False
     with torch.no_grad():
         out = q(w)

@@ -47,6 +47,7 @@ from qcompile.runtime.sharded import (
     WeightStatistics,
     _global_minmax,
     _placement,
+    keep_local_rows,
 )
 from qcompile.specs import as_spec
 
@@ -152,8 +153,8 @@ def _style(p: LayerPlan) -> Any:
 
 def _plain_state(layer: nn.Module) -> None:
     """Quantizer state back to plain tensors: ``distribute_module`` replicates every
-    buffer of a layer's children as a DTensor; qcompile keeps the whole qparams on every
-    rank as plain tensors (``qcompile.runtime.sharded``)."""
+    buffer of a layer's children as a DTensor; qcompile keeps qparams as plain tensors,
+    whole or a colwise layer's rows (``qcompile.runtime.sharded.keep_local_rows``)."""
     for m in layer.modules():
         if m is layer:
             continue
@@ -215,8 +216,11 @@ def parallelize(gm: nn.Module, tp_mesh: Any, within: str | None = None) -> nn.Mo
     finally:
         for m, k, child in aside:
             m._modules[k] = child
-    for name in sharded:
-        _plain_state(gm.get_submodule(name))
+    for name, p in sharded.items():
+        layer = gm.get_submodule(name)
+        _plain_state(layer)
+        if isinstance(layer, ShardedLinear) and layer.quantize_weight and p.style == "colwise":
+            keep_local_rows(layer.weight_fake_quant, layer.weight)
     # each graph (the root, or each block FSDP2 gathers) computes its sharded weights'
     # statistics together before its forward: two collectives a graph, not two a layer
     for _, g in gm.named_modules():

@@ -10,11 +10,13 @@ qparams one process would use on the whole tensor:
 - statistics across the shard dim (a per-tensor range, a rowwise weight's per-channel
   range, a token's range over sharded features, NVFP4's tensor scale) are reduced across
   ``tp``: one ``all_reduce`` (MIN of ``[min, -max]``) on the tp mesh's process group;
-- a colwise weight's observed ranges are gathered whole (one ``all_gather``), so that
-  every rank keeps the whole observer state;
-- observed qparams are kept whole on every rank (an observer holds the global range, as
-  one process does), so ``state_dict`` and checkpoints read the same as one process's;
-  the rows a shard needs are sliced at its global offset.
+- a colwise weight's per-channel and per-group state (scales, zero points, observed
+  ranges) is kept for this rank's rows only (``keep_local_rows``), as its weight is: its
+  statistics are the shard's own, and ``state_dict`` shows that state as ``Shard(0)``
+  DTensors, so a full state dict reads one process's;
+- any other observed qparams are kept whole on every rank (an observer holds the global
+  range, as one process does); where a shard needs some of them (a rowwise weight's
+  per-group scales), they are sliced at its global offset.
 
 The fake-quant of the local shard is the same kernel and the same bits as one process's on
 those rows. The straight-through gradient passes through ``to_local`` / ``from_local``.
@@ -35,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -253,11 +256,118 @@ def _grid(fq: nn.Module, stat: torch.Tensor, local: torch.Tensor) -> torch.Tenso
     return stat.view(local.shape[0], -1) if fq.granularity == "per_group" else stat
 
 
+# -- quantizer state of a colwise shard: this rank's rows --------------------------------------
+_ROWS_KEY = "_tp_rows"
+_LOCAL_KEYS = "_tp_local_buffers"  # on the quantizer and its observer: which buffers
+
+
+class LocalRows:
+    """A colwise weight quantizer's per-row state (scales, zero points, observed ranges:
+    one or more values per output row) kept for this rank's rows only, as its weight is
+    (``keep_local_rows``). ``state_dict`` shows each such buffer as the DTensor it is
+    (``Shard(0)`` on the tp mesh, the whole tensor's shape), so a full state dict or a
+    distributed checkpoint reads the whole; ``load_state_dict`` takes a DTensor or the
+    whole tensor and keeps this rank's rows."""
+
+    def __init__(self, mesh: Any, rows: int, start: int, stop: int) -> None:
+        self.__dict__["mesh"] = mesh  # not state: rebuilt by wrap
+        self.rows, self.start, self.stop = rows, start, stop
+
+    def __deepcopy__(self, memo: dict) -> LocalRows:
+        return self  # the mesh and the rows are the copy's too
+
+    def part(self, whole: int) -> slice:
+        per = whole // self.rows
+        return slice(self.start * per, self.stop * per)
+
+    def on_save(self, module: nn.Module, state: dict, prefix: str, _meta: Any) -> None:
+        from torch.distributed.tensor import DTensor, Shard
+
+        for key in module.__dict__.get(_LOCAL_KEYS, ()):
+            local = module._buffers[key]
+            whole = local.numel() * self.rows // max(self.stop - self.start, 1)
+            state[prefix + key] = DTensor.from_local(
+                local.detach(), self.mesh, [Shard(0)], run_check=False,
+                shape=torch.Size((whole,)), stride=(1,))
+
+    def on_load(self, module: nn.Module, state: dict, prefix: str, *_: Any) -> None:
+        for key in module.__dict__.get(_LOCAL_KEYS, ()):
+            value = state.get(prefix + key)
+            if value is None:
+                continue
+            if hasattr(value, "full_tensor"):  # as on_save wrote it: its local rows
+                value = value.to_local() if value.placements[0].is_shard(0) else \
+                    value.full_tensor()[self.part(value.numel())]
+            elif value.numel() != module._buffers[key].numel():  # the whole tensor
+                value = value.reshape(-1)[self.part(value.numel())]
+            state[prefix + key] = value
+
+
+def keep_local_rows(fq: nn.Module, weight: Any) -> None:
+    """Keep a colwise shard's per-row quantizer state for this rank's rows only (its
+    share, as the weight's; a no-op for anything else): the state's memory is the weight's
+    split, and its statistics need no gather."""
+    if fq.block_format is not None or fq.granularity not in ("per_channel", "per_group"):
+        return
+    if not hasattr(weight, "placements") or weight.dim() != 2:
+        return
+    x, d = _placement(weight)
+    if d != 0 or (fq.granularity == "per_channel" and fq.axis % 2 != 0):
+        return
+    shape, start = _offset(x)
+    rows, lo, hi = x.shape[0], start[0], start[0] + shape[0]
+    whole = fq.scale.numel()
+    owners = [fq] + ([fq.observer] if getattr(fq, "observer", None) is not None else [])
+    for m in owners:
+        names = tuple(k for k, b in m._buffers.items()
+                      if b is not None and b.dim() == 1 and b.numel() == whole)
+        for k in names:
+            per = whole // rows
+            m._buffers[k] = m._buffers[k][lo * per:hi * per].clone()
+        m.__dict__[_LOCAL_KEYS] = names
+    state = LocalRows(x.device_mesh, rows, lo, hi)
+    fq.__dict__[_ROWS_KEY] = state
+    for m in owners:  # (torch marks a hook it is given: a partial, not a bound method)
+        m.register_state_dict_post_hook(functools.partial(LocalRows.on_save, state))
+        m.register_load_state_dict_pre_hook(functools.partial(LocalRows.on_load, state))
+
+
+def holds_rows(fq: nn.Module) -> bool:
+    """Whether ``fq`` keeps its per-row state for this rank's rows (``keep_local_rows``)."""
+    return _ROWS_KEY in fq.__dict__
+
+
+def whole_quantizer(fq: nn.Module) -> nn.Module:
+    """A copy of ``fq`` holding its whole state (``keep_local_rows``' rows gathered from
+    every tp rank: a collective, every rank calls it), as one process's quantizer: what an
+    exporter reads. ``fq`` itself is unchanged; a quantizer holding it whole is copied."""
+    import copy
+
+    import torch.distributed as dist
+
+    q = copy.deepcopy(fq)
+    state = fq.__dict__.get(_ROWS_KEY)
+    if state is None:
+        return q
+    q.__dict__.pop(_ROWS_KEY, None)
+    owners = [(fq, q)] + ([(fq.observer, q.observer)] if getattr(fq, "observer", None)
+                          is not None else [])
+    group = state.mesh.get_group()
+    for src, dst in owners:
+        for key in dst.__dict__.pop(_LOCAL_KEYS, ()):  # (its hooks then leave it alone)
+            local = src._buffers[key].detach().contiguous()
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, local, group=group)
+            dst._buffers[key] = torch.cat(parts)
+    return q
+
+
 def _global_minmax(fq: nn.Module, x: Any, local: torch.Tensor, d: int | None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``fq._minmax`` gives on the whole tensor, from this rank's shard."""
+    """What ``fq._minmax`` gives on the whole tensor, from this rank's shard (its own
+    rows' statistics only, for a quantizer keeping its rows: ``keep_local_rows``)."""
     mn, mx = fq._minmax(local.detach().float())
-    if d is None:
+    if d is None or holds_rows(fq):
         return mn, mx
     dim = _join_dim(fq, d, local)
     if dim is None:
@@ -268,7 +378,7 @@ def _global_minmax(fq: nn.Module, x: Any, local: torch.Tensor, d: int | None
 
 def _local_rows(fq: nn.Module, t: torch.Tensor, x: Any, d: int | None) -> torch.Tensor:
     """The qparams (one per scale of the whole tensor) this rank's shard uses."""
-    if d is None or t.numel() == 1:
+    if d is None or t.numel() == 1 or holds_rows(fq):
         return t
     shape, start = _offset(x)
     g, rank = fq.granularity, x.dim()
@@ -293,7 +403,7 @@ def _weight_kind(fq: nn.Module, d: int | None, local: torch.Tensor) -> str | Non
     """How a weight quantizer's whole-tensor statistics come from the shards: ``join``
     (gathered: the statistics follow the shard dim), ``reduce`` (min / max across ranks),
     ``amax`` (NVFP4's tensor scale), or None (local, or nothing observed)."""
-    if d is None:
+    if d is None or holds_rows(fq):
         return None
     if fq.block_format is not None:
         return "amax" if fq.block_format == "nvfp4" and fq.enabled else None

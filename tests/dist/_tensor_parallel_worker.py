@@ -140,11 +140,22 @@ def train(preset: str, build: Any = llama, batch_of: Any = lm_batch, loss_fn: An
     got = state_of(model)
     digests = [None] * world
     dist.all_gather_object(digests, digest(got))
+    # quantizer state: a colwise layer's per-row qparams are its rows only, as its weight
+    held = sum(b.numel() for q in qc.quantizers(model).values() for b in q.buffers())
+    whole = sum(b.numel() for q in qc.quantizers(ref).values() for b in q.buffers())
+    # one process's whole state loaded through torch's full-state-dict API: every rank
+    # keeps its part, and reads back one process's state
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, ref.state_dict(),
+                         options=StateDictOptions(full_state_dict=True))
     return {"plan": plan, "losses": losses, "ref_losses": ref_losses,
             "first": max(first.values()), "first_worst": max(first, key=first.get),
             "trained": differences(got, state_of(ref)), "replicas_equal":
             len(set(digests)) == 1, "local_parameters": local,
-            "parameters": sum(p.numel() for p in ref.parameters())}
+            "parameters": sum(p.numel() for p in ref.parameters()),
+            "quantizer_state": held / whole,
+            "loaded_back": digest(state_of(model)) == digest(state_of(ref))}
 
 
 def family(name: str) -> dict[str, Any]:

@@ -70,8 +70,10 @@ def dist_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 @pytest.mark.parametrize("case", [*PRESETS, *(["mixtral_8da4w_qat"] if FULL else [])])
 def test_training_equals_one_process(dist_run: Any, case: str) -> None:
     """Attention and MLP pairs and the LM head sharded; the ranks hold half of each sharded
-    weight; five SGD steps equal one process on the global batch (first step to float
-    rounding, then within ``TOLERANCE``); every replica's state bit-identical."""
+    weight, and of a colwise layer's per-row qparams; five SGD steps equal one process on
+    the global batch (first step to float rounding, then within ``TOLERANCE``); every
+    replica's state bit-identical; one process's state loads through torch's full state
+    dict API and reads back the same."""
     results = dist_run.case(case)
     moe = case.startswith("mixtral")
     tol, trained_tol = TOLERANCE[dist_run.world][case.removeprefix("mixtral_")]
@@ -97,6 +99,10 @@ def test_training_equals_one_process(dist_run: Any, case: str) -> None:
             assert worst[1] <= trained_tol, f"rank {rank}: {worst[0]} differs by {worst[1]:.2e}"
         assert got["replicas_equal"], f"rank {rank}: the ranks' whole states differ"
         assert losses[-1] < losses[0], losses
+        # a colwise layer's per-row qparams are held for its rows only (NVFP4 has none)
+        if case != "nvfp4_qat":
+            assert got["quantizer_state"] < (0.97 if moe else 0.8), got["quantizer_state"]
+        assert got["loaded_back"], f"rank {rank}: a full state dict did not load back"
 
 
 @pytest.mark.parametrize("case", ADAPTERS)

@@ -17,9 +17,10 @@ process, no process group, neither model sharded):
 - bytes per rank: the tensors each model and its AdamW optimizer hold between steps, this
   rank's part of them (a sharded DTensor counts its local shard): parameters, gradients,
   optimizer state (``exp_avg``, ``exp_avg_sq``, ``step``) and buffers, the quantizers'
-  buffers (scales, zero points, observer ranges, flags; whole on every rank) also counted
-  apart. Not activations, not the peak: the state a step starts from. (torch's rowwise
-  embedding leaves its weight's gradient whole, ``Replicate``, on every rank: in both);
+  buffers (scales, zero points, observer ranges, flags; a colwise layer's per-row ones
+  for its rows, the others whole on every rank) also counted apart. Not activations,
+  not the peak: the state a step starts from. (torch's rowwise embedding leaves its
+  weight's gradient whole, ``Replicate``, on every rank: in both);
 - step time: zero_grad, forward, cross-entropy loss, backward and ``AdamW.step``, the
   models' steps interleaved round by round after their warm-up (``step.warm_up_steps``:
   the QAT graphs' ``check_finite`` steps are not the steady state), the ranks starting
