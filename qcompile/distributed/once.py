@@ -367,7 +367,8 @@ class _Loader:
         tensor-parallel shard, this rank's columns of those rows."""
         box = _box(target)
         rows = box[0] if box is not None else None
-        local = target.to_local() if box is not None else target
+        # (a replicated DTensor, a rowwise layer's bias under tensor parallelism: whole)
+        local = target.to_local() if hasattr(target, "to_local") else target
         if self.stream:
             whole = self._full(name, target, (lambda: compute(None)) if self.rank == 0
                                else None)
@@ -390,7 +391,7 @@ def _read_into(ckpt: Checkpoint, name: str, target: torch.Tensor) -> bool:
     box = _box(target)
     if _across(box, target.shape) is not None:
         return False
-    local = target.to_local() if box is not None else target
+    local = target.to_local() if hasattr(target, "to_local") else target
     return ckpt.read_into(name, box[0] if box is not None else None, local)
 
 
@@ -1155,7 +1156,7 @@ def _fill_adapters(gm: nn.Module, spec: CompileSpec, read: Callable[[str, slice 
         init_adapter(a, b, layer, rec.seed)
         for param, value in ((lora_a, a), (lora_b, b)):
             box = _box(param)  # FSDP2's rows, a tensor-parallel shard, or both
-            local = param.to_local() if box is not None else param
+            local = param.to_local() if hasattr(param, "to_local") else param
             local.copy_(value[box] if box is not None else value)
         filled |= {f"{layer}.lora_A.weight", f"{layer}.lora_B.weight"}
         if rec.storage is None:

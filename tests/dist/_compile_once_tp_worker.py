@@ -186,7 +186,7 @@ def family(name: str) -> dict[str, Any]:
                    arch.loss)
 
 
-FAMILIES = ("qwen3", "gemma2", "falcon", "gpt2", "olmoe", "phi3")
+FAMILIES = ("qwen3", "gemma2", "falcon", "gpt2", "olmoe", "phi3", "gpt_neox", "bloom")
 for _name in FAMILIES:
     globals()[f"case_family_{_name}"] = lambda _name=_name: family(_name)
 

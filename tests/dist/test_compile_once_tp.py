@@ -32,8 +32,10 @@ PRESETS = ["int8_static", "8da4w_qat", "qlora_nf4",
            *(["nvfp4_qat", "mixtral", "frozen_int8", "frozen_nvfp4"] if FULL else [])]
 # decoder families of the architecture table at tp 2, with QCOMPILE_SWEEP=1: a tied
 # embedding (Gemma2), constants torch.export captured (Falcon), Conv1D kept whole (GPT-2),
-# per-head norms (Qwen3), experts (OLMoE), fused projections (Phi-3)
-FAMILIES = ["qwen3", "gemma2", "falcon", "gpt2", "olmoe", "phi3"] if FULL else []
+# per-head norms (Qwen3), experts (OLMoE), fused projections (Phi-3), biases on rowwise
+# layers (GPT-NeoX, Bloom)
+FAMILIES = (["qwen3", "gemma2", "falcon", "gpt2", "olmoe", "phi3", "gpt_neox", "bloom"]
+            if FULL else [])
 ORDER = ["memory", *PRESETS, "sources", "mistakes", *(f"family_{f}" for f in FAMILIES)]
 LAUNCH_DEADLINE = 240.0  # seconds for every case of one launch (about 25 s at tp 2)
 # Three steps on the ranks against one process, relative (losses; trained tensors, None:
