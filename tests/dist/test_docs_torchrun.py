@@ -40,8 +40,11 @@ def commands() -> list[list[str]]:
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         for block in re.findall(r"```bash[^\n]*\n(.*?)```", page.read_text(encoding="utf-8"),
                                 re.S):
-            for line in block.splitlines():
-                words = shlex.split(line.split("#", 1)[0])
+            for line in block.replace("\\\n", " ").splitlines():  # continued lines joined
+                try:
+                    words = shlex.split(line.split("#", 1)[0])
+                except ValueError:  # not a command line (a heredoc's text): no launch there
+                    continue
                 if not words or not words[0].endswith("torchrun") or "--cuda" in words:
                     continue
                 script = next((w for w in words if w.startswith("examples/")), None)
