@@ -70,6 +70,7 @@ from qcompile.distributed.data_parallel import (
     keep_observers_in_sync,
     sync_observers,
     watch_observer_sync,
+    wrap,
 )
 from qcompile.distributed.devices import collective_device, staged
 from qcompile.distributed.guards import (
@@ -82,7 +83,6 @@ from qcompile.distributed.tensor_parallel import (
     observe_sharded_weights,
     refuse_differing_tp_batches,
     refuse_tensor_parallel_once,
-    shard_on_mesh,
 )
 from qcompile.errors import QCompileError
 from qcompile.graph.meta import ADAPTERS_KEY, ALGORITHMS_SKIPPED_KEY, FOLDS_KEY, SHARDED_KEY
@@ -846,8 +846,8 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
         rep.passes[-1].notes.append(f"compile_once: {len(found)} blocks as FSDP2 groups "
                                     f"({found[0]} .. {found[-1]})")
     device = collective_device(group) if on else torch.device("cpu")
-    if tp:  # on meta: torch's parallelize_module, then fully_shard over dp
-        shard_on_mesh(gm, spec)
+    if tp:  # on meta (no memory), as wrap shards it: parallelize_module on tp, then
+        wrap(gm, spec)  # fully_shard over dp; to_empty then allocates this rank's part
         if shard and device.type == "cpu":
             gather = GatherInPlace()
             for n, child in gm.named_children():

@@ -265,15 +265,6 @@ def refuse_differing_tp_batches(digests: list[Any], size: int) -> None:
                 "replica's, e.g. by rank // tensor_parallel.size)")
 
 
-def shard_on_mesh(gm: nn.Module, spec: Any) -> nn.Module:
-    """``gm`` (on the meta device: no memory) sharded as ``qc.distributed.wrap`` shards
-    it: its planned layers across the mesh's ``tp`` dim, then ``fully_shard`` over ``dp``;
-    in place (``to_empty`` then allocates only this rank's part)."""
-    from qcompile.distributed.data_parallel import wrap
-
-    return wrap(gm, spec)
-
-
 def observe_sharded_weights(gm: nn.Module) -> None:
     """Weight quantizers observe their weights (loaded after compiling on meta) as one
     process observes the whole weight: a sharded layer's range from every rank's shard
