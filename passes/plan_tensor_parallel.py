@@ -74,6 +74,8 @@ _ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Dropout, nn.Identity, nn.T
                         nn.Sigmoid, nn.LeakyReLU, nn.Softplus, nn.Mish, nn.Hardtanh, nn.ReLU6)
 _VIEWS = frozenset({"view", "reshape", "_unsafe_view", "expand"})
 _LINEAR = frozenset({"linear"})
+# ops returning a tuple of pieces of their input along one dim (then read by getitem)
+_SPLITS = frozenset({"chunk", "split", "split_with_sizes", "unbind", "tensor_split"})
 _EMBEDDING = frozenset({"embedding"})
 
 
@@ -363,6 +365,17 @@ class _Propagation:
             if isinstance(m, _ELEMENTWISE_MODULES):
                 return sharded[0][1]
             raise _Fail(where, f"module {type(m).__name__} is not known to keep the slice")
+        if op in _SPLITS:  # a tuple of pieces along one dim (q, k and v of a fused layer)
+            a0, s0 = sharded[0]
+            rank = len(_shape(a0) or ())
+            dim = n.args[1 if op == "unbind" else 2] if len(n.args) > (
+                1 if op == "unbind" else 2) else n.kwargs.get("dim", 0)
+            dim = _norm(int(dim), rank)
+            if dim == s0.dim:
+                raise _Fail(where, f"{op} along the sliced dim")
+            return _State(s0.dim - (op == "unbind" and dim < s0.dim), s0.sources)
+        if op == "getitem" and isinstance(n.args[0], Node) and _op(n.args[0]) in _SPLITS:
+            return sharded[0][1]  # one piece: sliced as the tuple's
         if out is None:
             if op in ("_assert_tensor_metadata",):
                 return sharded[0][1]

@@ -247,3 +247,44 @@ def test_golden_adapters(golden, preset: str, adapters: Any) -> None:
     assert type(gm.up) is layer and type(gm.down) is layer
     assert isinstance(gm.down.lora_A, nn.Linear)  # the adapters stay the graph's modules
     assert ("to_local" in gm.code) == (adapters is not None)
+
+
+class FusedHeads(nn.Module):
+    """A fused q/k/v Linear whose output holds each head's q, k and v together (GPT-NeoX's
+    layout), cut into q, k, v by ``chunk`` along the last dim: whole heads per rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(64, 3 * 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 4, 48).chunk(3, dim=-1)
+        return x + self.out((q * k + v).reshape(b, s, 64))
+
+
+class PackedGateUp(nn.Module):
+    """gate and up in one Linear, cut in two along the features (Phi-3's gate_up_proj): a
+    rank's rows would hold gate's or up's features only, so it stays whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up, self.down = nn.Linear(64, 256), nn.Linear(128, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return x + self.down(torch.relu(gate) * up)
+
+
+@pytest.mark.parametrize(("model", "styles"), [
+    (FusedHeads, {"qkv": "colwise", "out": "rowwise"}),
+    (PackedGateUp, {"gate_up": "replicate", "down": "replicate"})], ids=["heads", "packed"])
+def test_chunk_keeps_the_slice_off_its_dim(model: type, styles: dict[str, str]) -> None:
+    torch.manual_seed(0)
+    spec = qc.load_spec("int8-qat").model_dump()
+    spec["tensor_parallel"] = {"size": 2}
+    gm = qc.qcompile(model(), spec, example_inputs=(torch.randn(2, 8, 64),))
+    plan = {r.layer: r for r in qc.report(gm).tensor_parallel}
+    assert {k: plan[k].style for k in styles} == styles
+    if model is PackedGateUp:
+        assert "chunk along the sliced dim" in plan["gate_up"].reason, plan["gate_up"].reason
