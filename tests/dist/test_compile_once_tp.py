@@ -69,7 +69,9 @@ def test_compile_once_equals_one_process_and_the_usual_path(dist_run: Any, case:
     tol, trained_tol = TOLERANCE[case]
     for rank, r in enumerate(dist_run.case(case)):
         assert r["names_equal"] and r["wrap_returns_it"], (rank, r)
-        assert r["loaded"] <= 1e-6, (rank, r["loaded_worst"], r["loaded"])
+        # weights and frozen codes are read exactly; calibrated activation ranges differ
+        # by the sharded matmuls' reduction order (a few float roundings)
+        assert r["loaded"] <= 1e-5, (rank, r["loaded_worst"], r["loaded"])
         assert r["same_as_usual"] and r["replicas_equal"], (rank, r)
         for got, want in zip(r["losses"], r["ref_losses"], strict=True):
             assert math.isclose(got, want, rel_tol=tol), (rank, r["losses"], r["ref_losses"])
@@ -134,7 +136,7 @@ def test_decoder_families(dist_run: Any, case: str) -> None:
         pytest.skip("the families run at tp 2")
     tol, trained_tol = TOLERANCE["8da4w_qat"]
     for rank, r in enumerate(dist_run.case(case)):
-        assert r["names_equal"] and r["loaded"] <= 1e-6, (rank, r["loaded_worst"], r)
+        assert r["names_equal"] and r["loaded"] <= 1e-5, (rank, r["loaded_worst"], r)
         assert r["same_as_usual"] and r["replicas_equal"], (rank, r)
         for got, want in zip(r["losses"], r["ref_losses"], strict=True):
             assert math.isclose(got, want, rel_tol=tol), (rank, r["losses"], r["ref_losses"])
