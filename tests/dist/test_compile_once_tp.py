@@ -4,8 +4,10 @@ then FSDP2 over dp) and reads only its part of each weight from the checkpoint (
 0's stream); weight quantizers observe the whole weights' ranges, calibration runs
 through the sharded graph. Against one process (``qc.qcompile`` + ``qc.calibrate`` on the
 global batches) and against the usual path (``qc.qcompile`` on every rank, then
-``wrap``), at tp 2 (2 ranks) and, with ``QCOMPILE_SWEEP=1`` as ``.ci/run`` runs it after
-the default suite, at dp 2 x tp 2 (4 ranks).
+``wrap``), at tp 2 (2 ranks) and dp 2 x tp 2 (4 ranks). Only with ``QCOMPILE_SWEEP=1``,
+as ``.ci/run`` runs it after the default suite (each launch takes half a minute or more);
+the default suite checks what compile_once refuses from the spec alone
+(``tests/qcompile/distributed/test_tensor_parallel.py``).
 
 The cases run in ``_compile_once_tp_worker.py``: one supervised launch per world size.
 """
@@ -22,20 +24,20 @@ from dist_cases import uses, wanted_cases
 
 pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(
+    os.environ.get("QCOMPILE_SWEEP") != "1",
+    reason="launches of half a minute and more: .ci/run runs them (QCOMPILE_SWEEP=1)")]
 
 WORKER = Path(__file__).with_name("_compile_once_tp_worker.py")
-FULL = os.environ.get("QCOMPILE_SWEEP") == "1"
-WORLDS = [2, 4] if FULL else [2]
-# and frozen bases (LoRA): NF4 blocks (QLoRA), with the sweep int8 per channel and NVFP4
-PRESETS = ["int8_static", "8da4w_qat", "qlora_nf4",
-           *(["nvfp4_qat", "mixtral", "frozen_int8", "frozen_nvfp4"] if FULL else [])]
-# decoder families of the architecture table at tp 2, with QCOMPILE_SWEEP=1: a tied
+WORLDS = [2, 4]
+# and frozen bases (LoRA): NF4 blocks (QLoRA), int8 per channel and NVFP4
+PRESETS = ["int8_static", "8da4w_qat", "qlora_nf4", "nvfp4_qat", "mixtral", "frozen_int8",
+           "frozen_nvfp4"]
+# decoder families of the architecture table at tp 2: a tied
 # embedding (Gemma2), constants torch.export captured (Falcon), Conv1D kept whole (GPT-2),
 # per-head norms (Qwen3), experts (OLMoE), fused projections (Phi-3), biases on rowwise
 # layers (GPT-NeoX, Bloom)
-FAMILIES = (["qwen3", "gemma2", "falcon", "gpt2", "olmoe", "phi3", "gpt_neox", "bloom"]
-            if FULL else [])
+FAMILIES = ["qwen3", "gemma2", "falcon", "gpt2", "olmoe", "phi3", "gpt_neox", "bloom"]
 ORDER = ["memory", *PRESETS, "sources", "mistakes", *(f"family_{f}" for f in FAMILIES)]
 LAUNCH_DEADLINE = 240.0  # seconds for every case of one launch (about 25 s at tp 2)
 # Three steps on the ranks against one process, relative (losses; trained tensors, None:
