@@ -837,8 +837,10 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
         raise QCompileError(
             f"{skipped[0]}: compile_once here builds the graph on the meta device and loads "
             "the model's weights afterwards, so the algorithm never sees (or rewrites) them",
-            fix="compile with real weights (data_parallel ddp without a checkpoint), or "
-            "remove quant.algorithms")
+            fix=("compile with qc.qcompile on every rank (real weights), then "
+                 "qc.distributed.wrap(gm, spec) shards it" if tp else
+                 "compile with real weights (data_parallel ddp without a checkpoint)")
+            + ", or remove quant.algorithms")
     rep = report(gm)
     if note is not None:
         rep.passes[0].notes.append(note)
