@@ -132,19 +132,22 @@ def _hooks(outer: tuple[Callable, Callable] | None) -> tuple[Callable, Callable]
     outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
     def pack(t: torch.Tensor) -> Any:
-        # the tag sits on the quantizer's output, or on the tensor that output is a view
-        # of (a per-group output is reshaped back); t may be either, or a view of them
-        recipe = t.__dict__.get(ATTR) if type(t) is torch.Tensor else None
-        if recipe is None:
-            base = t._base
-            if base is not None and type(base) is torch.Tensor:
-                recipe = base.__dict__.get(ATTR)
+        recipe = _recipe(t)
         if recipe is not None:
             return _View(recipe, t)
+        # a tensor-parallel shard: a tagged DTensor (or a view of one), recomputed as its
+        # local values (the same storage, laid out as this view's)
+        local = getattr(t, "_local_tensor", None)
+        if local is not None:
+            recipe = t.__dict__.get(ATTR)
+            if recipe is None and t._base is not None:
+                recipe = t._base.__dict__.get(ATTR)
+            if recipe is not None:
+                return _Shard(_View(recipe, local), t)
         return (_Outer, outer_pack(t)) if outer_pack is not None else t
 
     def unpack(packed: Any) -> torch.Tensor:
-        if type(packed) is _View:
+        if type(packed) in (_View, _Shard):
             return packed.value()
         if type(packed) is tuple and len(packed) == 2 and packed[0] is _Outer:
             return outer_unpack(packed[1])
@@ -153,6 +156,34 @@ def _hooks(outer: tuple[Callable, Callable] | None) -> tuple[Callable, Callable]
     setattr(pack, _MARK, True)
     setattr(pack, _OUTER, outer is not None)
     return pack, unpack
+
+
+def _recipe(t: torch.Tensor) -> Recipe | None:
+    """The recipe tagged on ``t`` or on the tensor it is a view of: the tag sits on the
+    quantizer's output (a per-group output is reshaped back), ``t`` may be a view of it."""
+    recipe = t.__dict__.get(ATTR) if type(t) is torch.Tensor else None
+    if recipe is None:
+        base = t._base
+        if base is not None and type(base) is torch.Tensor:
+            recipe = base.__dict__.get(ATTR)
+    return recipe
+
+
+class _Shard:
+    """A saved DTensor whose local values are a tagged weight shard: the shard's recipe
+    and the DTensor's layout (mesh, placements, whole shape and strides)."""
+
+    __slots__ = ("mesh", "placements", "shape", "stride", "view")
+
+    def __init__(self, view: _View, t: Any) -> None:
+        self.view, self.mesh, self.placements = view, t.device_mesh, t.placements
+        self.shape, self.stride = t.shape, t.stride()
+
+    def value(self) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(self.view.value(), self.mesh, self.placements,
+                                  run_check=False, shape=self.shape, stride=self.stride)
 
 
 class _Outer:

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qcompile.errors import QCompileError
+from qcompile.runtime import recompute
 from qcompile.runtime.block_formats import (
     _blocks,
     _kernel_ok,
@@ -110,10 +111,18 @@ class ShardedFrozenLinear(ShardedLinear):
         fw = self.weight_frozen
         if not isinstance(x, DTensor):  # not sharded (yet): the whole weight
             return F.linear(x, fw(), self.bias)
-        w = local_frozen(fw, self.shard_dim).dequantize()
-        w = DTensor.from_local(w, x.device_mesh, [Shard(self.shard_dim)], run_check=False,
+        w = DTensor.from_local(local_frozen(fw, self.shard_dim).dequantize(), x.device_mesh,
+                               [Shard(self.shard_dim)], run_check=False,
                                shape=torch.Size((fw.rows, fw.cols)), stride=(fw.cols, 1))
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling() and recompute.active():
+            # autograd keeps the stored integers, not this float shard (as FrozenWeight)
+            recompute.tag(w, fw.codes.to_local(), _dequantize_again, fw, self.shard_dim)
         return F.linear(x, w, self.bias)
+
+
+def _dequantize_again(codes: torch.Tensor, fw: nn.Module, dim: int) -> torch.Tensor:
+    """The recompute recipe of a frozen shard (``codes``: its version-checked codes)."""
+    return local_frozen(fw, dim).dequantize()
 
 
 def local_frozen(fw: nn.Module, dim: int) -> nn.Module:
@@ -513,10 +522,12 @@ def fake_quant_dtensor(fq: nn.Module, x: Any) -> Any:
     """``fq(x)`` for a DTensor ``x``: the whole tensor's qparams, this rank's shard."""
     from torch.distributed.tensor import DTensor
 
+    weight = isinstance(x, nn.Parameter)
     x, d = _placement(x)
     local = x.to_local()
     if not local.is_floating_point() or x.numel() == 0:
         return x
+    again: tuple | None = None  # a weight's recipe: how the backward computes it again
     if fq.block_format is not None:
         if not fq.enabled:
             return x
@@ -528,8 +539,10 @@ def fake_quant_dtensor(fq: nn.Module, x: Any) -> Any:
                 a = local.detach().abs().amax().float().reshape(1)
                 amax = _extremes(-a, a, x.device_mesh)[1]
             out = _nvfp4(local, fq.group_size, amax.reshape(()))
+            again = (_nvfp4, fq.group_size, amax.reshape(()).clone())
         else:  # every block inside the shard (the plan checked): local
             out = fake_quantize_block(local.contiguous(), fq.block_format, fq.group_size)
+            again = (_blocks_again, fq.block_format, fq.group_size)
     elif fq.dynamic or fq.granularity == "per_token":
         if not fq.enabled:
             return x
@@ -555,8 +568,20 @@ def fake_quant_dtensor(fq: nn.Module, x: Any) -> Any:
         scale = _local_rows(fq, fq.scale, x, d)
         zp = _local_rows(fq, fq.zero_point, x, d)
         out = fq._fake_quant(local, scale, zp, shaped=False)
-    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False,
-                              shape=x.shape, stride=x.stride())
+        # the qparams as this forward used them (set_qparams writes the buffers in place)
+        again = (fq._fake_quant_again, scale.detach().clone(), zp.clone())
+    res = DTensor.from_local(out, x.device_mesh, x.placements, run_check=False,
+                             shape=x.shape, stride=x.stride())
+    if weight and again is not None and not torch.compiler.is_compiling() \
+            and recompute.active():
+        # the shard's fake-quantized copy is computed again in backward, not kept: what
+        # the float layer keeps is its weight (qcompile.runtime.recompute)
+        recompute.tag(res, local, *again)
+    return res
+
+
+def _blocks_again(local: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
+    return fake_quantize_block(local.detach().contiguous(), fmt, block)
 
 
 def _pend(fq: nn.Module, mn: torch.Tensor, mx: torch.Tensor) -> None:

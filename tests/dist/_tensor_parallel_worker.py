@@ -300,6 +300,53 @@ def case_plan_differs() -> dict[str, Any]:
     return error_of(lambda: qc.distributed.wrap(gm, spec))
 
 
+def saved_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    """Bytes autograd keeps from a training forward of ``model``, parameters aside (they
+    are held anyway): each storage once, a DTensor's local one."""
+    held = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+            for p in model.parameters()}
+    total = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        try:
+            storage = local.untyped_storage()
+            key = storage.data_ptr()
+        except RuntimeError:  # no storage of its own (a fake or meta tensor)
+            return t
+        if key not in held:
+            held.add(key)
+            total[0] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = lm_loss(model(**batch), batch)
+    loss.backward()
+    return total[0]
+
+
+def case_saved_tensors() -> dict[str, Any]:
+    """What a sharded training forward keeps for its backward, against the float model
+    sharded alike (quant mode none): a weight shard's fake-quantized copy, or a frozen
+    base's dequantized shard, is computed again in backward, not kept."""
+    dp = dist.get_world_size() // TP
+    batch = lm_batch(ROWS)
+    out = {}
+    for preset in ("float", "int8-qat", "8da4w-qat", "qlora-nf4"):
+        d = {"quant": {"mode": "none"}} if preset == "float" else \
+            qc.load_spec(preset).model_dump()
+        d["tensor_parallel"] = {"size": TP}
+        d["data_parallel"] = {"kind": "fsdp2" if dp > 1 else "none"}
+        gm = qc.qcompile(llama_wide(), d, example_kwargs=batch)
+        model = qc.distributed.wrap(gm, d)
+        saved_bytes(model, batch)  # the first step observes; the second is the steady one
+        out[preset] = saved_bytes(model, batch)
+        out[f"{preset}_weights"] = sum(
+            (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+            for p in model.parameters())
+    return out
+
+
 # -- adapters: LoRA on a frozen NF4 base (QLoRA) and on a QAT base -----------------------------
 def llama_wide() -> torch.nn.Module:
     """Llama with 128 features: o_proj's and down_proj's inputs split in two hold whole

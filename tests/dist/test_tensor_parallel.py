@@ -30,7 +30,8 @@ PIPELINED = ["pp_int8_qat", "pp_8da4w_qat", "pp_nvfp4_qat"]
 # LoRA on a frozen NF4 base (QLoRA), and (with the sweep) on 8da4w-qat's QAT base
 ADAPTERS = ["qlora_nf4", *(["lora_8da4w_qat"] if os.environ.get("QCOMPILE_SWEEP") == "1"
                            else [])]
-ORDER = [*PRESETS, "mixtral_8da4w_qat", *ADAPTERS, "plan_differs", "ddp_refused",
+ORDER = [*PRESETS, "mixtral_8da4w_qat", *ADAPTERS, "saved_tensors", "plan_differs",
+         "ddp_refused",
          "convert_refused",
          *(f"family_{f}" for f in FAMILIES), *PIPELINED, "pp_cut_in_a_block"]
 FULL = os.environ.get("QCOMPILE_SWEEP") == "1"
@@ -131,6 +132,19 @@ def test_adapters_train_on_the_shards_as_one_process(dist_run: Any, case: str) -
             assert got["file_names_equal"] and got["file_gap"] <= trained_tol, got
             if case == "qlora_nf4":
                 assert got["peft_gap"] <= 1e-4 * got["peft_scale"], got
+
+
+@uses("saved_tensors")
+def test_a_step_keeps_what_the_float_step_keeps(dist_run: Any) -> None:
+    """A sharded QAT (or QLoRA) forward keeps for its backward what the float model
+    sharded alike keeps, and a few activation statistics: each weight shard's
+    fake-quantized copy and each frozen base's dequantized shard are computed again in
+    backward (``qcompile.runtime.recompute``), not kept. (Kept, they were the rank's
+    whole share of the linear weights again.)"""
+    for rank, got in enumerate(dist_run.case("saved_tensors")):
+        slack = 0.25 * got["float_weights"]  # well under the copies' bytes
+        for preset in ("int8-qat", "8da4w-qat", "qlora-nf4"):
+            assert got[preset] <= got["float"] + slack, (rank, preset, got)
 
 
 @uses("plan_differs")
