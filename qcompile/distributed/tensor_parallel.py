@@ -109,27 +109,25 @@ def _frozen_placement(t: Any, fw: nn.Module, dim: int) -> Any:
     return Replicate()
 
 
-def _partition(dim: int) -> Any:
-    """``_partition_linear_fn`` for a planned layer: its own weight and bias (torch's
-    colwise or rowwise placements), its frozen base's storage (``_frozen_placement``);
-    its quantizers hold no shards, and its adapters (``lora_A``, ``lora_B``) have their
-    own plan entries."""
+def _partition(dim: int, name: str, module: nn.Module, mesh: Any) -> None:
+    """``_partition_linear_fn`` of a planned layer (``dim`` 0 colwise, 1 rowwise): its own
+    weight and bias (torch's colwise or rowwise placements), its frozen base's storage
+    (``_frozen_placement``); its quantizers hold no shards, and its adapters (``lora_A``,
+    ``lora_B``) have their own plan entries."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    def partition(name: str, module: nn.Module, mesh: Any) -> None:
-        if name == "weight_frozen":
-            places = {leaf: _frozen_placement(t, module, dim)
-                      for leaf, t in module.named_parameters(recurse=False)}
-        elif not name:
-            places = {"weight": Shard(dim), "bias": Shard(0) if dim == 0 else Replicate()}
-        else:
-            return
-        for leaf, place in places.items():
-            t = module._parameters.get(leaf)
-            if t is not None:
-                module.register_parameter(leaf, nn.Parameter(
-                    distribute_tensor(t, mesh, [place]), requires_grad=t.requires_grad))
-    return partition
+    if name == "weight_frozen":
+        places = {leaf: _frozen_placement(t, module, dim)
+                  for leaf, t in module.named_parameters(recurse=False)}
+    elif not name:
+        places = {"weight": Shard(dim), "bias": Shard(0) if dim == 0 else Replicate()}
+    else:
+        return
+    for leaf, place in places.items():
+        t = module._parameters.get(leaf)
+        if t is not None:
+            module.register_parameter(leaf, nn.Parameter(
+                distribute_tensor(t, mesh, [place]), requires_grad=t.requires_grad))
 
 
 def _style(p: LayerPlan) -> Any:
@@ -138,11 +136,11 @@ def _style(p: LayerPlan) -> Any:
 
     class Colwise(ColwiseParallel):
         def _partition_linear_fn(self, name, module, device_mesh):  # type: ignore[override]
-            _partition(0)(name, module, device_mesh)
+            _partition(0, name, module, device_mesh)
 
     class Rowwise(RowwiseParallel):
         def _partition_linear_fn(self, name, module, device_mesh):  # type: ignore[override]
-            _partition(1)(name, module, device_mesh)
+            _partition(1, name, module, device_mesh)
 
     if p.style == "colwise":
         return Colwise(output_layouts=Replicate()) if p.gather else Colwise()
