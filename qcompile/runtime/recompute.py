@@ -173,17 +173,16 @@ class _Shard:
     """A saved DTensor whose local values are a tagged weight shard: the shard's recipe
     and the DTensor's layout (mesh, placements, whole shape and strides)."""
 
-    __slots__ = ("mesh", "placements", "shape", "stride", "view")
+    __slots__ = ("kind", "mesh", "placements", "shape", "stride", "view")
 
     def __init__(self, view: _View, t: Any) -> None:
         self.view, self.mesh, self.placements = view, t.device_mesh, t.placements
         self.shape, self.stride = t.shape, t.stride()
+        self.kind = type(t)  # DTensor: this layer never imports torch.distributed itself
 
     def value(self) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(self.view.value(), self.mesh, self.placements,
-                                  run_check=False, shape=self.shape, stride=self.stride)
+        return self.kind.from_local(self.view.value(), self.mesh, self.placements,
+                                    run_check=False, shape=self.shape, stride=self.stride)
 
 
 class _Outer:
