@@ -115,11 +115,36 @@ def test_text_without_sharded_rows_has_no_collectives_table() -> None:
     assert len(lines) == 4 and lines[-1].split()[:2] == ["1", "int8-qat"]
 
 
+def expected_quant_buffers(preset: str, tp: int) -> int:
+    """Bytes of the quantizers' buffers on one of ``tp`` ranks, from one process's compile
+    of the quick model: a colwise layer's weight quantizer keeps its per-row (or per-group)
+    state for its own rows, 1/tp of them; every other buffer is whole on every rank."""
+    import qcompile as qc
+    from qcompile.tools.bench.suites.tp import build_model, config
+
+    cfg = config(True)
+    spec = qc.load_spec(preset).model_dump()
+    spec["tensor_parallel"] = {"size": 2, "plan": "auto"}  # the plan only: no ranks here
+    ids = torch.zeros(cfg["batch"], cfg["seq"], dtype=torch.long)
+    gm = qc.qcompile(build_model(cfg), spec, example_kwargs={"input_ids": ids})
+    colwise = {r.layer for r in qc.report(gm).tensor_parallel if r.style == "colwise"}
+    total = 0
+    for name, q in qc.quantizers(gm).items():
+        layer, _, role = name.rpartition(".")
+        out = (gm.get_submodule(layer).weight.shape[0]
+               if role == "weight_fake_quant" and layer in colwise else 0)
+        for b in q.buffers():  # per row or per group: a multiple of the weight's rows
+            part = tp if out and b.dim() == 1 and b.numel() % out == 0 else 1
+            total += b.numel() // part * b.element_size()
+    return total
+
+
 @pytest.mark.e2e
 def test_quick_tp_suite(capsys: pytest.CaptureFixture[str]) -> None:
-    """T = 1 and 2, every preset: the QAT model holds at least what the float model holds,
-    its quantizers' buffers whole on every rank; at T = 2 the layers' own collectives are
-    the float model's (the same styles), the quantizers' come on top; the sharded models'
+    """T = 1 and 2, every preset: the QAT model holds at least what the float model holds;
+    its quantizers' buffers are one process's, but for a colwise weight's per-row state,
+    which each rank keeps for its own rows; at T = 2 the layers' own collectives are the
+    float model's (the same styles), the quantizers' come on top; the sharded models'
     first loss is one process's."""
     assert main(["tp", "--quick", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -132,7 +157,7 @@ def test_quick_tp_suite(capsys: pytest.CaptureFixture[str]) -> None:
         assert row["comm_debug_mode_counts"] == [row["qat_collectives"],
                                                  row["float_collectives"]]
         one = rows[1, preset]
-        assert row["qat_bytes"]["quant_buffers"] == one["qat_bytes"]["quant_buffers"]
+        assert row["qat_bytes"]["quant_buffers"] == expected_quant_buffers(preset, tp)
         assert row["first_loss"] == pytest.approx(one["first_loss"], rel=1e-4)
         if tp == 1:
             assert row["qat_collectives"] == row["float_collectives"] == 0
