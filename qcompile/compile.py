@@ -29,7 +29,7 @@ from torch.fx import GraphModule
 
 from qcompile.distributed.data_parallel import watch_observer_sync
 from qcompile.distributed.guards import refuse_wrapped, unwrap_compiled
-from qcompile.distributed.once import block_spec, blocks
+from qcompile.distributed.once import block_spec, blocks, mark_blocks
 from qcompile.errors import QCompileError
 from qcompile.graph.pipeline import Instrument
 from qcompile.graph.records import report
@@ -104,6 +104,7 @@ def qcompile(
     if note is not None:
         report(gm).passes[0].notes.append(note)
     if compile_spec is not spec:
+        mark_blocks(gm)
         report(gm).passes[-1].notes.append(
             f"data_parallel fsdp2: {len(found)} blocks as child graphs, one FSDP2 group "
             f"each under qc.distributed.wrap ({found[0]} .. {found[-1]})")

@@ -32,12 +32,14 @@ the fix names the ``gguf-*`` preset of the same width); an activation quantizer 
 than the blocks llama.cpp's CPU matmul makes of a layer's input on the fly (``q8_0`` for
 ``q4_0`` / ``q4_1`` / ``q8_0`` weights, ``q8_k`` for the K types); an architecture other
 than ``llama``, ``mistral``, ``mixtral``, ``qwen2`` and ``qwen2_moe``; pipeline stages,
-FSDP2-sharded or meta-device weights; unmerged LoRA adapters; a path that exists.
+weights sharded other than by ``qc.distributed.wrap`` / ``compile_once`` or on the meta
+device; unmerged LoRA adapters; a path that exists.
 The file is written atomically (``qcompile.files.atomic_path``); the graph is never
 modified.
 
-A graph ``qc.distributed.wrap`` sharded for tensor parallelism is exported by every rank
-together: the ranks first agree on the call (the model, ``path``, ``config``, the
+A graph ``qc.distributed.wrap`` (or ``compile_once``) sharded for tensor parallelism, FSDP2
+or both is exported by every rank together (FSDP2's blocks, a child graph each, read as
+one graph): the ranks first agree on the call (the model, ``path``, ``config``, the
 tokenizer's kind; a call made on some ranks only or with other arguments is one
 ``QCompileError`` on every rank, before any collective), then each sharded weight is
 gathered whole (``full_tensor()``) when its turn comes, one at a time, and goes through

@@ -73,12 +73,14 @@ calibrated; what transformers' loader would not load right (fused experts float 
 compressed layers, or other than symmetric integers without int8 inputs or fp8;
 asymmetric packed weights next to another scheme); unmerged
 LoRA adapters (``qc.merge_adapters`` first); pending algorithms; pipeline stages;
-FSDP2-sharded or meta-device weights; a config that does not describe the graph; an output
+weights sharded other than by ``qc.distributed.wrap`` / ``compile_once`` or on the meta
+device; a config that does not describe the graph; an output
 path that is a file or a non-empty directory. The directory is written atomically (a
 private temporary folder beside it, renamed into place); the graph is never modified.
 
-A graph ``qc.distributed.wrap`` sharded for tensor parallelism is saved by every rank
-together: the ranks first agree on the call (the model, ``directory``, ``config``; a call
+A graph ``qc.distributed.wrap`` (or ``compile_once``) sharded for tensor parallelism, FSDP2
+or both is saved by every rank together (FSDP2's blocks, a child graph each, read as one
+graph): the ranks first agree on the call (the model, ``directory``, ``config``; a call
 made on some ranks only or with other arguments is one ``QCompileError`` on every rank,
 before any collective), then each sharded weight is gathered whole (``full_tensor()``)
 when its layer's turn comes, one layer at a time, and compressed as one process would;

@@ -2,14 +2,17 @@
 a compiled graph is one whole model whose weights they can read, and which op reads each
 parameter, through which view ops and which quantizer.
 
-A graph ``qc.distributed.wrap`` sharded for tensor parallelism is read as the graph it was
-compiled as: a ``ShardedLinear`` call is a linear read of ``<layer>.weight`` through
-``<layer>.weight_fake_quant`` (when its ``quantize_weight`` is set) of an input quantized
-by ``<layer>.input_fake_quant`` (``quantize_input``), a ``ShardedEmbedding`` call an
-embedding read, a ``SumGradients`` call the value it passes on. Its weights are read
-whole: ``gathered`` takes each sharded one whole (``DTensor.full_tensor()``, a collective)
-when the exporter reaches it, so every rank exports together (``agree_to_gather`` first,
-then the same reads in the same order) and rank 0 alone writes (``writes_here``).
+A graph compiled with ``data_parallel: fsdp2`` (a child graph per block) is read as one
+graph (``qcompile.graph.inline``: the same modules and tensors, the model's order). A
+graph ``qc.distributed.wrap`` (or ``compile_once``) sharded, for tensor parallelism, FSDP2
+or both, is read as the graph it was compiled as: a ``ShardedLinear`` call is a linear
+read of ``<layer>.weight`` through ``<layer>.weight_fake_quant`` (when its
+``quantize_weight`` is set) of an input quantized by ``<layer>.input_fake_quant``
+(``quantize_input``), a ``ShardedEmbedding`` call an embedding read, a ``SumGradients``
+call the value it passes on. Its weights are read whole: ``gathered`` takes each sharded
+one whole (``DTensor.full_tensor()``, a collective over tp, dp or both) when the exporter
+reaches it, so every rank exports together (``agree_to_gather`` first, then the same reads
+in the same order) and rank 0 alone writes (``writes_here``).
 
 Example:
     >>> import torch, qcompile as qc
@@ -36,7 +39,14 @@ from torch.fx import GraphModule, Node
 from qcompile.deploy.adapters import refuse_adapters, unwrap
 from qcompile.errors import QCompileError
 from qcompile.graph.algorithms import refuse_pending
-from qcompile.graph.meta import COLLECTIVES_KEY, REPORT_KEY, STAGE_NAMES_KEY, TP_SHARDED_KEY
+from qcompile.graph.inline import inline_children
+from qcompile.graph.meta import (
+    BLOCKS_KEY,
+    COLLECTIVES_KEY,
+    REPORT_KEY,
+    STAGE_NAMES_KEY,
+    TP_SHARDED_KEY,
+)
 from qcompile.runtime.calibration import ViewSteps, weight_quantizer_sites
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.runtime.sharded import ShardedEmbedding, ShardedLinear, SumGradients
@@ -55,8 +65,9 @@ def whole_graph(gm: nn.Module, where: str, *, holds: str, preset: str,
     """The compiled graph of ``gm`` (inside a DDP wrapper too), refused for ``where`` (the
     caller's name) where ``holds`` (what it writes: "a GGUF file") cannot hold what it
     computes: a model qcompile did not compile (the fix names ``preset``), pipeline stages,
-    adapters, pending algorithms, sharded weights other than tensor parallelism's (its
-    ``tp`` shards are gathered as they are read), meta-device weights; ``verb`` is what
+    adapters, pending algorithms, sharded weights other than those of a graph
+    ``qc.distributed.wrap`` or ``compile_once`` sharded (its shards are gathered as they
+    are read), meta-device weights; ``verb`` is what
     the fixes tell the user to do with the gathered model ("export")."""
     inner = unwrap(gm)
     meta = getattr(inner, "meta", None)
@@ -64,9 +75,12 @@ def whole_graph(gm: nn.Module, where: str, *, holds: str, preset: str,
         raise QCompileError(f"{where}: the model ({type(gm).__name__}) was not compiled by "
                             "qcompile", fix="pass the graph qc.qcompile returned for the "
                             f"Hugging Face model (e.g. with the {preset} preset)")
+    blocks = meta.get(BLOCKS_KEY)
+    if blocks:  # data_parallel fsdp2's blocks (a child graph each): read as one graph
+        inner = inline_children(inner, blocks, order=list(inner.state_dict(keep_vars=True)))
     stages = [n for n, c in inner.named_children()
               if n.startswith("stage_") and isinstance(c, GraphModule)]
-    if stages or meta.get(STAGE_NAMES_KEY):
+    if stages or (meta.get(STAGE_NAMES_KEY) and not blocks):
         raise QCompileError(f"{where}: the graph is split into pipeline stages "
                             f"({', '.join(stages) or 'placed'}); {holds} holds one whole "
                             "model", fix="compile the model without a pipeline section (same "
@@ -75,7 +89,7 @@ def whole_graph(gm: nn.Module, where: str, *, holds: str, preset: str,
     refuse_adapters(inner, f"qc.{where}")
     refuse_pending(inner, where)
     for name, t in (*inner.named_parameters(), *inner.named_buffers()):
-        if is_dtensor(t) and not _tp_shard(meta, t):
+        if is_dtensor(t) and not _gatherable(meta, t):
             raise QCompileError(f"{where}: {name} is a sharded DTensor ({type(t).__name__}); "
                                 f"{holds} holds whole tensors",
                                 fix="gather the model first (a full state dict: "
@@ -92,11 +106,12 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return any(c.__name__ == "DTensor" for c in type(t).__mro__)
 
 
-def _tp_shard(meta: Mapping[str, Any], t: torch.Tensor) -> bool:
-    """Whether ``t`` is a tensor-parallel shard of a graph ``qc.distributed.wrap`` sharded
-    (a DTensor on the ``tp`` mesh alone; FSDP2's, over ``dp``, stay refused)."""
-    names = getattr(getattr(t, "device_mesh", None), "mesh_dim_names", None)
-    return bool(meta.get(TP_SHARDED_KEY)) and tuple(names or ()) == ("tp",)
+def _gatherable(meta: Mapping[str, Any], t: torch.Tensor) -> bool:
+    """Whether ``t`` is a shard the ranks can gather together: a DTensor of a graph
+    ``qc.distributed.wrap`` (or ``compile_once``) sharded, for tensor parallelism, FSDP2 or
+    both, whose ranks agree on each call first (``agree_to_gather``). A graph sharded by
+    hand (``fully_shard`` alone) has no such agreement: a rank missing a gather would hang."""
+    return bool(meta.get(TP_SHARDED_KEY)) or meta.get(COLLECTIVES_KEY) is not None
 
 
 def is_sharded(gm: GraphModule) -> bool:

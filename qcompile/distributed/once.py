@@ -61,6 +61,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.fx import GraphModule
 
 from qcompile.distributed.agree import agree, collective_phase, digest, shapes_of
 from qcompile.distributed.cache import CompileCache, cache_key, misfit
@@ -85,7 +86,13 @@ from qcompile.distributed.tensor_parallel import (
     refuse_tensor_parallel_once,
 )
 from qcompile.errors import QCompileError
-from qcompile.graph.meta import ADAPTERS_KEY, ALGORITHMS_SKIPPED_KEY, FOLDS_KEY, SHARDED_KEY
+from qcompile.graph.meta import (
+    ADAPTERS_KEY,
+    ALGORITHMS_SKIPPED_KEY,
+    BLOCKS_KEY,
+    FOLDS_KEY,
+    SHARDED_KEY,
+)
 from qcompile.graph.records import report
 from qcompile.graph.signature import graph_inputs
 from qcompile.passes import as_inputs, compile_model
@@ -140,6 +147,13 @@ def block_spec(spec: CompileSpec, names: list[str]) -> CompileSpec:
     child per block, which ``fully_shard`` makes an FSDP2 group."""
     stages = [{"modules": [n, f"{n}.*"]} for n in names]
     return spec.model_copy(update={"pipeline": PipelineSpec.model_validate({"stages": stages})})
+
+
+def mark_blocks(gm: GraphModule) -> None:
+    """Record that ``gm``'s ``stage_<i>`` children are its blocks (``block_spec``), not
+    pipeline stages (``BLOCKS_KEY``)."""
+    gm.meta[BLOCKS_KEY] = [n for n, c in gm.named_children()
+                           if n.startswith("stage_") and isinstance(c, GraphModule)]
 
 
 def _to_meta(v: Any) -> Any:
@@ -826,6 +840,8 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
         meta_kwargs = {k: _to_meta(v) for k, v in (example_kwargs or {}).items()} or None
         gm = compile_model(meta_model, compile_spec, meta_inputs, example_kwargs=meta_kwargs,
                            inplace=True)
+        if compile_spec is not spec:
+            mark_blocks(gm)
         del meta_model
     # compiling freed a lot of small objects: give their pages back before the weights
     # arrive, or the weights' allocations settle around them and keep them resident

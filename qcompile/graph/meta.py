@@ -45,6 +45,10 @@ ROOT_CLASS_KEY = "qcompile.root_class"
 STAGE_NAMES_KEY = "qcompile.stage_names"
 #: place: for each parameter several stages hold, its qualified name in each stage
 TIED_KEY = "qcompile.tied"
+#: qcompile / compile_once with ``data_parallel: fsdp2``: the names of the ``stage_<i>``
+#: children that are the model's repeated blocks in one process (FSDP2's groups), not
+#: pipeline stages: an exporter reads them as one graph (``qcompile.graph.inline``)
+BLOCKS_KEY = "qcompile.blocks"
 #: compile_once: the graph is already ``fully_shard``-ed per block (``wrap`` returns it as is)
 SHARDED_KEY = "qcompile.sharded"
 # qc.distributed.wrap sharded the graph's layers across tensor-parallel ranks (the plan's

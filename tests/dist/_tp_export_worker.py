@@ -4,9 +4,10 @@ Run as a script, never imported from the tests folder::
 
     python tests/dist/_tp_export_worker.py OUTDIR CASE [CASE ...]
 
-with ``RANK``, ``WORLD_SIZE`` (2: tp 2) and ``QC_DIST_INIT`` in the environment. Every rank
-compiles the same tiny Llama (same seed) with a ``tensor_parallel`` spec and wraps it
-(``qc.distributed.wrap``: its Linear layers and embedding sharded across the two ranks);
+with ``RANK``, ``WORLD_SIZE`` (2: tp 2; 4: dp 2 x tp 2, FSDP2 over dp) and ``QC_DIST_INIT``
+in the environment. Every rank compiles the same tiny Llama (same seed) with a
+``tensor_parallel`` spec and wraps it (``qc.distributed.wrap``: its Linear layers and
+embedding sharded across the tp ranks, and at 4 ranks every block's weights across dp too);
 every rank calls the export on the sharded graph (one path, shared by the ranks) and rank
 0 also exports, in this one process, the same graph compiled again and never sharded,
 then compares the files byte for byte. Each rank writes ``OUTDIR/rank<r>.json`` after
@@ -50,9 +51,15 @@ def llama() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config())
 
 
-def spec_of(preset: str) -> Any:
+def spec_of(preset: str, tp: bool = True) -> Any:
+    """``preset`` at tp 2 (``tp``), with FSDP2 over the other ranks (the graph compiled
+    with a child graph per block, each an FSDP2 group): on 4 ranks dp 2 x tp 2; without
+    ``tp``, FSDP2 alone."""
     d = qc.load_spec(preset).model_dump()
-    d["tensor_parallel"] = {"size": TP, "plan": "auto"}
+    if tp:
+        d["tensor_parallel"] = {"size": TP, "plan": "auto"}
+    if not tp or dist.get_world_size() > TP:
+        d["data_parallel"] = {"kind": "fsdp2"}
     return qc.specs.as_spec(d)
 
 
@@ -100,17 +107,24 @@ def exported(export: Callable[[Any, Path], Path], model: Any, ref: Any, name: st
     return out
 
 
-def compare(preset: str, export: Callable[[Any, Path], Path], kind: str) -> dict[str, Any]:
+def compare(preset: str, export: Callable[[Any, Path], Path], kind: str, tp: bool = True,
+            once: bool = False) -> dict[str, Any]:
     """The sharded graph's export against one process's: freshly compiled, and again after
-    one SGD step on the ranks (the reference then holds the gathered trained state)."""
-    spec = spec_of(preset)
+    one SGD step on the ranks (the reference then holds the gathered trained state). The
+    sharded graph is ``qc.distributed.wrap``'s, or ``compile_once``'s (``once``)."""
+    spec = spec_of(preset, tp)
     batch = lm_batch(ROWS)
-    gm = qc.qcompile(llama(), spec, example_kwargs=batch)
     ref = qc.qcompile(llama(), spec, example_kwargs=batch)  # never sharded
     plain = qc.qcompile(llama(), preset, example_kwargs=batch)  # no tensor_parallel section
-    model = qc.distributed.wrap(gm, spec)
-    out: dict[str, Any] = {"sharded": sorted(n for n, p in gm.named_parameters()
-                                             if hasattr(p, "full_tensor"))}
+    if once:
+        model = qc.distributed.compile_once(llama, spec, example_kwargs=batch)
+    else:
+        model = qc.distributed.wrap(qc.qcompile(llama(), spec, example_kwargs=batch), spec)
+    out: dict[str, Any] = {"sharded": sorted(  # by the model's names (no block prefix)
+        n.split(".", 1)[1] if n.startswith("stage_") else n
+        for n, p in model.named_parameters() if hasattr(p, "full_tensor")),
+                           "mesh_dims": sorted({d for p in model.parameters() for d in getattr(
+                               getattr(p, "device_mesh", None), "mesh_dim_names", ()) or ()})}
     out["fresh"] = exported(export, model, ref, f"{kind}_fresh")
     if dist.get_rank() == 0:  # the compile without a tensor_parallel section writes the same
         export(plain, OUTDIR / f"{kind}_plain")
@@ -137,6 +151,18 @@ def case_gguf() -> dict[str, Any]:
 
 def case_hf() -> dict[str, Any]:
     return compare("8da4w-qat", hf_export, "hf")
+
+
+def case_gguf_fsdp2() -> dict[str, Any]:
+    return compare("gguf-q4_0-qat", gguf_export, "gguf_fsdp2", tp=False)
+
+
+def case_hf_fsdp2() -> dict[str, Any]:
+    return compare("8da4w-qat", hf_export, "hf_fsdp2", tp=False)
+
+
+def case_gguf_once() -> dict[str, Any]:
+    return compare("gguf-q4_0-qat", gguf_export, "gguf_once", tp=False, once=True)
 
 
 def group_works() -> bool:

@@ -1,9 +1,10 @@
 """Exports from a tensor-parallel run: ``qc.export_gguf`` and ``qc.save_pretrained`` of a
 graph ``qc.distributed.wrap`` sharded across two gloo ranks (tp 2, a 2-layer Llama with
-GQA: every Linear and the embedding sharded). Every rank calls the export, each sharded
-weight is gathered in turn, rank 0 writes; the file (GGUF, ``gguf-q4_0-qat``) and the
-checkpoint (``8da4w-qat``) are byte-identical to one process's export of the same graph,
-freshly compiled and after one training step on the ranks. Calls the ranks do not make
+GQA: every Linear and the embedding sharded), and across four (dp 2 x tp 2: FSDP2 shards
+every block's weights over dp as well). Every rank calls the export, each sharded weight
+is gathered in turn, rank 0 writes; the file (GGUF, ``gguf-q4_0-qat``) and the checkpoint
+(``8da4w-qat``) are byte-identical to one process's export of the same graph, freshly
+compiled and after one training step on the ranks. Calls the ranks do not make
 together are one ``QCompileError`` on every rank, before any gather (the messages say which
 meeting refused it; a rank left in a gather would fail the launch's deadline).
 
@@ -31,7 +32,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.skipif(
     reason="a 2-rank launch of exports: .ci/run runs it (QCOMPILE_SWEEP=1)")]
 
 WORKER = Path(__file__).with_name("_tp_export_worker.py")
-ORDER = ["gguf", "hf", "mistakes"]
+ORDER = ["gguf", "hf", "gguf_fsdp2", "hf_fsdp2", "gguf_once", "mistakes"]
 LAUNCH_DEADLINE = 120.0  # seconds for every case of the launch (about 15 s normally)
 # every linear layer's weight and the embedding are sharded (norms stay whole)
 SHARDED = {f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
@@ -47,6 +48,12 @@ def dist_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
                          LAUNCH_DEADLINE)
 
 
+@pytest.fixture(scope="module")
+def dist_run4(tmp_path_factory: pytest.TempPathFactory, dist_launcher: Any) -> Any:
+    return dist_launcher(WORKER, ["gguf", "hf"], tmp_path_factory.mktemp("tpx4"),
+                         LAUNCH_DEADLINE, world=4)
+
+
 @pytest.mark.parametrize("case, files", [("gguf", [""]),
                                          ("hf", ["config.json", "model.safetensors"])])
 def test_rank0_writes_what_one_process_writes(dist_run: Any, case: str,
@@ -55,9 +62,51 @@ def test_rank0_writes_what_one_process_writes(dist_run: Any, case: str,
     file(s) equal, byte for byte, those one process writes for the same graph never
     sharded (and for the model compiled without a tensor_parallel section); after one SGD
     step on the ranks, those one process writes for the gathered trained state."""
-    r0, r1 = dist_run.case(case)
-    for got in (r0, r1):
+    ranks = dist_run.case(case)
+    for got in ranks:
         assert set(got["sharded"]) == SHARDED, got["sharded"]
+        assert got["mesh_dims"] == ["tp"], got["mesh_dims"]
+    _rank0_wrote_one_process_files(ranks, case, files)
+
+
+@pytest.mark.parametrize("case, files", [("gguf", [""]),
+                                         ("hf", ["config.json", "model.safetensors"])])
+def test_dp_x_tp_rank0_writes_what_one_process_writes(dist_run4: Any, case: str,
+                                                      files: list[str]) -> None:
+    """dp 2 x tp 2: every weight is a DTensor over the 2-D mesh (the norms over dp), each
+    gathered from all four ranks as the export reaches it; rank 0's file(s) equal one
+    process's, fresh (the one-process reference is compiled with the same spec: its blocks
+    child graphs, never sharded) and after one SGD step."""
+    ranks = dist_run4.case(case)
+    norms = {f"model.layers.{i}.{n}.weight" for i in range(2)
+             for n in ("input_layernorm", "post_attention_layernorm")} | {"model.norm.weight"}
+    for got in ranks:
+        assert set(got["sharded"]) == SHARDED | norms, got["sharded"]
+        assert got["mesh_dims"] == ["dp", "tp"], got["mesh_dims"]
+    _rank0_wrote_one_process_files(ranks, case, files)
+
+
+@pytest.mark.parametrize("case, files", [("gguf_fsdp2", [""]),
+                                         ("hf_fsdp2", ["config.json", "model.safetensors"]),
+                                         ("gguf_once", [""])])
+def test_fsdp2_rank0_writes_what_one_process_writes(dist_run: Any, case: str,
+                                                    files: list[str]) -> None:
+    """FSDP2 alone (dp 2; ``qc.distributed.wrap``, or ``compile_once`` loading the shards):
+    every weight is a DTensor over dp, gathered as the export reaches it; rank 0 writes one
+    process's file(s)."""
+    ranks = dist_run.case(case)
+    norms = {f"model.layers.{i}.{n}.weight" for i in range(2)
+             for n in ("input_layernorm", "post_attention_layernorm")} | {"model.norm.weight"}
+    for got in ranks:
+        assert set(got["sharded"]) == SHARDED | norms, got["sharded"]
+        assert got["mesh_dims"] == [], got["mesh_dims"]  # fully_shard's own 1-D mesh
+    _rank0_wrote_one_process_files(ranks, case, files)
+
+
+def _rank0_wrote_one_process_files(ranks: list[dict[str, Any]], case: str,
+                                   files: list[str]) -> None:
+    r0 = ranks[0]
+    for got in ranks:
         for when in ("fresh", "trained"):
             assert got[when]["returned"], (case, when, got[when])
     for when in ("fresh", "trained"):

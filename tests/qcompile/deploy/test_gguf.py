@@ -468,3 +468,19 @@ def test_refuses_an_existing_path(tmp_path, small) -> None:
         qc.export_gguf(small.float, path, config=small.config)
     assert "exists" in info.value.message and "remove it" in info.value.fix
     assert path.read_bytes() == b"not replaced" and os.listdir(tmp_path) == ["model.gguf"]
+
+
+def test_fsdp2_blocks_export_as_one_graph(tmp_path) -> None:
+    """A spec with ``data_parallel: fsdp2`` compiles each block as a child graph; the
+    export reads them as one graph and writes, byte for byte, the file of the same model
+    compiled without that section."""
+    arch = ARCHITECTURES["llama"]
+    model, batch = arch.build(num_hidden_layers=2), arch.batch()
+    spec = {**qc.load_spec("gguf-q4_0-qat").model_dump(), "data_parallel": {"kind": "fsdp2"}}
+    blocks = qc.qcompile(model, spec, example_kwargs=batch)
+    assert [n for n, _ in blocks.named_children() if n.startswith("stage_")] == [
+        "stage_0", "stage_1"]
+    whole = qc.qcompile(model, "gguf-q4_0-qat", example_kwargs=batch)
+    a = qc.export_gguf(blocks, tmp_path / "blocks.gguf", config=model.config)
+    b = qc.export_gguf(whole, tmp_path / "whole.gguf", config=model.config)
+    assert a.read_bytes() == b.read_bytes()

@@ -489,3 +489,18 @@ def test_refuses_an_existing_file_or_non_empty_directory(tmp_path, llama) -> Non
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
     torch.testing.assert_close(logits(load(folder), llama.batch), logits(gm, llama.batch),
                                rtol=0, atol=1e-5)
+
+
+def test_fsdp2_blocks_save_as_one_graph(tmp_path) -> None:
+    """A spec with ``data_parallel: fsdp2`` compiles each block as a child graph; the
+    checkpoint reads them as one graph and is, byte for byte, that of the same model
+    compiled without that section."""
+    m = build("llama", num_hidden_layers=2)
+    spec = {**qc.load_spec("8da4w-qat").model_dump(), "data_parallel": {"kind": "fsdp2"}}
+    blocks = compiled(m, spec)
+    assert [n for n, _ in blocks.named_children() if n.startswith("stage_")] == [
+        "stage_0", "stage_1"]
+    a = saved(tmp_path / "blocks", blocks, m.config)
+    b = saved(tmp_path / "whole", compiled(m, "8da4w-qat"), m.config)
+    for name in ("config.json", "model.safetensors"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
