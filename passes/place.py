@@ -229,14 +229,18 @@ class Spread:
 
 class StageNames:
     """``_fqn_modifiers`` of a staged graph (the protocol
-    ``torch.distributed.checkpoint.state_dict`` reads): the ``stage_<i>`` children are not
-    part of a state-dict key."""
+    ``torch.distributed.checkpoint.state_dict`` reads): the ``stage_<i>`` children (the
+    values) are not part of a model state-dict key, whose names resolve by attribute
+    (``register_original_names``). The keys are the key components DSD would step through
+    a stage for: none (each holds a dot, which no single component does). A parameter name
+    (``stage_0.model.norm.weight``, how DSD names the optimizer's state) already names its
+    stage; stepping into it again would look for ``stage_0`` inside ``stage_0``."""
 
     def __init__(self, stages: list[str]) -> None:
         self.stages = stages
 
     def __call__(self) -> dict[str, str]:
-        return {s: s for s in self.stages}
+        return {f"{s}.": s for s in self.stages}
 
 
 def register_original_names(gm: GraphModule, names: dict[str, list[str]]) -> None:

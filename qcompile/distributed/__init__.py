@@ -3,7 +3,9 @@
 - ``guards``: refuse models already wrapped for data parallelism (compile first, wrap after);
 - ``data_parallel``: ``wrap`` (DDP / FSDP2), ``sync_observers``, ``train_step``;
 - ``pipelining``: this rank's ``PipelineStage`` and the torch schedule (``pipeline``);
-- ``compile_once`` and its ``cache``: quantize once, share with every rank.
+- ``compile_once`` and its ``cache``: quantize once, share with every rank;
+- ``state_dict``: ``optimizer_state_dict``, torch.distributed.checkpoint's optimizer state
+  under the model's names (a run with block child graphs resumes with ``set_state_dict``).
 
 qcompile never writes its own collectives or schedules. The public names load lazily, so
 importing the guards does not import the pipelining runtime.
@@ -31,6 +33,7 @@ _LAZY = {
     "PipelineSchedule": "pipelining",
     "mesh": "hybrid",
     "compile_once": "once",
+    "optimizer_state_dict": "state_dict",
 }
 
 __all__ = sorted(_LAZY)
