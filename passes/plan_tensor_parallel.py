@@ -108,9 +108,28 @@ class TensorParallelPlan:
     # (per token, dynamic, blocks), with that dim counted from the end: ``wrap`` hands them
     # the slice as a DTensor, so that a range over the features is reduced across tp
     sliced_quantizers: tuple[tuple[str, int], ...] = ()
+    # mixtures of experts sharded by expert (``ExpertsPlan``)
+    experts: tuple[ExpertsPlan, ...] = ()
 
     def sharded(self) -> dict[str, LayerPlan]:
-        return {p.layer: p for p in self.layers if p.style != "replicate"}
+        """The Linear and embedding layers torch's styles shard, by name."""
+        return {p.layer: p for p in self.layers if p.style in ("colwise", "rowwise")}
+
+
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """A mixture of experts whose weights are one ``[experts, ...]`` parameter per matmul
+    (transformers' ``grouped_mm``), sharded by expert: each rank holds ``experts / size``
+    of them (``Shard(0)``). ``first`` (the gate/up matmul) reads every token and computes
+    the rows routed to this rank's experts; ``second`` (down) computes those rows' outputs,
+    put back among the others' zeros and summed across tp. ``region``: the quantizers
+    between them, which see this rank's rows (their ranges reduced across tp)."""
+
+    params: tuple[str, str]
+    first: str
+    second: str
+    experts: int
+    region: tuple[str, ...] = ()
 
 
 @dataclass
@@ -619,24 +638,155 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
                  if q.layer == layer.follows or q.layer.startswith(f"{layer.follows}."))
         out.insert(at + 1, LayerPlan(layer.name, layer.kind, style, why,  # after its layer
                                      gather=style == "colwise" and base.gather))
-    out += _other_weights(gm, {layer.weight for layer in layers.values()})
+    experts, kept = _experts(gm, size) if explicit is None else ([], {})
+    for e in experts:
+        for param in e.params:
+            out.append(LayerPlan(param, "experts", "experts", (
+                f"{e.experts} experts, {e.experts // size} per rank (Shard(0)); each rank "
+                "computes the tokens routed to its experts, outputs summed across tp")))
+    planned = {layer.weight for layer in layers.values()} | {
+        p for e in experts for p in e.params}
+    out += _other_weights(gm, planned, kept)
     sliced = []
     for q in sorted(prop.quantizers):
         if _sliced_quantizer(gm, q, prop.quantizer_dims.get(q), size):
             sliced.append((q, prop.quantizer_dims[q][0]))
         else:
             _check_region_quantizer(gm, q)
+    # an expert region's quantizers read this rank's rows: as Shard of the rows, their
+    # ranges reduced across tp (per-token ones stay each row's own)
+    sliced += [(q, -2) for e in experts for q in e.region]
     return TensorParallelPlan(size, tuple(out), tuple(prop.shape_args),
                               tuple(q for q in sorted(prop.quantizers)
                                     if q not in dict(sliced)),
                               tuple((k, tuple(sorted(v)))
                                     for k, v in sorted(prop.region_params.items())),
-                              frozenset(n.name for n in prop.state), tuple(sliced))
+                              frozenset(n.name for n in prop.state), tuple(sliced),
+                              tuple(experts))
 
 
-def _other_weights(gm: GraphModule, planned: set[str]) -> list[LayerPlan]:
-    """Matrices the graph reads that are not Linear or embedding layers (Conv1D's [in, out]
-    weights, experts stored as one [experts, out, in] parameter): kept whole, said so."""
+# -- mixtures of experts: sharded by expert ------------------------------------------------
+_GROUPED_MM = frozenset({"grouped_mm", "_grouped_mm", "grouped_mm_fallback"})
+# how a grouped matmul reads its [experts, ...] weight: views, a transpose, a dtype cast
+_WEIGHT_PATH = frozenset({"reshape", "view", "_unsafe_view", "transpose", "t", "permute",
+                          "contiguous", "to", "_to_copy", "alias"})
+# ops on the rows routed to the experts, between the two matmuls: each row on its own
+_ROW_OPS = (_ELEMENTWISE - {"where", "masked_fill"}) | {"getitem", "chunk", "split"}
+
+
+def _expert_weight(gm: GraphModule, n: Any) -> tuple[str, str | None] | None:
+    """``(parameter, its quantizer)`` where ``n`` (a grouped matmul's weight) reads one
+    ``[experts, ...]`` parameter through views and its own quantizer, nothing else."""
+    fq = None
+    while isinstance(n, Node) and len(n.users) == 1:
+        if n.op == "get_attr":
+            name = str(n.target)
+            if _is_param(gm, name) and gm.get_parameter(name).dim() == 3:
+                return name, fq
+            return None
+        if n.op == "call_module" and fq is None and isinstance(
+                gm.get_submodule(str(n.target)), FakeQuantize):
+            fq = str(n.target)
+        elif _op(n) not in _WEIGHT_PATH:
+            return None
+        n = n.args[0] if n.args else None
+    return None
+
+
+def _row_region(gm: GraphModule, first: Node, second: Node) -> list[Node] | None:
+    """The nodes from ``first``'s output to ``second``'s input, when each acts on every
+    row alone (chunks along the features, elementwise ops of region values and scalars,
+    activation quantizers) and nothing outside reads them; else None."""
+    region: list[Node] = []
+    todo, seen = [first], {first}
+    while todo:  # everything downstream of first, up to second
+        n = todo.pop()
+        for user in n.users:
+            if user is second or user in seen:
+                continue
+            quantizer = user.op == "call_module" and isinstance(
+                gm.get_submodule(str(user.target)), FakeQuantize)
+            op = _op(user)
+            if not quantizer and op not in _ROW_OPS:
+                return None
+            if op in ("chunk", "split"):  # along the features, never the rows
+                dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
+                rank = len(_shape(n) or _shape(first) or ())
+                if not isinstance(dim, int) or not (dim == -1 or (rank and dim % rank)):
+                    return None
+            seen.add(user)
+            region.append(user)
+            todo.append(user)
+    for n in region:  # every tensor a region op reads is a region value (its rows)
+        if any(isinstance(a, Node) and a not in seen for a in (*n.args, *n.kwargs.values())):
+            return None
+    if second.args[0] not in seen or any(isinstance(a, Node) and a in seen
+                                         for a in second.args[1:]):
+        return None
+    return sorted(region, key=_position(first.graph))
+
+
+def _position(graph: Any) -> Any:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
+def _experts(gm: GraphModule, size: int) -> tuple[list[ExpertsPlan], dict[str, str]]:
+    """The mixtures of experts sharded by expert, and why others stay whole (by param)."""
+    mms = {}
+    for n in gm.graph.nodes:
+        if _op(n) in _GROUPED_MM and len(n.args) >= 3:
+            w = _expert_weight(gm, n.args[1])
+            if w is not None:
+                mms[n] = w
+    plans, why = [], {}
+    for second, (p2, q2) in mms.items():
+        x = second.args[0]
+        first = next((m for m in mms if m is not second and m.args[2] is second.args[2]
+                      and _upstream(x, m)), None)
+        if first is None:
+            continue
+        p1, q1 = mms[first]
+        e = gm.get_parameter(p1).shape[0]
+        region = _row_region(gm, first, second)
+        reason = None
+        if region is None:
+            reason = ("the ops between its two grouped matmuls do not act on each routed "
+                      "row alone")
+        elif gm.get_parameter(p2).shape[0] != e:
+            reason = "its two matmuls hold different numbers of experts"
+        elif e % size:
+            reason = (f"{e} experts, not divisible by tensor_parallel.size {size}: kept "
+                      "whole")
+        quantizers = [str(n.target) for n in region or () if n.op == "call_module"]
+        for q in [q for q in (q1, q2, *quantizers) if q is not None]:
+            fq = gm.get_submodule(q)
+            if reason is None and (fq.learnable or getattr(fq.observer, "needs_data", False)):
+                reason = (f"{q} has a learnable scale or an observer reading whole tensors; "
+                          "a sharded expert's quantizers combine min / max ranges")
+        if reason is not None:
+            why[p1] = why[p2] = reason
+            continue
+        plans.append(ExpertsPlan((p1, p2), first.name, second.name, e, tuple(quantizers)))
+    return plans, why
+
+
+def _upstream(n: Any, target: Node, limit: int = 64) -> bool:
+    """Whether ``target`` feeds ``n`` through first arguments (a few dozen steps)."""
+    for _ in range(limit):
+        if n is target:
+            return True
+        if not isinstance(n, Node) or not n.args:
+            return False
+        n = n.args[0]
+    return False
+
+
+def _other_weights(gm: GraphModule, planned: set[str], why: dict[str, str] | None = None
+                   ) -> list[LayerPlan]:
+    """Matrices the graph reads that are not Linear or embedding layers nor sharded
+    experts (Conv1D's [in, out] weights; experts ``_experts`` keeps whole, with ``why``):
+    kept whole, said so."""
     out, seen = [], set(planned)
     for n in gm.graph.nodes:
         name = str(n.target)
@@ -647,10 +797,14 @@ def _other_weights(gm: GraphModule, planned: set[str]) -> list[LayerPlan]:
             continue
         user = next(iter(n.users), None)
         op = (_op(user) or str(user.target)) if user is not None else "nothing"
+        if why and name in why:
+            out.append(LayerPlan(name, "weight", "replicate", f"experts kept whole on every "
+                                 f"rank: {why[name]}"))
+            continue
         out.append(LayerPlan(name, "weight", "replicate",
                              f"read by {op}, not by a linear or embedding op: kept whole on "
                              "every rank (tensor parallelism shards Linear and embedding "
-                             "layers)"))
+                             "layers, and experts under plan: auto)"))
     return out
 
 
@@ -755,5 +909,5 @@ def plan_tensor_parallel(gm: GraphModule, ctx: Context) -> GraphModule:
     return gm
 
 
-__all__ = ["TP_PLAN_KEY", "LayerPlan", "TensorParallelPlan", "build_plan", "find_layers",
-           "plan_tensor_parallel"]
+__all__ = ["TP_PLAN_KEY", "ExpertsPlan", "LayerPlan", "TensorParallelPlan", "build_plan",
+           "find_layers", "plan_tensor_parallel"]

@@ -33,12 +33,19 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from qcompile.errors import QCompileError
-from qcompile.passes.plan_tensor_parallel import LayerPlan, TensorParallelPlan, find_layers
+from qcompile.passes.plan_tensor_parallel import (
+    ExpertsPlan,
+    LayerPlan,
+    TensorParallelPlan,
+    find_layers,
+)
 from qcompile.runtime.sharded import (
     AsShard,
+    LocalExperts,
     ShardedEmbedding,
     ShardedFrozenLinear,
     ShardedLinear,
+    SumPartial,
 )
 
 
@@ -81,10 +88,14 @@ def shard_tensor_parallel(gm: GraphModule, plan: TensorParallelPlan,
         raise QCompileError(f"tensor parallel: the plan's layer {missing[0]} is not in this "
                             "graph (changed after qcompile)",
                             fix="wrap the graph qc.qcompile returned, as it returned it")
-    for _, g in graphs:
+    for prefix, g in graphs:
         _shape_args(g, plan)
         if reduce_gradients is not None:
             _sum_gradients(g, plan, reduce_gradients)
+            for e in _shard_experts(g, plan, reduce_gradients):
+                for param in e.params:
+                    done[f"{prefix}.{param}" if prefix else param] = LayerPlan(
+                        param, "experts", "experts", f"{e.experts} experts sharded")
             _sliced_quantizers(g, plan, reduce_gradients.mesh)
         g.graph.lint()
         g.recompile()
@@ -109,6 +120,52 @@ def _sum_gradients(g: GraphModule, plan: TensorParallelPlan, module: nn.Module) 
             summed = g.graph.call_module(_SUM, (n,))
         for user in inside:
             user.replace_input_with(n, summed)
+
+
+def _shard_experts(g: GraphModule, plan: TensorParallelPlan, sum_gradients: nn.Module
+                   ) -> list[ExpertsPlan]:
+    """Each planned mixture of experts of ``g`` runs on this rank's experts: its weights
+    (``Shard(0)`` DTensors once ``wrap`` distributes them) read as the local experts
+    (``to_local``, after their quantizers, which see the DTensor), its two grouped matmuls
+    as ``LocalExperts`` calls, the gate/up input's gradient summed across tp, the down
+    output's parts summed (``SumPartial``). Returns the mixtures rewritten."""
+    nodes = {n.name: n for n in g.graph.nodes}
+    mesh = sum_gradients.mesh
+    done = []
+    for e in plan.experts:
+        first, second = nodes.get(e.first), nodes.get(e.second)
+        if first is None or second is None:
+            continue  # another graph's (an FSDP2 block, a pipeline stage)
+        holder = f"tp_local_experts_{_op_name(first)}"
+        if not hasattr(g, holder):
+            g.add_module(holder, LocalExperts(mesh, first.target))
+        for name, module in ((_SUM, sum_gradients), (_PARTIAL, SumPartial(mesh))):
+            if not hasattr(g, name):
+                g.add_module(name, module)
+        x, offs = first.args[0], first.args[2]
+        with g.graph.inserting_before(first):
+            summed = g.graph.call_module(_SUM, (x,))
+            w1 = g.graph.call_method("to_local", (first.args[1],))
+            rows = g.graph.call_module(holder, (summed, w1, offs))
+        with g.graph.inserting_before(second):
+            w2 = g.graph.call_method("to_local", (second.args[1],))
+            part = g.graph.call_module(holder, (second.args[0], w2, offs, x))
+            whole = g.graph.call_module(_PARTIAL, (part,))
+        rows.meta, whole.meta = dict(first.meta), dict(second.meta)
+        first.replace_all_uses_with(rows)
+        second.replace_all_uses_with(whole)
+        g.graph.erase_node(first)
+        g.graph.erase_node(second)
+        done.append(e)
+    return done
+
+
+_PARTIAL = "tp_sum_partial"
+
+
+def _op_name(n: Node) -> str:
+    packet = getattr(n.target, "overloadpacket", None)
+    return str(getattr(packet or n.target, "__name__", "op")).strip("_")
 
 
 def _sliced_quantizers(g: GraphModule, plan: TensorParallelPlan, mesh: Any) -> None:

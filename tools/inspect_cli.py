@@ -335,7 +335,8 @@ MESH_DIMS = ("pp", "dp", "tp")  # torch's order as qc.distributed.mesh builds it
 TP_SPLITS = MappingProxyType({("colwise", "linear"): (0, "colwise rows"),
                               ("rowwise", "linear"): (1, "rowwise input columns"),
                               ("rowwise", "embedding"): (0, "embedding rows"),
-                              ("colwise", "embedding"): (1, "embedding columns")})
+                              ("colwise", "embedding"): (1, "embedding columns"),
+                              ("experts", "experts"): (0, "experts")})
 TP_ORDER = tuple(what for _, what in TP_SPLITS.values())
 
 
@@ -420,6 +421,8 @@ def mesh_report(gm: Any, spec: Any, dims: dict[str, int]) -> dict[str, Any]:
     split: dict[str, tuple[int, str]] = {}
     for r in report.tensor_parallel:
         how, weight = TP_SPLITS.get((r.style, r.kind)), canonical.get(f"{r.layer}.weight")
+        if r.style == "experts":  # the record names the [experts, ...] parameter itself
+            weight = canonical.get(r.layer)
         if how is not None and weight is None:  # a frozen base: its storage, laid out by rows
             for name in shapes:
                 if name.startswith(f"{r.layer}.weight_frozen.") and len(shapes[name]) == 2 \
@@ -460,7 +463,7 @@ def mesh_report(gm: Any, spec: Any, dims: dict[str, int]) -> dict[str, Any]:
             if name in split and "tp" in dims:
                 dim, what = split[name]
                 start, stop = _chunk(shape[dim], tp, t)
-                if name.endswith(".weight"):
+                if name.endswith(".weight") or what == "experts":
                     entry = ranges.setdefault((what, shape[dim]), {
                         "what": what, "dim": dim, "start": start, "stop": stop,
                         "of": shape[dim], "layers": 0})

@@ -94,6 +94,7 @@ from qcompile.deploy.whole_graph import (
     gathered,
     is_sharded,
     sharded_linear,
+    view_paths,
     weight_reads,
     whole_graph,
     writes_here,
@@ -405,7 +406,7 @@ def _own_format(node: Node, formats: Mapping[str, str]) -> str | None:
 def _fed_weight_format(gm: GraphModule, node: Node, formats: Mapping[str, str]) -> str | None:
     """The grid of the weight read by the op this activation quantizer feeds (None when
     it feeds no op with a quantized weight)."""
-    for user in node.users:
+    for _, user in view_paths(node):  # through views and tp's gradient sums
         if (own := _own_format(user, formats)) is not None:
             return own
         for arg in user.all_input_nodes:

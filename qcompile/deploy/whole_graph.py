@@ -57,7 +57,7 @@ __all__ = ["VIEWS", "WeightRead", "agree_to_gather", "call_name", "config_finger
 
 #: ops that only reshape or relabel a tensor (a weight read through them is still the weight)
 VIEWS = frozenset({"reshape", "view", "_unsafe_view", "t", "transpose", "permute",
-                   "contiguous", "alias", "to"})
+                   "contiguous", "alias", "to", "to_local"})
 
 
 def whole_graph(gm: nn.Module, where: str, *, holds: str, preset: str,

@@ -199,6 +199,8 @@ def parallelize(gm: nn.Module, tp_mesh: Any, within: str | None = None) -> nn.Mo
                             f"{tp_mesh.size()} ranks", fix="compile and wrap with one spec")
     sharded = shard_tensor_parallel(gm, plan, SumGradients(tp_mesh), within=within)
     gm.meta[TP_SHARDED_KEY] = plan.size
+    experts = sorted(n for n, p in sharded.items() if p.style == "experts")
+    sharded = {n: p for n, p in sharded.items() if p.style != "experts"}
     styles = {name: _style(p) for name, p in sharded.items()}
     # (in the plan's order: every rank makes the same collectives in the same order)
     adapters = [n for n in styles if n.rpartition(".")[2] in _ADAPTER_PARTS]
@@ -214,6 +216,8 @@ def parallelize(gm: nn.Module, tp_mesh: Any, within: str | None = None) -> nn.Mo
     finally:
         for m, k, child in aside:
             m._modules[k] = child
+    for name in experts:  # by expert: this rank's experts, Shard(0)
+        _shard_experts(gm, name, tp_mesh)
     for name, p in sharded.items():
         layer = gm.get_submodule(name)
         _plain_state(layer)
@@ -230,6 +234,20 @@ def parallelize(gm: nn.Module, tp_mesh: Any, within: str | None = None) -> nn.Mo
         if layers:
             g.register_forward_pre_hook(WeightStatistics(layers))
     return gm
+
+
+def _shard_experts(gm: nn.Module, name: str, mesh: Any) -> None:
+    """Make parameter ``name`` (``[experts, ...]``) this rank's experts, as the
+    ``Shard(0)`` DTensor on ``mesh`` it is (no collective: every rank holds the whole)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    parent, _, leaf = name.rpartition(".")
+    owner = gm.get_submodule(parent) if parent else gm
+    whole = owner._parameters[leaf]
+    part = whole.detach().chunk(mesh.size(), 0)[mesh.get_local_rank()].clone()
+    owner._parameters[leaf] = nn.Parameter(
+        DTensor.from_local(part, mesh, [Shard(0)], run_check=False, shape=whole.shape,
+                           stride=whole.stride()), requires_grad=whole.requires_grad)
 
 
 # -- compile_once at 1/(T x D) ----------------------------------------------------------------

@@ -191,6 +191,52 @@ class AsShard(nn.Module):
         return DTensor.from_local(x, self.mesh, [Shard(self.dim % x.dim())], run_check=False)
 
 
+class LocalExperts(nn.Module):
+    """One of a mixture's two grouped matmuls on this rank's experts (the weight's
+    ``Shard(0)`` on the tp mesh: experts ``r*n .. (r+1)*n - 1`` of rank ``r``), calling
+    the graph's own grouped-matmul op (``op``) on the rows routed to them: the rows of
+    experts ``e`` lie between ``offs[e-1]`` and ``offs[e]`` (the op's cumulative ends).
+
+    ``rows=None`` (the gate/up matmul): ``x`` holds every routed row; the result is this
+    rank's rows only. ``rows`` given (the down matmul): ``x`` holds this rank's rows, and the
+    result every row of ``rows`` (the whole routed tensor), the others' zero: summed across
+    tp (``SumPartial``) it is the whole output. Row counts differ per rank and per batch."""
+
+    def __init__(self, mesh: Any, op: Any) -> None:
+        super().__init__()
+        self.__dict__["mesh"] = mesh  # not state: rebuilt by wrap
+        self.__dict__["op"] = op
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        n = w.shape[0]
+        first = self.mesh.get_local_rank() * n
+        ends = offs[max(first - 1, 0):first + n].tolist()
+        begin = int(ends[0]) if first else 0
+        end = int(ends[-1])
+        local = offs[first:first + n] - begin
+        if rows is None:
+            return self.op(x[begin:end], w, local)
+        out = self.op(x, w, local)
+        return torch.nn.functional.pad(out, (0, 0, begin, rows.shape[0] - end))
+
+
+class SumPartial(nn.Module):
+    """Each rank's part of a value (its experts' rows, the others zero) summed across the
+    tp mesh into the whole (a DTensor ``Partial`` made ``Replicate``: torch's all-reduce);
+    the gradient, the same on every rank, passes to each part."""
+
+    def __init__(self, mesh: Any) -> None:
+        super().__init__()
+        self.__dict__["mesh"] = mesh  # not state: rebuilt by wrap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        return DTensor.from_local(x, self.mesh, [Partial()], run_check=False).redistribute(
+            self.mesh, [Replicate()]).to_local()
+
+
 # -- fake-quant of a shard -----------------------------------------------------------------
 def _placement(x: Any) -> tuple[Any, int | None]:
     """``x`` with one placement, Replicate or Shard (a Partial value is reduced first),
@@ -525,7 +571,11 @@ def fake_quant_dtensor(fq: nn.Module, x: Any) -> Any:
     weight = isinstance(x, nn.Parameter)
     x, d = _placement(x)
     local = x.to_local()
-    if not local.is_floating_point() or x.numel() == 0:
+    if not local.is_floating_point():
+        return x
+    if local.numel() == 0 and d is not None:
+        return _empty_shard(fq, x, local, d)
+    if x.numel() == 0:
         return x
     again: tuple | None = None  # a weight's recipe: how the backward computes it again
     if fq.block_format is not None:
@@ -578,6 +628,39 @@ def fake_quant_dtensor(fq: nn.Module, x: Any) -> Any:
         # the float layer keeps is its weight (qcompile.runtime.recompute)
         recompute.tag(res, local, *again)
     return res
+
+
+def _empty_shard(fq: nn.Module, x: Any, local: torch.Tensor, d: int) -> Any:
+    """A rank holding none of a sharded value (no token routed to its experts): it makes
+    the reductions the other ranks make for ``fq``, with statistics that change nothing
+    (an empty range, a zero amax), and takes the result as they do; nothing to quantize."""
+    mesh = x.device_mesh
+    if fq.block_format is not None:
+        if fq.block_format == "nvfp4" and fq.enabled:
+            zero = torch.zeros(1, device=local.device)
+            _extremes(-zero, zero, mesh)
+        return x
+    with torch.no_grad():
+        mn, mx = fq._minmax(torch.zeros((1, *local.shape[1:]), device=local.device))
+        mn, mx = torch.full_like(mn, float("inf")), torch.full_like(mx, float("-inf"))
+    if fq.dynamic or fq.granularity == "per_token":
+        if fq.enabled and (fq.granularity != "per_token" or d == local.dim() - 1):
+            _extremes(mn, mx, mesh)
+        return x
+    if not fq.observe or holds_rows(fq):
+        return x
+    if _join_dim(fq, d, local) is not None:
+        raise QCompileError(f"a {fq.granularity} quantizer's statistics follow the rows of a "
+                            "value this rank holds none of",
+                            fix="quantize activations between a mixture's matmuls per "
+                            "tensor or per token")
+    with torch.no_grad():
+        mn, mx = _extremes(mn, mx, mesh)
+    if fq.training and torch.is_grad_enabled() and fq.deferred():
+        _pend(fq, mn, mx)
+    else:
+        fq.observe_range(mn, mx)
+    return x
 
 
 def _blocks_again(local: torch.Tensor, fmt: str, block: int) -> torch.Tensor:

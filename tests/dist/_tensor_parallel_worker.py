@@ -42,13 +42,20 @@ def llama() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
-def mixtral() -> torch.nn.Module:
+def mixtral(idle_rank: bool = False) -> torch.nn.Module:
+    """A 2-layer Mixtral (4 experts, top 2). ``idle_rank``: layer 0's router reads zeros
+    (its norm's weight zeroed), so every token ties and goes to the same two experts: at
+    tp 2, one rank's experts get no token in that layer."""
     cfg = transformers.MixtralConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
         num_experts_per_tok=2, use_cache=False, tie_word_embeddings=False)
     torch.manual_seed(0)
-    return transformers.MixtralForCausalLM(cfg)
+    model = transformers.MixtralForCausalLM(cfg)
+    if idle_rank:
+        with torch.no_grad():
+            model.model.layers[0].post_attention_layernorm.weight.zero_()
+    return model
 
 
 def spec_of(preset: str, dp: int, plan: Any = "auto") -> Any:
@@ -189,9 +196,17 @@ for _name in FAMILIES:
 
 
 def case_mixtral_8da4w_qat() -> dict[str, Any]:
-    """Attention sharded; the router and the experts (one [experts, out, in] parameter
-    each) kept whole on every rank."""
+    """Attention sharded, the experts by expert (two of four per rank); the router whole
+    on every rank."""
     return train("8da4w-qat", mixtral)
+
+
+def case_mixtral_int8_qat() -> dict[str, Any]:
+    """As above with int8-qat (the gate/up output's per-tensor quantizer between the
+    experts' matmuls observes each rank's rows, reduced across tp), and one rank's
+    experts idle in layer 0 (``mixtral(idle_rank=True)``): it still makes every
+    reduction the other makes, with nothing of its own."""
+    return train("int8-qat", lambda: mixtral(idle_rank=True))
 
 
 def case_ddp_refused() -> dict[str, Any]:

@@ -17,6 +17,7 @@ every case.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import sys
 import warnings
@@ -44,6 +45,19 @@ def config() -> transformers.LlamaConfig:
                                     num_hidden_layers=2, num_attention_heads=4,
                                     num_key_value_heads=2, use_cache=False,
                                     tie_word_embeddings=False)
+
+
+def mixtral_config() -> transformers.MixtralConfig:
+    return transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, num_local_experts=4,
+                                      num_experts_per_tok=2, use_cache=False,
+                                      tie_word_embeddings=False)
+
+
+def mixtral() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(mixtral_config())
 
 
 def llama() -> torch.nn.Module:
@@ -81,12 +95,12 @@ def same_files(a: Path, b: Path) -> dict[str, Any]:
             "differ": sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))}
 
 
-def gguf_export(gm: Any, path: Path) -> Path:
-    return qc.export_gguf(gm, path, config=config())
+def gguf_export(gm: Any, path: Path, conf: Any = None) -> Path:
+    return qc.export_gguf(gm, path, config=conf or config())
 
 
-def hf_export(gm: Any, path: Path) -> Path:
-    return qc.save_pretrained(gm, path, config=config())
+def hf_export(gm: Any, path: Path, conf: Any = None) -> Path:
+    return qc.save_pretrained(gm, path, config=conf or config())
 
 
 def exported(export: Callable[[Any, Path], Path], model: Any, ref: Any, name: str
@@ -107,13 +121,16 @@ def exported(export: Callable[[Any, Path], Path], model: Any, ref: Any, name: st
     return out
 
 
-def compare(preset: str, export: Callable[[Any, Path], Path], kind: str, tp: bool = True,
-            once: bool = False) -> dict[str, Any]:
+def compare(preset: str, export: Callable[..., Path], kind: str, tp: bool = True,
+            once: bool = False, moe: bool = False) -> dict[str, Any]:
     """The sharded graph's export against one process's: freshly compiled, and again after
     one SGD step on the ranks (the reference then holds the gathered trained state). The
-    sharded graph is ``qc.distributed.wrap``'s, or ``compile_once``'s (``once``)."""
+    sharded graph is ``qc.distributed.wrap``'s, or ``compile_once``'s (``once``); of the
+    Llama, or of a Mixtral (``moe``: its experts sharded by expert)."""
     spec = spec_of(preset, tp)
     batch = lm_batch(ROWS)
+    llama = mixtral if moe else globals()["llama"]
+    export = functools.partial(export, conf=mixtral_config() if moe else config())
     ref = qc.qcompile(llama(), spec, example_kwargs=batch)  # never sharded
     plain = qc.qcompile(llama(), preset, example_kwargs=batch)  # no tensor_parallel section
     if once:
@@ -159,6 +176,14 @@ def case_gguf_fsdp2() -> dict[str, Any]:
 
 def case_hf_fsdp2() -> dict[str, Any]:
     return compare("8da4w-qat", hf_export, "hf_fsdp2", tp=False)
+
+
+def case_gguf_moe() -> dict[str, Any]:
+    return compare("gguf-q4_0-qat", gguf_export, "gguf_moe", moe=True)
+
+
+def case_hf_moe() -> dict[str, Any]:
+    return compare("w8-weight-only", hf_export, "hf_moe", moe=True)
 
 
 def case_gguf_once() -> dict[str, Any]:

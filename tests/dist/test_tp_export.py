@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.skipif(
     reason="a 2-rank launch of exports: .ci/run runs it (QCOMPILE_SWEEP=1)")]
 
 WORKER = Path(__file__).with_name("_tp_export_worker.py")
-ORDER = ["gguf", "hf", "gguf_fsdp2", "hf_fsdp2", "gguf_once", "mistakes"]
+ORDER = ["gguf", "hf", "gguf_fsdp2", "hf_fsdp2", "gguf_once", "gguf_moe", "hf_moe", "mistakes"]
 LAUNCH_DEADLINE = 120.0  # seconds for every case of the launch (about 15 s normally)
 # every linear layer's weight and the embedding are sharded (norms stay whole)
 SHARDED = {f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
@@ -100,6 +100,21 @@ def test_fsdp2_rank0_writes_what_one_process_writes(dist_run: Any, case: str,
     for got in ranks:
         assert set(got["sharded"]) == SHARDED | norms, got["sharded"]
         assert got["mesh_dims"] == [], got["mesh_dims"]  # fully_shard's own 1-D mesh
+    _rank0_wrote_one_process_files(ranks, case, files)
+
+
+@pytest.mark.parametrize("case, files", [("gguf_moe", [""]),
+                                         ("hf_moe", ["config.json", "model.safetensors"])])
+def test_moe_rank0_writes_what_one_process_writes(dist_run: Any, case: str,
+                                                  files: list[str]) -> None:
+    """A Mixtral at tp 2, its experts sharded by expert (two of four per rank): each
+    [experts, ...] weight is gathered whole as the export reaches it; rank 0 writes one
+    process's file(s) (GGUF's per-layer expert tensors, transformers' per-expert layers)."""
+    ranks = dist_run.case(case)
+    for got in ranks:
+        experts = {f"model.layers.{i}.mlp.experts.{p}" for i in range(2)
+                   for p in ("gate_up_proj", "down_proj")}
+        assert experts <= set(got["sharded"]), got["sharded"]
     _rank0_wrote_one_process_files(ranks, case, files)
 
 

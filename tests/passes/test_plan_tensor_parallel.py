@@ -16,7 +16,13 @@ import qcompile as qc
 from qcompile.graph.dump import format_graph
 from qcompile.passes.plan_tensor_parallel import TP_PLAN_KEY
 from qcompile.passes.shard_tensor_parallel import shard_tensor_parallel
-from qcompile.runtime.sharded import ShardedFrozenLinear, ShardedLinear, SumGradients
+from qcompile.runtime.sharded import (
+    LocalExperts,
+    ShardedFrozenLinear,
+    ShardedLinear,
+    SumGradients,
+    SumPartial,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,20 +63,51 @@ def test_llama_attention_mlp_head_and_embedding() -> None:
     assert sorted(size for _, _, size in plan.shape_args) == [2, 2, 4, 4]
 
 
-def test_mixtral_experts_and_router_kept_whole() -> None:
+def mixtral(experts: int = 4, layers: int = 1) -> nn.Module:
     cfg = transformers.MixtralConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts,
         num_experts_per_tok=2, use_cache=False, tie_word_embeddings=False)
     torch.manual_seed(0)
-    gm = compiled(transformers.MixtralForCausalLM(cfg))
+    return transformers.MixtralForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("preset, region", [
+    ("8da4w-qat", ["model.layers.0.mlp.experts.input_fake_quant_1"]),  # down's per-token input
+    ("int8-qat", ["model.layers.0.mlp.experts.grouped_mm_fallback_fake_quant"]),  # gate/up out
+])
+def test_mixtral_experts_sharded_by_expert_router_kept_whole(preset: str,
+                                                            region: list[str]) -> None:
+    gm = compiled(mixtral(), preset)
     s = styles(gm)
     assert s["model.layers.0.self_attn.q_proj"] == ("colwise", False)
     assert s["model.layers.0.mlp.gate"][0] == "replicate"
     reasons = {r.layer: r.reason for r in qc.report(gm).tensor_parallel}
     assert "softmax" in reasons["model.layers.0.mlp.gate"]
-    experts = [k for k in s if ".experts." in k]
-    assert experts and all(s[k][0] == "replicate" for k in experts), s
+    experts = "model.layers.0.mlp.experts"
+    assert s[f"{experts}.gate_up_proj"][0] == s[f"{experts}.down_proj"][0] == "experts"
+    assert "2 per rank" in reasons[f"{experts}.gate_up_proj"]
+    plan = gm.meta[TP_PLAN_KEY]
+    (e,) = plan.experts
+    assert e.params == (f"{experts}.gate_up_proj", f"{experts}.down_proj") and e.experts == 4
+    assert list(e.region) == region
+    # the quantizers between the two matmuls read this rank's rows, as Shard of them
+    assert all((q, -2) in plan.sliced_quantizers for q in region)
+    assert e.first in [n.name for n in gm.graph.nodes] and e.second != e.first
+
+
+@pytest.mark.parametrize("why, kwargs", [
+    ("not divisible", {"model": lambda: mixtral(experts=3)}),
+    ("plan: auto", {"plan": {"*.q_proj": "colwise", "*.k_proj": "colwise",
+                             "*.v_proj": "colwise", "*.o_proj": "rowwise"}}),
+])
+def test_experts_kept_whole_and_why(why: str, kwargs: dict[str, Any]) -> None:
+    model = kwargs.pop("model", mixtral)()
+    gm = compiled(model, **kwargs)
+    assert gm.meta[TP_PLAN_KEY].experts == ()
+    reasons = {r.layer: (r.style, r.reason) for r in qc.report(gm).tensor_parallel}
+    style, reason = reasons["model.layers.0.mlp.experts.gate_up_proj"]
+    assert style == "replicate" and why in reason, reason
 
 
 def test_tied_embeddings_are_replicated() -> None:
@@ -288,3 +325,53 @@ def test_chunk_keeps_the_slice_off_its_dim(model: type, styles: dict[str, str]) 
     assert {k: plan[k].style for k in styles} == styles
     if model is PackedGateUp:
         assert "chunk along the sliced dim" in plan["gate_up"].reason, plan["gate_up"].reason
+
+
+class MoE(nn.Module):
+    """transformers' Mixtral mixture alone (router and experts, grouped_mm)."""
+
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=32,
+                                         num_local_experts=experts, num_experts_per_tok=2)
+        cfg._experts_implementation = "grouped_mm"  # as from_config / from_pretrained set it
+        torch.manual_seed(0)
+        self.moe = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(cfg)
+        for p in self.moe.parameters():  # (the experts are allocated, not initialised)
+            nn.init.normal_(p, std=0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(x)
+
+
+def _experts_dump(experts: int) -> tuple[torch.fx.GraphModule, str]:
+    spec = qc.load_spec("8da4w-qat").model_dump()
+    spec["tensor_parallel"] = {"size": 2}
+    gm = qc.qcompile(MoE(experts), qc.specs.as_spec(spec),
+                     example_inputs=(torch.randn(2, 8, 32),))
+    before = format_graph(gm)
+    plan = "\n".join(f"{r.layer}: {r.style} ({r.reason})" for r in qc.report(gm).tensor_parallel)
+    shard_tensor_parallel(gm, gm.meta[TP_PLAN_KEY], SumGradients(None))  # no mesh: not run
+    return gm, (f"## before shard_tensor_parallel\n{before}\n## plan\n{plan}\n"
+                f"## after shard_tensor_parallel\n{format_graph(gm)}")
+
+
+def test_golden_experts(golden) -> None:
+    """The two grouped matmuls become LocalExperts calls on the local weights (to_local,
+    after their quantizers), the gate/up input's gradient summed, the down output's parts
+    summed; the quantizer between them reads this rank's rows as a Shard."""
+    gm, text = _experts_dump(4)
+    golden("shard_tensor_parallel_experts", text)
+    calls = [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert sum(isinstance(gm.get_submodule(str(n.target)), LocalExperts) for n in calls) == 2
+    assert sum(isinstance(gm.get_submodule(str(n.target)), SumPartial) for n in calls) == 1
+    assert not [n for n in gm.graph.nodes
+                if n.op == "call_function" and "grouped_mm" in str(n.target)]
+
+
+def test_golden_experts_not_divisible(golden) -> None:
+    """3 experts do not split 2 ways: the mixture is left as compiled."""
+    gm, text = _experts_dump(3)
+    golden("shard_tensor_parallel_experts_whole", text)
+    assert not any(isinstance(m, (LocalExperts, SumPartial)) for m in gm.modules())
+    assert "not divisible" in text
