@@ -13,8 +13,11 @@ attention of Mixtral, the MLPs of Falcon and GPT-NeoX); the Linear whose output 
 graph's (the LM head) is colwise with its logits gathered; an embedding is sharded by
 rows (rowwise), unless its weight is tied to another layer. Parameters read inside a
 sliced region (Qwen3's per-head norms) are recorded: each rank's gradient is its heads'
-part, summed across tp. Matrices no linear or embedding op reads (Conv1D weights,
-experts stored as one parameter) are reported kept whole. The plan, per layer with its
+part, summed across tp. A mixture of experts stored as one ``[experts, ...]`` parameter per
+grouped matmul (transformers' ``grouped_mm``) is sharded by expert (``ExpertsPlan``) when
+the ops between its two matmuls act on each routed row alone. Matrices no linear or
+embedding op reads (Conv1D weights, experts kept whole) are reported kept whole, with
+the reason. The plan, per layer with its
 reason, is in the report (``report.tensor_parallel``) and in ``gm.meta`` for
 ``qc.distributed.wrap``, which applies it with torch's ``parallelize_module``.
 
@@ -764,6 +767,12 @@ def _experts(gm: GraphModule, size: int) -> tuple[list[ExpertsPlan], dict[str, s
             if reason is None and (fq.learnable or getattr(fq.observer, "needs_data", False)):
                 reason = (f"{q} has a learnable scale or an observer reading whole tensors; "
                           "a sharded expert's quantizers combine min / max ranges")
+        for q in quantizers:  # on this rank's rows: a range over all of them, or per row
+            fq = gm.get_submodule(q)
+            if reason is None and fq.block_format is None and fq.granularity not in (
+                    "per_tensor", "per_token"):
+                reason = (f"{q} quantizes {fq.granularity} between the two matmuls, where "
+                          "each rank holds some of the rows: per tensor or per token only")
         if reason is not None:
             why[p1] = why[p2] = reason
             continue
