@@ -8,6 +8,11 @@ checkpoint (rank 0 saves the float model first, standing in for one you already 
 
     torchrun --standalone --nproc_per_node=4 examples/tp_train.py --once
 
+A Mixtral-style mixture of experts instead (4 experts, top 2): each rank holds two of
+each layer's experts, and computes the tokens routed to them:
+
+    torchrun --standalone --nproc_per_node=2 examples/tp_train.py --moe
+
 Across two nodes, tp inside each node and dp across them (run the same command on both,
 ``--node_rank`` 0 and 1, the rendezvous on the first node's address):
 
@@ -25,6 +30,7 @@ the same rows. A colwise layer's per-row qparams are held for its rows, as its w
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import os
 import shutil
@@ -39,13 +45,15 @@ import qcompile as qc
 VOCAB, SEQ, ROWS = 128, 32, 4  # ROWS per replica
 
 
-def build() -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, use_cache=False,
-                                   tie_word_embeddings=False)
+def build(moe: bool = False) -> torch.nn.Module:
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  use_cache=False, tie_word_embeddings=False)
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
+    if moe:
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
 
 
 def main() -> None:
@@ -55,7 +63,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--once", action="store_true",
                         help="qc.distributed.compile_once from a safetensors checkpoint")
+    parser.add_argument("--moe", action="store_true",
+                        help="a Mixtral-style mixture of experts (experts sharded by expert)")
     args = parser.parse_args()
+    make = functools.partial(build, args.moe)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     dp = world // args.tp
@@ -72,18 +83,21 @@ def main() -> None:
         if rank == 0:
             from safetensors.torch import save_model
 
-            save_model(build(), checkpoint)
+            save_model(make(), checkpoint)
         dist.barrier()
-        gm = qc.distributed.compile_once(build, spec, example_kwargs={"input_ids": mine},
+        gm = qc.distributed.compile_once(make, spec, example_kwargs={"input_ids": mine},
                                          checkpoint=checkpoint)
         dist.barrier()  # every rank has read it
         if rank == 0:
             shutil.rmtree(folder[0])
     else:
-        gm = qc.qcompile(build(), spec, example_kwargs={"input_ids": mine})
+        gm = qc.qcompile(make(), spec, example_kwargs={"input_ids": mine})
     if rank == 0:
-        sharded = [r for r in qc.report(gm).tensor_parallel if r.style != "replicate"]
-        print(f"{len(sharded)} layers sharded {args.tp} ways, dp {dp}")
+        plan = qc.report(gm).tensor_parallel
+        layers = sum(r.style in ("colwise", "rowwise") for r in plan)
+        experts = sum(r.style == "experts" for r in plan)
+        print(f"{layers} layers sharded {args.tp} ways"
+              + (f", {experts} expert weights by expert" if experts else "") + f", dp {dp}")
     model = qc.distributed.wrap(gm, spec)  # parallelize_module on tp, fully_shard on dp
     if rank == 0:
         share = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
