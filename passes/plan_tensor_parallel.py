@@ -133,6 +133,8 @@ class ExpertsPlan:
     second: str
     experts: int
     region: tuple[str, ...] = ()
+    # the nodes holding this rank's rows only (a pipeline cut must not cross one)
+    rows: tuple[str, ...] = ()
 
 
 @dataclass
@@ -664,8 +666,8 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
                                     if q not in dict(sliced)),
                               tuple((k, tuple(sorted(v)))
                                     for k, v in sorted(prop.region_params.items())),
-                              frozenset(n.name for n in prop.state), tuple(sliced),
-                              tuple(experts))
+                              frozenset(n.name for n in prop.state).union(
+                                  *(e.rows for e in experts)), tuple(sliced), tuple(experts))
 
 
 # -- mixtures of experts: sharded by expert ------------------------------------------------
@@ -776,7 +778,8 @@ def _experts(gm: GraphModule, size: int) -> tuple[list[ExpertsPlan], dict[str, s
         if reason is not None:
             why[p1] = why[p2] = reason
             continue
-        plans.append(ExpertsPlan((p1, p2), first.name, second.name, e, tuple(quantizers)))
+        plans.append(ExpertsPlan((p1, p2), first.name, second.name, e, tuple(quantizers),
+                                 (first.name, *(n.name for n in region or ()))))
     return plans, why
 
 

@@ -94,6 +94,8 @@ def test_mixtral_experts_sharded_by_expert_router_kept_whole(preset: str,
     # the quantizers between the two matmuls read this rank's rows, as Shard of them
     assert all((q, -2) in plan.sliced_quantizers for q in region)
     assert e.first in [n.name for n in gm.graph.nodes] and e.second != e.first
+    # this rank's rows only, from the gate/up output to the down input: no pipeline cut there
+    assert e.first in e.rows and set(e.rows) <= plan.region_nodes and e.second not in e.rows
 
 
 @pytest.mark.parametrize("why, kwargs", [
