@@ -747,8 +747,7 @@ def _experts(gm: GraphModule, size: int) -> tuple[list[ExpertsPlan], dict[str, s
     plans, why = [], {}
     for second, (p2, q2) in mms.items():
         x = second.args[0]
-        first = next((m for m in mms if m is not second and m.args[2] is second.args[2]
-                      and _upstream(x, m)), None)
+        first = _upstream(x, mms, second.args[2])
         if first is None:
             continue
         p1, q1 = mms[first]
@@ -783,15 +782,18 @@ def _experts(gm: GraphModule, size: int) -> tuple[list[ExpertsPlan], dict[str, s
     return plans, why
 
 
-def _upstream(n: Any, target: Node, limit: int = 64) -> bool:
-    """Whether ``target`` feeds ``n`` through first arguments (a few dozen steps)."""
+def _upstream(n: Any, mms: dict[Node, Any], offs: Any, limit: int = 64) -> Node | None:
+    """The grouped matmul of ``mms`` with routing offsets ``offs`` that feeds ``n`` through
+    first arguments (a few dozen steps up: linear in the graph), or None."""
     for _ in range(limit):
-        if n is target:
-            return True
-        if not isinstance(n, Node) or not n.args:
-            return False
+        if not isinstance(n, Node):
+            return None
+        if n in mms and n.args[2] is offs:
+            return n
+        if not n.args:
+            return None
         n = n.args[0]
-    return False
+    return None
 
 
 def _other_weights(gm: GraphModule, planned: set[str], why: dict[str, str] | None = None

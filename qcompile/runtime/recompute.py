@@ -137,7 +137,7 @@ def _hooks(outer: tuple[Callable, Callable] | None) -> tuple[Callable, Callable]
             return _View(recipe, t)
         # a tensor-parallel shard: a tagged DTensor (or a view of one), recomputed as its
         # local values (the same storage, laid out as this view's)
-        local = getattr(t, "_local_tensor", None)
+        local = getattr(t, "_local_tensor", None) if type(t) is not torch.Tensor else None
         if local is not None:
             recipe = t.__dict__.get(ATTR)
             if recipe is None and t._base is not None:
