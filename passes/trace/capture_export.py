@@ -64,7 +64,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from qcompile.errors import QCompileError
 from qcompile.graph.context import Context
 from qcompile.graph.meta import NN_MODULE_STACK, TENSOR_META, VAL
-from qcompile.graph.state_layout import keep_state_layout
+from qcompile.graph.state_layout import keep_root_persistence, keep_state_layout
 from qcompile.passes.trace.model_copy import copy_model
 from qcompile.runtime.modes import ModeAwareBatchNorm, ModeAwareSDPA
 
@@ -390,24 +390,40 @@ def _stack_traces(record: bool) -> Iterator[None]:
         config.do_not_emit_stack_traces = before
 
 
-#: the zero-element buffer whose device a graph exported on the meta device computes on
+#: the zero-element buffer whose device an exported graph computes on
 DEVICE_ANCHOR = "_qcompile_device"
 
 
-def follow_graph_device(gm: GraphModule) -> int:
-    """Make a graph exported on the meta device run wherever its tensors are put.
+def _traced_device(gm: GraphModule) -> torch.device | None:
+    """The device ``gm`` was exported on: its tensor inputs', else its state's."""
+    for node in gm.graph.nodes:
+        val = node.meta.get(VAL)
+        if node.op == "placeholder" and isinstance(val, torch.Tensor):
+            return val.device
+    return next((t.device for t in (*gm.parameters(), *gm.buffers())), None)
 
-    Export bakes the device it traced on into the graph: ``arange(n, device=meta)`` for
-    positions and causal masks, ``to(inv_freq, meta)`` for a rotary table moved to its
-    input's device, ``_assert_tensor_metadata(x, device=meta)`` after each ``.to()``. No
-    tensor is ever on meta when the graph runs, so each ``meta`` literal becomes the device
-    of a zero-element, non-persistent buffer, ``_qcompile_device``: ``to_empty``, ``to``,
-    ``cuda()`` and ``fully_shard`` move it with the rest of the graph (a pipeline stage
-    gets its own, on the stage's device), so the literal always names the device the
-    graph's tensors are on. The asserts keep their dtype and layout checks and drop the
-    device check (it held when traced; a device move is what ``.to()`` is for). Literals of
-    a real device (a graph exported on the CPU) stay as export wrote them, and so does the
-    whole graph. Returns the number of rewritten nodes; the caller recompiles.
+
+def follow_graph_device(gm: GraphModule) -> int:
+    """Make an exported graph run wherever its tensors are put.
+
+    Export bakes the device it traced on into the graph: ``arange(n, device=cpu)`` for
+    positions and causal masks, ``to(inv_freq, cpu)`` for a rotary table moved to its
+    input's device, and ``_assert_tensor_metadata(x, dtype=..., device=cpu)`` guards of
+    what each ``.to()`` saw. A graph compiled on the CPU and moved with ``.to("cuda")``
+    (or exported on the meta device and materialised by ``compile_once``) would then mix
+    devices, and under ``torch.autocast`` the guards' dtypes no longer hold. So:
+
+    - each literal of the traced device becomes the device of a zero-element,
+      non-persistent buffer, ``_qcompile_device``: ``to_empty``, ``to``, ``cuda()`` and
+      ``fully_shard`` move it with the rest of the graph (a pipeline stage gets its own, on
+      the stage's device), so the literal always names the device the graph's tensors are
+      on. Literals of another device (a model that moves a tensor to the CPU on purpose)
+      stay;
+    - the guards go: they check what held when traced, and the graph is meant to be moved
+      and autocast (the ``.to()`` ops they guard still convert);
+    - traced on meta, ``histc`` of integers counts floats (see below).
+
+    Returns the number of rewritten or removed nodes; the caller recompiles.
 
     Example:
         >>> import torch
@@ -419,19 +435,26 @@ def follow_graph_device(gm: GraphModule) -> int:
         >>> gm.to_empty(device="cpu")(torch.ones(2, 3)).tolist()
         [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]
     """
-    def is_meta(v: Any) -> bool:
-        return (isinstance(v, torch.device) and v.type == "meta") or (
-            isinstance(v, str) and v == "meta")
+    traced = _traced_device(gm)
+    if traced is None:
+        return 0
 
-    traced = [n.meta.get(VAL) for n in gm.graph.nodes if n.op == "placeholder"]
-    if not any(isinstance(v, torch.Tensor) and v.is_meta for v in traced):
-        return 0  # not exported on meta
+    def is_traced(v: Any) -> bool:
+        if isinstance(v, torch.device):
+            return v == traced
+        return isinstance(v, str) and v in (str(traced), traced.type) and (
+            traced.index is None or v == str(traced))
+
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)  # no users: a guard, not a value
+            changed += 1
     # Code that branches on the device took the non-CPU branch on meta; the one such
     # branch export keeps as an op: ``histc`` of integers (transformers' MoE routing counts
     # tokens per expert in int, CPU kernels count floats only). Floats count the same
     # integer values (exact below 2**24) on every device.
-    casts = 0
-    for node in list(gm.graph.nodes):
+    for node in list(gm.graph.nodes) if traced.type == "meta" else ():
         val = node.args[0].meta.get(VAL) if (node.op == "call_function" and node.target is
                                              aten.histc.default) else None
         if isinstance(val, torch.Tensor) and not val.is_floating_point():
@@ -441,18 +464,15 @@ def follow_graph_device(gm: GraphModule) -> int:
             cast.meta[VAL] = val.float()
             cast.meta[TENSOR_META] = _extract_tensor_metadata(cast.meta[VAL])
             node.args = (cast, *node.args[1:])
-            casts += 1
+            changed += 1
     users = [n for n in gm.graph.nodes if n.op == "call_function" and any(
-        is_meta(v) for v in (*n.args, *n.kwargs.values()))]
+        is_traced(v) for v in (*n.args, *n.kwargs.values()))]
     if not users:
-        return casts
+        return changed
     if DEVICE_ANCHOR not in gm._buffers:
-        gm.register_buffer(DEVICE_ANCHOR, torch.empty(0, device="meta"), persistent=False)
+        gm.register_buffer(DEVICE_ANCHOR, torch.empty(0, device=traced), persistent=False)
     anchor = gm.get_buffer(DEVICE_ANCHOR)
     for node in users:
-        if node.target is aten._assert_tensor_metadata.default:
-            node.kwargs = {k: (None if k == "device" else v) for k, v in node.kwargs.items()}
-            continue
         # one device value per use, made right before it: the value floats with its user
         # (computed from a buffer alone), so a pipeline never passes it between stages
         with gm.graph.inserting_before(node):
@@ -460,9 +480,9 @@ def follow_graph_device(gm: GraphModule) -> int:
             held.meta[VAL] = anchor
             held.meta[TENSOR_META] = _extract_tensor_metadata(anchor)
             device = gm.graph.call_function(getattr, (held, "device"))
-        node.args = tuple(device if is_meta(v) else v for v in node.args)
-        node.kwargs = {k: (device if is_meta(v) else v) for k, v in node.kwargs.items()}
-    return casts + len(users)
+        node.args = tuple(device if is_traced(v) else v for v in node.args)
+        node.kwargs = {k: (device if is_traced(v) else v) for k, v in node.kwargs.items()}
+    return changed + len(users)
 
 
 def quiet_export(model: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -525,6 +545,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict,
             node.meta[TENSOR_META] = _extract_tensor_metadata(val)
     if follow_graph_device(gm):
         gm.recompile()
+    keep_root_persistence(gm)
     return gm, notes
 
 

@@ -46,7 +46,7 @@ from torch.fx import Graph, GraphModule, Tracer
 import qcompile.passes.trace.forward_effects as fx_effects
 from qcompile.errors import QCompileError
 from qcompile.graph.context import Context
-from qcompile.graph.state_layout import keep_state_layout
+from qcompile.graph.state_layout import keep_root_persistence, keep_state_layout
 from qcompile.passes.trace.explain import explain
 from qcompile.passes.trace.model_copy import copy_model
 
@@ -143,6 +143,7 @@ def capture(ctx: Context) -> GraphModule:
     gm = _graph_module(tracer.root, graph, type(model).__name__,
                        generate_code=not ctx.code_may_wait)
     keep_state_layout(gm, tracer.root)
+    keep_root_persistence(gm)
     return gm
 
 

@@ -98,3 +98,6 @@ PENDING_ALGORITHMS_KEY = "qcompile.pending_algorithms"
 #: root graph: qualified names of the weight quantizers whose weights an algorithm put on
 #: their grid: their scales are fixed (calibration does not observe those weights again)
 FIXED_GRID_KEY = "qcompile.fixed_grid"
+#: root graph: names of its own (root-level) non-persistent buffers; a deep copy restores
+#: their persistence (``GraphModule.__deepcopy__`` registers root buffers as persistent)
+ROOT_NON_PERSISTENT_KEY = "qcompile.root_non_persistent"

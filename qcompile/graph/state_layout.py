@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from qcompile.graph.meta import ROOT_NON_PERSISTENT_KEY
+
 
 def _container(gm: nn.Module, path: str) -> nn.Module:
     mod = gm
@@ -77,3 +79,42 @@ def keep_persistence(gm: nn.Module, root: nn.Module) -> None:
         for name in list(mod._buffers):
             if name in src._non_persistent_buffers_set:
                 mod._non_persistent_buffers_set.add(name)
+
+
+def keep_root_persistence(gm: nn.Module) -> None:
+    """Keep ``gm``'s root-level non-persistent buffers non-persistent in its deep copies.
+
+    ``GraphModule.__deepcopy__`` rebuilds the root and registers every buffer the graph
+    reads there as persistent: a copy's ``state_dict`` would then hold a key the original's
+    has not (``load_state_dict`` of one into the other fails). The names go into
+    ``gm.meta`` (which deep copies and ``torch.save`` keep) and a deep-copy hook marks them
+    again. Call it once the root's buffers are all registered.
+
+    Example:
+        >>> import copy, torch
+        >>> class M(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.register_buffer("shift", torch.ones(2), persistent=False)
+        ...     def forward(self, x):
+        ...         return x + self.shift
+        >>> gm = torch.fx.symbolic_trace(M())
+        >>> keep_state_layout(gm, M())
+        >>> keep_root_persistence(gm)
+        >>> list(copy.deepcopy(gm).state_dict())
+        []
+    """
+    names = sorted(n for n in gm._non_persistent_buffers_set if n in gm._buffers)
+    meta = getattr(gm, "meta", None)
+    hooks = getattr(gm, "_deepcopy_hooks", None)
+    if not names or not isinstance(meta, dict) or not isinstance(hooks, list):
+        return
+    meta[ROOT_NON_PERSISTENT_KEY] = names
+    if _mark_root_non_persistent not in hooks:
+        hooks.append(_mark_root_non_persistent)
+
+
+def _mark_root_non_persistent(gm: nn.Module) -> None:
+    for name in getattr(gm, "meta", {}).get(ROOT_NON_PERSISTENT_KEY, ()):
+        if name in gm._buffers:
+            gm._non_persistent_buffers_set.add(name)

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from qcompile.runtime import kernels
+from qcompile.runtime.quant_math import div_by
 
 __all__ = [
     "BLOCK_DTYPES",
@@ -206,7 +207,7 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     """NVFP4's float32 tensor scale of ``x``: ``amax(|x|) / (448 * 6)`` (0-d)."""
     a = x.detach().abs().amax().float()
-    return a / torch.full_like(a, _NVFP4_DENOM)  # an IEEE division on every device
+    return div_by(a, _NVFP4_DENOM)
 
 
 @dataclass(frozen=True)
@@ -287,17 +288,13 @@ class BlockGrid:
 
 def _nvfp4_block_scale(amax: torch.Tensor, pts: torch.Tensor) -> torch.Tensor:
     """NVFP4's per-block scale (float32 values on the E4M3 grid)."""
-    # tensor / tensor divisions: CUDA divides by a Python number through its reciprocal,
-    # which rounds differently from the IEEE division CPUs (and torchao on CPU) do
-    six = torch.full_like(amax, 6.0)
-    return _round_element(torch.clamp(amax / six / pts, _E4M3_TINY, 448.0), _E4M3)
+    return _round_element(torch.clamp(div_by(amax, 6.0) / pts, _E4M3_TINY, 448.0), _E4M3)
 
 
 # -- llama.cpp's grids -------------------------------------------------------------------
 def _div(a: torch.Tensor, b: float) -> torch.Tensor:
-    """``a / b`` as an IEEE float32 division on every device (CUDA divides by a Python
-    number through its reciprocal)."""
-    return a / torch.full_like(a, b)
+    """``a / b`` as an IEEE float32 division on every device (``div_by``)."""
+    return div_by(a, b)
 
 
 def _recip(d: torch.Tensor) -> torch.Tensor:
@@ -507,7 +504,10 @@ def fake_quant_eager(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
     reference formula (plain torch ops, no autograd node of its own; Inductor fuses it under
     ``torch.compile``). Returns ``x``'s shape and dtype."""
     xb = _blocks(x, block)
-    return block_scales(xb, fmt).fake_quant(xb).reshape(x.shape).to(x.dtype)
+    out = block_scales(xb, fmt).fake_quant(xb).reshape(x.shape)
+    # no .to() that returns its input: an autograd.Function (_BlockSTE) whose forward
+    # returned such an alias got a zero gradient under torch.compile in torch 2.11
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 class _BlockSTE(torch.autograd.Function):
@@ -607,8 +607,12 @@ def quantize_blocks(x: torch.Tensor, fmt: str, block: int | None = None, *,
                     tensor_scale: torch.Tensor | None = None) -> BlockCodes:
     """``x`` as codes and scales of format ``fmt`` (``dequantize_blocks`` gives back exactly
     ``fake_quant_eager(x, fmt, block)``). NVFP4 takes ``tensor_scale`` when given (``x`` is
-    some rows of a larger tensor, whose tensor scale that is)."""
+    some rows of a larger tensor, whose tensor scale that is). llama.cpp's grids are
+    refused: their bytes are ``ggml_bytes``'s."""
     f = FORMATS[fmt]
+    if f.kind in ("ggml", "ggml_k"):
+        raise ValueError(f"{fmt} is one of llama.cpp's grids, stored as its GGUF blocks: "
+                         f"ggml_bytes(x, {fmt!r}) gives them (qc.export_gguf writes them)")
     block = block or f.block
     xb = _blocks(x, block)
     if f.kind == "nf4":
@@ -635,6 +639,9 @@ def quantize_blocks(x: torch.Tensor, fmt: str, block: int | None = None, *,
             scales = torch.zeros_like(grid.from_grid)
         else:
             scales = _nvfp4_block_scale(xb.abs().amax(dim=-1, keepdim=True), tensor_scale)
+        # a NaN scale (a tensor with an inf) as one byte on every device: x86 makes inf /
+        # inf a NaN with the sign bit set, CUDA one without
+        scales = torch.where(torch.isnan(scales), torch.full_like(scales, math.nan), scales)
         scales = scales.to(torch.float8_e4m3fn)
     return BlockCodes(fmt, block, _element_codes(q, f).reshape(x.shape),
                       scales.reshape(-1), tensor_scale, tuple(x.shape))

@@ -204,6 +204,9 @@ def clamp_levels(q: torch.Tensor, levels: int) -> torch.Tensor:
         [10, 30, 127]
     """
     scale, zero_point = q.q_scale(), q.q_zero_point()
+    if q.device.type != "cpu":  # CUDA has no quantized clamp: the same levels as integers
+        return torch._make_per_tensor_quantized_tensor(q.int_repr().clamp(max=levels), scale,
+                                                       zero_point)
     return torch.clamp(q, (0 - zero_point) * scale, (levels - zero_point) * scale)
 
 

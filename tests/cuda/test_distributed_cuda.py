@@ -137,15 +137,21 @@ def test_compile_once_sharded_with_nccl(world_of_one: str, device: torch.device)
 
 
 def test_compile_once_replicated_with_nccl(world_of_one: str, device: torch.device) -> None:
-    """``compile_once`` with ``ddp``: rank 0 compiles on the CPU and broadcasts every tensor
-    through NCCL (staged on the GPU); the result equals a plain compile + calibrate."""
-    batches = [batch(30 + i)[0] for i in range(3)]
+    """``compile_once`` with ``ddp``: every rank builds the graph on the meta device and
+    rank 0 streams each tensor through NCCL; the graph lives on the backend's device (the
+    rank's GPU) and, calibrated there, equals a plain compile + calibrate on that device."""
+    batches = [batch(30 + i)[0].to(device) for i in range(3)]
     gm = qc.distributed.compile_once(Model, spec_of("int8-static", "ddp"),
-                                     (batches[0][:2],), calibration=batches)
-    ref = _calibrated_reference("int8-static", batches, torch.device("cpu"))
-    x = batch(40)[0]
+                                     (batches[0][:2].cpu(),), calibration=batches)
+    assert {p.device.type for p in gm.parameters()} == {device.type}
+    ref = _calibrated_reference("int8-static", batches, device)
+    x = batch(40)[0].to(device)
     with torch.no_grad():
-        assert torch.equal(gm(x), ref(x))
+        torch.testing.assert_close(gm(x), ref(x), rtol=1e-5, atol=1e-6)
+    got_q = qc.quantizers(gm)
+    for name, q in qc.quantizers(ref).items():
+        torch.testing.assert_close(got_q[name].scale, q.scale, rtol=1e-6, atol=0,
+                                   msg=lambda m, n=name: f"scale of {n}: {m}")
 
 
 @pytest.mark.parametrize("layout", ["cpu_then_device", "device_only", "listed_int8"])

@@ -313,6 +313,12 @@ def test_non_persistent_buffer_stays_out_of_state_dict(method: str) -> None:
     assert torch.equal(gm(x), model(x))
     assert list(gm.state_dict()) == ["fc.weight", "fc.bias"]
     assert "offset" in dict(gm.named_buffers())
+    # a deep copy (GraphModule rebuilds its root there) keeps it out, and the graph's own
+    # device anchor too (export): the copy and the original load each other's state
+    twice = copy.deepcopy(copy.deepcopy(gm))
+    assert list(twice.state_dict()) == ["fc.weight", "fc.bias"]
+    twice.load_state_dict(gm.state_dict())  # strict
+    assert torch.equal(twice(x), model(x))
 
 
 # -- 4. int8 QAT: weight quantizers, training, gradients ----------------------------------

@@ -314,3 +314,50 @@ def test_stack_traces_the_user_turned_off_stay_off() -> None:
         assert torch.fx.config.do_not_emit_stack_traces is True
     finally:
         torch.fx.config.do_not_emit_stack_traces = old
+
+
+# -- device and dtype follow the graph's tensors ------------------------------------------
+def _compiled_decoder(arch: str, spec: object) -> tuple[nn.Module, dict[str, torch.Tensor],
+                                                        object]:
+    pytest.importorskip("transformers")
+    from qcompile.tools.architectures import ARCHITECTURES
+
+    a = ARCHITECTURES[arch]
+    batch = a.batch()
+    return qc.qcompile(a.build(), spec, example_kwargs=batch), batch, a
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "bloom"])
+def test_a_graph_exported_on_the_cpu_runs_where_it_is_moved(arch: str) -> None:
+    """Positions, causal masks, rotary tables and a recurrent layer's zero state are made
+    on the device export traced on; moved elsewhere (here the meta device, which runs
+    every op's shape logic without a GPU, as ``.to("cuda")`` would) the graph makes them
+    there: no op mixes devices, and no guard of the traced device or dtype is left. (No
+    quantizers: they check their inputs are finite, which meta tensors cannot say.)"""
+    gm, batch, _ = _compiled_decoder(arch, {"quant": {"mode": "none"}})
+    for node in gm.graph.nodes:
+        args = [*node.args, *node.kwargs.values()]
+        assert not any(isinstance(v, torch.device) for v in args), node.format_node()
+        assert "_assert_tensor_metadata" not in str(node.target), node.format_node()
+    gm.to("meta")
+    out = gm(**{k: v.to("meta") for k, v in batch.items()})
+    logits = out["logits"] if isinstance(out, dict) else out.logits
+    assert logits.device.type == "meta"
+    assert logits.shape == (*batch["input_ids"].shape, 128)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_a_mixture_of_experts_graph_trains_under_autocast() -> None:
+    """Mixtral's router casts its logits with ``.float()``: export guards that cast's input
+    dtype (float32 when traced), which bf16 autocast changes. The guard is gone, the cast
+    stays: the loss under autocast is finite and within bf16's rounding of float32's."""
+    gm, batch, a = _compiled_decoder("mixtral", "8da4w-qat")
+    ref = a.loss(gm(**batch), batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = gm(**batch)
+        assert out["logits"].dtype == torch.bfloat16  # the head ran in bf16
+    loss = a.loss(out, batch)
+    loss.backward()
+    assert torch.isfinite(loss) and abs(float(loss) - float(ref)) < 0.05 * float(ref)
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in gm.parameters())

@@ -395,6 +395,12 @@ def test_codes_round_trip_generated(fmt: str, data) -> None:
     check_codes(x, fmt, block)
 
 
+@pytest.mark.parametrize("fmt", bf.GGML_FORMATS)
+def test_llama_cpp_grids_are_stored_by_ggml_bytes_not_quantize_blocks(fmt: str) -> None:
+    with pytest.raises(ValueError, match=rf"{fmt} is one of llama.cpp's grids.*ggml_bytes"):
+        bf.quantize_blocks(torch.randn(2, 256), fmt)
+
+
 # -- BlockGrid ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", FMTS)

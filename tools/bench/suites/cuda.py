@@ -1,17 +1,19 @@
 """The ``cuda`` suite: GPU measurements, side by side in one run on one device.
 
 - ``fakequant``: forward and forward+backward throughput of every quantizer kind (integer
-  per-tensor / per-channel / per-group / per-token, fp8, LSQ, and the block formats
-  MXFP8 / MXFP4 / NVFP4 / NF4) as a share of the device's copy bandwidth (``y.copy_(x)``,
-  bytes read plus written), eager and under ``torch.compile`` (Inductor fuses the formula
-  into one kernel each way). Bytes counted as the CPU ``fakequant`` suite counts them:
-  the forward reads x and writes the output, forward+backward also reads the output's
-  gradient and writes x's (2 and 4 x 4 bytes per element).
+  per-tensor / per-channel / per-group / per-token, fp8, LSQ, the block formats MXFP8 /
+  MXFP4 / NVFP4 / NF4 and llama.cpp's Q4_0 / Q8_0 / Q4_K grids) as a share of the
+  device's copy bandwidth (``y.copy_(x)``, bytes read plus written), eager and under
+  ``torch.compile`` (Inductor fuses the formula into one kernel each way). Bytes counted
+  as the CPU ``fakequant`` suite counts them: the forward reads x and writes the output,
+  forward+backward also reads the output's gradient and writes x's (2 and 4 x 4 bytes per
+  element).
 - ``step``: a training step (forward, backward, fused AdamW) of a Llama-style decoder
   (``qcompile.tools.bench.lm.TinyLlama``, ~340M parameters, 4 x 1024 tokens) under
   ``torch.compile`` and bf16 autocast: the float model, qcompile ``8da4w-qat`` (int8
   per-token activations read by each Linear, int4 weights in groups of 32; ``w4a8-qat``
-  where that preset is missing) and, where it installs, torchao's
+  where that preset is missing), ``gguf-q4_0-qat`` (llama.cpp's Q4_0 weights and Q8_0
+  activation blocks) and, where it installs, torchao's
   QAT (``QATConfig`` over ``Int8DynamicActivationInt4WeightConfig(group_size=32)``, or its
   successor ``Int8DynamicActivationIntxWeightConfig``) on the same model; each as a ratio
   to the float step. The steps are interleaved round by round.
@@ -64,9 +66,12 @@ KINDS: dict[str, Any] = {
     "mxfp4": ("block", "mxfp4"),
     "nvfp4": ("block", "nvfp4"),
     "nf4": ("block", "nf4"),
+    "q4_0": ("block", "q4_0"),  # llama.cpp's grids
+    "q8_0": ("block", "q8_0"),
+    "q4_k": ("block", "q4_k"),
 }
 COMPILED = ("int8_per_channel", "int4_per_group32", "int8_per_token", "lsq_int8", "mxfp4",
-            "nvfp4")
+            "nvfp4", "q4_0")
 
 
 class Timer:
@@ -331,6 +336,9 @@ def bench_step(device: torch.device, quick: bool, out: dict[str, Any],
         ("bf16", lambda m: m),
         ("qcompile_8da4w", lambda m: qc.qcompile(m, preset, example_inputs=(x[:1],),
                                                  inplace=True)),
+        # llama.cpp's Q4_0 weights, Q8_0 activation blocks (what its CPU matmul computes)
+        ("qcompile_gguf_q4_0", lambda m: qc.qcompile(m, "gguf-q4_0-qat", example_inputs=(
+            x[:1],), inplace=True)),
     ]
     try:
         import torchao  # noqa: F401
