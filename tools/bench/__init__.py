@@ -71,8 +71,9 @@ Subcommands:
   for ``qcompile-inspect search --measured``.
 - ``cuda``: on a CUDA GPU (skipped without one): fake-quant forward + backward as a share
   of the device's copy bandwidth, eager and under ``torch.compile``, and the compiled
-  training step of a ~340M-parameter Llama-style model with ``8da4w-qat`` relative to its
-  bf16 step, next to torchao's QAT (``tools/gpu-check`` runs it with the CUDA tests).
+  training step of a ~340M-parameter Llama-style model with ``8da4w-qat`` and
+  ``gguf-q4_0-qat`` relative to its bf16 step, next to torchao's QAT (``tools/gpu-check``
+  runs it with the CUDA tests).
 
 ``--quick`` runs smaller workloads; ``--format json`` (or ``--json``) prints the result
 dict as JSON instead of text, through the output sink shared with ``qcompile-inspect``
