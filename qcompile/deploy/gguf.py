@@ -682,6 +682,7 @@ def _llama_hf_vocab(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> bool:
         scores.append(score)
         types.append(kind)
     _check_vocab_size(len(tokens), vocab_size)
+    _check_byte_tokens(tokens)
     for i in range(len(tokens), vocab_size):  # embedding rows beyond the tokenizer
         tokens.append(f"[PAD{i}]".encode())
         scores.append(-1000.0)
@@ -693,6 +694,22 @@ def _llama_hf_vocab(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> bool:
     w.add_token_types(types)
     gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(w, quiet=True)
     return True
+
+
+def _check_byte_tokens(tokens: list[bytes]) -> None:
+    """llama.cpp's SentencePiece tokenizer spells a piece it has no token for in its byte
+    tokens ``<0x00>`` .. ``<0xFF>``, looked up unchecked: a vocabulary without all 256
+    aborts the llama.cpp process on the first such text. Refused here instead."""
+    have = set(tokens)
+    missing = [i for i in range(256) if f"<0x{i:02X}>".encode() not in have]
+    if missing:
+        raise QCompileError(
+            f"{WHERE}: the tokenizer is SentencePiece-style (model 'llama') but has "
+            f"{256 - len(missing)} of the 256 byte tokens <0x00>..<0xFF> (<0x{missing[0]:02X}> "
+            "is missing): llama.cpp's tokenizer aborts on any text it must spell in bytes",
+            fix="pass the model's own tokenizer (Llama's and Mistral's carry all 256 byte "
+            "tokens), or export without tokenizer= (a plain vocabulary: llama.cpp evaluates "
+            "token ids)")
 
 
 def _check_vocab_size(n: int, vocab_size: int) -> None:

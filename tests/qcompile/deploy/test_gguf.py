@@ -39,6 +39,7 @@ from qcompile.errors import QCompileError
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
+from toy_tokenizers import bpe_tokenizer, spm_tokenizer  # noqa: E402
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor  # noqa: E402
 
 from qcompile.tools.architectures import ARCHITECTURES  # noqa: E402
@@ -295,37 +296,6 @@ def test_q4_k_file(folder: Path) -> None:
 
 
 # -- the vocabulary --------------------------------------------------------------------------
-CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world",
-          "quantized models run in llama.cpp"] * 8
-
-
-def bpe_tokenizer() -> object:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok,
-                                                eos_token="<|endoftext|>")
-
-
-def spm_tokenizer() -> object:
-    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
-                                           normalizers.Replace(" ", "\u2581")])
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=100, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
-                                                eos_token="</s>", unk_token="<unk>")
-
-
 @pytest.fixture(scope="module")
 def float_llama() -> SimpleNamespace:
     arch = ARCHITECTURES["llama"]
@@ -364,6 +334,17 @@ def test_sentencepiece_style_tokenizer(folder: Path, float_llama) -> None:
     assert all(tokens[i] == t for t, i in tok.get_vocab().items())
     assert (f["tokenizer.ggml.bos_token_id"], f["tokenizer.ggml.eos_token_id"],
             f["tokenizer.ggml.unknown_token_id"]) == (1, 2, 0)
+    byte = tok.get_vocab()["<0x41>"]
+    assert f["tokenizer.ggml.token_type"][byte] == gguf.TokenType.BYTE
+
+
+def test_a_sentencepiece_vocabulary_without_byte_tokens_is_refused(tmp_path: Path,
+                                                                   float_llama) -> None:
+    """llama.cpp spells text its SentencePiece vocabulary has no piece for in byte tokens,
+    and aborts (std::out_of_range) where they are missing: refused before writing."""
+    refused(tmp_path / "out", float_llama.gm, "SentencePiece-style", "byte tokens",
+            "<0x00>", fix="the model's own tokenizer", config=float_llama.model.config,
+            tokenizer=spm_tokenizer(byte_tokens=False))
 
 
 # -- refusals --------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ and its distributions are far from uniform) is exported and evaluated on held-ou
 sequences inside llama.cpp; its next-token probabilities are compared with the graph's
 (activation blocks on, as llama.cpp's CPU matmul quantizes its inputs to Q8_0) with the
 metrics llama.cpp's perplexity tool reports: RMS delta-p of the true next token and the
-share of positions whose top token agrees. Run by ``.ci/run`` (``QCOMPILE_E2E=1``) after
+share of positions whose top token agrees. A file written with a tokenizer (byte-level BPE,
+SentencePiece-style) tokenizes text in llama.cpp as transformers does. Run by ``.ci/run`` (``QCOMPILE_E2E=1``) after
 the default suite, where the extra is installed.
 """
 
@@ -110,3 +111,36 @@ def test_llama_cpp_computes_what_the_qat_graph_computes(preset: str, tmp_path) -
     assert p_next > 0.5  # the graph learned the language: peaked distributions compared
     assert rms_dp <= 0.002
     assert same_top >= 0.99
+
+
+# -- the tokenizer, through llama.cpp's text path ---------------------------------------------
+TEXTS = ["Hello world", "the quick brown fox jumps over the lazy dog",
+         "  two  spaces,\ttabs\nand new lines", "ünïcödé, 漢字 and 🙂",
+         "def f(x):\n    return x + 1"]
+
+
+@pytest.mark.parametrize("kind", ["byte_level_bpe", "sentencepiece_style"])
+def test_llama_cpp_tokenizes_text_as_the_tokenizer_does(kind: str, tmp_path) -> None:
+    """The vocabulary ``export_gguf(tokenizer=...)`` writes, inside llama.cpp: text becomes
+    the ids transformers' tokenizer gives and those ids the same text again, with words
+    the tokenizer never saw, whitespace runs, non-Latin scripts and characters only bytes
+    spell (SentencePiece-style: byte fallback)."""
+    from toy_tokenizers import bpe_tokenizer, spm_tokenizer
+
+    tok = bpe_tokenizer() if kind == "byte_level_bpe" else spm_tokenizer()
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, use_cache=False)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 320, (1, 8), generator=torch.Generator().manual_seed(0))
+    gm = qc.qcompile(model, {"quant": {"mode": "none"}}, example_kwargs={"input_ids": ids})
+    path = qc.export_gguf(gm, tmp_path / "model.gguf", config=cfg, tokenizer=tok)
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    for text in TEXTS:
+        want = tok.encode(text, add_special_tokens=False)
+        got = llm.tokenize(text.encode(), add_bos=False, special=False)
+        assert got == want, (text, got, want)
+        assert tok.decode(want) == text, text
+        # llama.cpp's pieces keep the space SentencePiece puts before the text
+        lead = " " if kind == "sentencepiece_style" else ""
+        assert llm.detokenize(got).decode() == lead + text, text
