@@ -450,13 +450,19 @@ static inline float roundf_exact(float v) {
 }
 
 // the first element whose magnitude's bits are amax (the block's largest magnitude, found
-// by absmax_scalar: integer maxima vectorise), with its sign
+// by absmax_scalar: integer maxima vectorise), with its sign. Its index is an integer
+// minimum over the block, which vectorises; a loop that returns at the first match does
+// not, and its exit is a branch mispredicted once per block.
 template <typename T>
 static inline float lead_of(const T* x, int64_t n, uint32_t amax) {
+  const int32_t none = static_cast<int32_t>(n);
+  int32_t first = none;
   for (int64_t i = 0; i < n; ++i) {
-    if ((bits_of(load_f(x, i)) & 0x7FFFFFFFu) == amax) return load_f(x, i);
+    const int32_t hit =
+        (bits_of(load_f(x, i)) & 0x7FFFFFFFu) == amax ? static_cast<int32_t>(i) : none;
+    first = hit < first ? hit : first;
   }
-  return 0.0f;  // (not reached)
+  return first < none ? load_f(x, first) : 0.0f;  // (a match is always there)
 }
 static inline float lead_of(const float* v, int64_t n) {
   return lead_of(v, n, absmax_scalar(v, n));
