@@ -491,6 +491,26 @@ static inline void minmax8(const T* x, int64_t n, float* lo, float* hi) {
   *hi = b;
 }
 
+// minmax8 of exactly 32 values: two 16-lane halves, then a halving tree (what the compiler
+// turns into a few full-width vector instructions; minmax8's 8-lane form became 4-lane code)
+template <typename T>
+static inline void minmax32(const T* x, float* lo, float* hi) {
+  float l[16], h[16];
+  for (int k = 0; k < 16; ++k) {
+    const float a = load_f(x, k), b = load_f(x, 16 + k);
+    l[k] = b < a ? b : a;
+    h[k] = b > a ? b : a;
+  }
+  for (int w = 8; w > 0; w /= 2) {
+    for (int k = 0; k < w; ++k) {
+      l[k] = l[k + w] < l[k] ? l[k + w] : l[k];
+      h[k] = h[k + w] > h[k] ? h[k + w] : h[k];
+    }
+  }
+  *lo = l[0];
+  *hi = h[0];
+}
+
 template <typename T>
 static void ggml_block_scalar(const Job& j, const T* x, T* y, uint32_t amax) {
   const int64_t n = j.block;
@@ -513,7 +533,7 @@ static void ggml_block_scalar(const Job& j, const T* x, T* y, uint32_t amax) {
     }
     case kQ4_1: {
       float hi, lo;
-      minmax8(x, n, &lo, &hi);
+      minmax32(x, &lo, &hi);  // n == 32
       hi = plus0(hi);
       lo = plus0(lo);
       const float d = (hi - lo) / 15.0f, id = recip0(d), d16 = f16r(d), m16 = f16r(lo);
