@@ -7,8 +7,8 @@ sequences inside llama.cpp; its next-token probabilities are compared with the g
 (activation blocks on, as llama.cpp's CPU matmul quantizes its inputs to Q8_0) with the
 metrics llama.cpp's perplexity tool reports: RMS delta-p of the true next token and the
 share of positions whose top token agrees. A file written with a tokenizer (byte-level BPE,
-SentencePiece-style) tokenizes text in llama.cpp as transformers does. Run by ``.ci/run`` (``QCOMPILE_E2E=1``) after
-the default suite, where the extra is installed.
+SentencePiece-style) tokenizes text in llama.cpp as transformers does. Run by ``.ci/run``
+(``QCOMPILE_E2E=1``) after the default suite, where the extra is installed.
 """
 
 from __future__ import annotations
