@@ -236,16 +236,17 @@ BLOCKS = [{"modules": ["model.embed_tokens", "model.rotary_emb", "model.layers.0
           {"modules": ["model.layers.1", "model.layers.1.*", "model.norm", "lm_head"]}]
 
 
-def pipelined(preset: str) -> dict[str, Any]:
+def pipelined(preset: str, build: Any = llama) -> dict[str, Any]:
     """pp 2 x tp 2 (4 ranks): two stages of whole blocks, each sharded across its two tp
-    ranks; GPipe, 2 micro-batches; three SGD steps against one process on the batch."""
+    ranks (a Mixtral's experts by expert); GPipe, 2 micro-batches; three SGD steps against
+    one process on the batch."""
     d = qc.load_spec(preset).model_dump()
     d["tensor_parallel"] = {"size": TP}
     d["pipeline"] = {"stages": BLOCKS, "microbatches": 2, "schedule": "gpipe"}
     spec = qc.specs.as_spec(d)
     batch = lm_batch(2 * ROWS)["input_ids"]
-    gm = qc.qcompile(llama(), spec, example_kwargs={"input_ids": batch[:ROWS]})
-    ref = qc.qcompile(llama(), qc.load_spec(preset), example_kwargs={"input_ids": batch})
+    gm = qc.qcompile(build(), spec, example_kwargs={"input_ids": batch[:ROWS]})
+    ref = qc.qcompile(build(), qc.load_spec(preset), example_kwargs={"input_ids": batch})
     stage, schedule = qc.distributed.pipeline(gm, spec, loss_fn=lambda out, ids: lm_loss(
         out, {"input_ids": ids}))
     opt = torch.optim.SGD(stage.submod.parameters(), lr=LR)
@@ -285,6 +286,10 @@ def case_pp_8da4w_qat() -> dict[str, Any]:
 
 def case_pp_nvfp4_qat() -> dict[str, Any]:
     return pipelined("nvfp4-qat")
+
+
+def case_pp_mixtral_8da4w_qat() -> dict[str, Any]:
+    return pipelined("8da4w-qat", mixtral)
 
 
 def case_pp_cut_in_a_block() -> dict[str, Any]:

@@ -26,7 +26,7 @@ PRESETS = ("int8_qat", "8da4w_qat", "nvfp4_qat")
 # every other decoder family of the architecture table: tp 2, with QCOMPILE_SWEEP=1
 FAMILIES = ["mistral", "qwen2", "qwen3", "qwen2_moe", "olmoe", "gemma2", "phi3", "falcon",
             "gpt_neox", "bloom", "gpt2", "deepseek_v3"]
-PIPELINED = ["pp_int8_qat", "pp_8da4w_qat", "pp_nvfp4_qat"]
+PIPELINED = ["pp_int8_qat", "pp_8da4w_qat", "pp_nvfp4_qat", "pp_mixtral_8da4w_qat"]
 # LoRA on a frozen NF4 base (QLoRA), and (with the sweep) on 8da4w-qat's QAT base
 ADAPTERS = ["qlora_nf4", *(["lora_8da4w_qat"] if os.environ.get("QCOMPILE_SWEEP") == "1"
                            else [])]
@@ -202,13 +202,13 @@ def test_every_decoder_family_trains_as_one_process(dist_run: Any, case: str) ->
 @pytest.mark.parametrize("case", PIPELINED if FULL else [])
 def test_pipeline_stages_sharded_across_tp_train_as_one_process(dist_run: Any,
                                                                 case: str) -> None:
-    """pp 2 x tp 2: each stage (whole blocks) sharded across its two tp ranks, GPipe over
-    two micro-batches: the losses equal one process's on the batch (NVFP4: each
+    """pp 2 x tp 2: each stage (whole blocks; a Mixtral's experts by expert) sharded across
+    its two tp ranks, GPipe over two micro-batches: the losses equal one process's on the batch (NVFP4: each
     micro-batch's activations take their own tensor scale), the stage's tensors too, and
     its two tp ranks hold one state."""
     if dist_run.world != 4:
         pytest.skip("pipeline x tensor parallel runs on 4 ranks")
-    preset = case.removeprefix("pp_")
+    preset = case.removeprefix("pp_").removeprefix("mixtral_")
     # micro-batches of 2 rows multiply in another blocking than one process's 4: the grid
     # flips of dp (see TOLERANCE), within three steps
     tol, trained_tol = {"nvfp4_qat": (1e-2, None)}.get(preset, (1e-4, 1e-2))
