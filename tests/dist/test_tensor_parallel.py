@@ -203,9 +203,9 @@ def test_every_decoder_family_trains_as_one_process(dist_run: Any, case: str) ->
 def test_pipeline_stages_sharded_across_tp_train_as_one_process(dist_run: Any,
                                                                 case: str) -> None:
     """pp 2 x tp 2: each stage (whole blocks; a Mixtral's experts by expert) sharded across
-    its two tp ranks, GPipe over two micro-batches: the losses equal one process's on the batch (NVFP4: each
-    micro-batch's activations take their own tensor scale), the stage's tensors too, and
-    its two tp ranks hold one state."""
+    its two tp ranks, GPipe over two micro-batches: the losses equal one process's on the
+    batch (NVFP4: each micro-batch's activations take their own tensor scale), the stage's
+    tensors too, and its two tp ranks hold one state."""
     if dist_run.world != 4:
         pytest.skip("pipeline x tensor parallel runs on 4 ranks")
     preset = case.removeprefix("pp_").removeprefix("mixtral_")
