@@ -440,10 +440,7 @@ def follow_graph_device(gm: GraphModule) -> int:
         return 0
 
     def is_traced(v: Any) -> bool:
-        if isinstance(v, torch.device):
-            return v == traced
-        return isinstance(v, str) and v in (str(traced), traced.type) and (
-            traced.index is None or v == str(traced))
+        return v == traced if isinstance(v, torch.device) else v == str(traced)
 
     changed = 0
     for node in list(gm.graph.nodes):

@@ -292,11 +292,6 @@ def _nvfp4_block_scale(amax: torch.Tensor, pts: torch.Tensor) -> torch.Tensor:
 
 
 # -- llama.cpp's grids -------------------------------------------------------------------
-def _div(a: torch.Tensor, b: float) -> torch.Tensor:
-    """``a / b`` as an IEEE float32 division on every device (``div_by``)."""
-    return div_by(a, b)
-
-
 def _recip(d: torch.Tensor) -> torch.Tensor:
     """``1 / d``, and 0 where ``d`` is 0: llama.cpp's ``id = d ? 1.0f/d : 0.0f``; 0 too
     where ``1 / d`` overflows (a block of float32 subnormals: its fp16 scale is 0, so every
@@ -358,24 +353,24 @@ def _ggml_grid(xb: torch.Tensor, fmt: str) -> tuple[BlockGrid, dict[str, torch.T
     scales."""
     bad = ~torch.isfinite(xb.abs().amax(dim=-1, keepdim=True))
     if fmt == "q8_0":
-        d = _div(xb.abs().amax(dim=-1, keepdim=True), 127.0)
+        d = div_by(xb.abs().amax(dim=-1, keepdim=True), 127.0)
         return BlockGrid(fmt, _recip(d), _f16(d), bad, None), {"d": d}
     if fmt == "q4_0":
-        d = _div(_lead(xb), -8.0)
+        d = div_by(_lead(xb), -8.0)
         return BlockGrid(fmt, _recip(d), _f16(d), bad, None), {"d": d}
     if fmt == "q4_1":  # (+0.0 for a zero end: a minimum or maximum of zeros has no sign)
         hi = _plus0(xb.amax(dim=-1, keepdim=True))
         lo = _plus0(xb.amin(dim=-1, keepdim=True))
-        d = _div(hi - lo, 15.0)
+        d = div_by(hi - lo, 15.0)
         grid = BlockGrid(fmt, _recip(d), _f16(d), bad, None, offset=lo, offset_out=_f16(lo))
         return grid, {"d": d, "m": lo}
     n = xb.shape[0]
     if fmt == "q4_k":  # 8 sub-blocks of 32: w = d * sc * q - dmin * m, sc and m 6-bit
         xs = xb.reshape(n, 8, 32)
         lo = _plus0(torch.clamp(xs.amin(dim=-1), max=0.0))  # llama.cpp keeps it <= 0
-        scale, mins = _div(_plus0(xs.amax(dim=-1)) - lo, 15.0), 0.0 - lo
-        d = _div(scale.amax(dim=-1, keepdim=True), 63.0)
-        dmin = _div(mins.amax(dim=-1, keepdim=True), 63.0)
+        scale, mins = div_by(_plus0(xs.amax(dim=-1)) - lo, 15.0), 0.0 - lo
+        d = div_by(scale.amax(dim=-1, keepdim=True), 63.0)
+        dmin = div_by(mins.amax(dim=-1, keepdim=True), 63.0)
         sc = _plus0(torch.clamp(torch.round(scale * _recip(d)), 0.0, 63.0))
         m = _plus0(torch.clamp(torch.round(mins * _recip(dmin)), 0.0, 63.0))
         scale_el = (_f16(d) * sc).repeat_interleave(32, dim=-1)
@@ -389,7 +384,7 @@ def _ggml_grid(xb: torch.Tensor, fmt: str) -> tuple[BlockGrid, dict[str, torch.T
         return BlockGrid(fmt, iscale, _recip(iscale), bad, None), {"d": _recip(iscale)}
     # q6_k: 16 sub-blocks of 16: w = d * sc * (q - 32), sc int8
     xs = xb.reshape(n, 16, 16)
-    scale = _div(_lead(xs)[..., 0], -32.0)  # each sub-block's largest magnitude at -32
+    scale = div_by(_lead(xs)[..., 0], -32.0)  # each sub-block's largest magnitude at -32
     top = _lead(scale)  # the scale of largest magnitude gets code -128
     iscale = _inverse_scale(top, -128.0)
     sc = _plus0(torch.clamp(torch.round(iscale * scale), -128.0, 127.0))
