@@ -217,13 +217,21 @@ def apply_pending(gm: nn.Module, group: Any = None, *, sync: bool = True) -> dic
     minima and the maxima together); each observer then takes them as one update. Returns
     the number of collectives and bytes sent."""
     stats = {"collectives": 0, "bytes": 0}
+    if not (sync and initialised()):
+        # each on its own: no order to agree on. This runs after every optimizer step: a
+        # plain walk of the module tables (named_modules builds every name), not into a
+        # quantizer's observer; a module reached twice has nothing pending the second time
+        stack = [gm]
+        while stack:
+            m = stack.pop()
+            if isinstance(m, FakeQuantize):
+                m.apply_pending()
+            else:
+                stack.extend(c for c in m._modules.values() if c is not None)
+        return stats
     qs = [m for _, m in sorted(gm.named_modules(), key=lambda kv: kv[0])
           if isinstance(m, FakeQuantize) and m.pending_stats() is not None]
     if not qs:
-        return stats
-    if not (sync and initialised()):
-        for q in qs:
-            q.apply_pending()
         return stats
     device = collective_device(group)
     pending = [q.pending_stats() for q in qs]

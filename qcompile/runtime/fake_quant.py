@@ -456,11 +456,11 @@ class FakeQuantize(nn.Module):
         statistics and the qparams, one pass over ``x``, the same bits) where
         ``_fusable`` allows. Returns whether it did. (The Python path costs ~15 small
         tensor ops, ~140 us per activation quantizer per step.)"""
-        momentum = self._fusable(x)
-        if momentum is None:
+        fusable = self._fusable(x)
+        if fusable is None:
             return False
-        torch.ops.qcompile.observe_minmax(x.detach(), self.observer.min_val,
-                                          self.observer.max_val, self.scale, self.zero_point,
+        momentum, mn, mx, scale, zero_point = fusable
+        torch.ops.qcompile.observe_minmax(x.detach(), mn, mx, scale, zero_point,
                                           self.quant_min, self.quant_max, self.symmetric,
                                           momentum)
         return True
@@ -470,48 +470,59 @@ class FakeQuantize(nn.Module):
         (``qcompile::fake_quant_observe``; the same bits and the same straight-through
         node), or None where ``_fusable`` does not allow it. A weight's rows are read once:
         each row's min / max, its qparams, then its forward while it is in cache."""
-        momentum = self._fusable(x)
-        if momentum is None:
+        fusable = self._fusable(x)
+        if fusable is None:
             return None
-        out = torch.ops.qcompile.fake_quant_observe(
-            x, self.observer.min_val, self.observer.max_val, self.scale, self.zero_point,
-            self.quant_min, self.quant_max, self.symmetric, momentum)
+        momentum, mn, mx, scale, zero_point = fusable
+        out = torch.ops.qcompile.fake_quant_observe(x, mn, mx, scale, zero_point,
+                                                    self.quant_min, self.quant_max,
+                                                    self.symmetric, momentum)
         # what observe_tensor does after observing (plain attribute: no __setattr__)
         weight_cache.clear(self)
         self.__dict__["observed"] = True
         return out
 
-    def _fusable(self, x: torch.Tensor) -> float | None:
-        """The momentum to pass ``qcompile::observe_minmax`` (-1: a running min / max)
-        when it can observe ``x`` for this quantizer, else None: a plain min-max or
-        moving-average observer, per-tensor or per-channel along dim 0 (a weight's output
-        channels), fixed integer scales, plain contiguous float32 CPU tensors, nothing
-        tracing."""
-        obs = self.observer
-        if type(obs) is MinMaxObserver:
+    def _fusable(self, x: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor, torch.Tensor] | None:
+        """``(momentum, min_val, max_val, scale, zero_point)`` to pass
+        ``qcompile::observe_minmax`` (momentum -1: a running min / max) when it can observe
+        ``x`` for this quantizer, else None: a plain min-max or moving-average observer,
+        per-tensor or per-channel along dim 0 (a weight's output channels), fixed integer
+        scales, plain contiguous float32 CPU tensors, nothing tracing.
+
+        Every training forward asks, so the tensors come from the module tables directly
+        (``nn.Module.__getattr__`` costs about a microsecond a name)."""
+        obs = self._modules.get("observer")
+        kind = type(obs)
+        if kind is MinMaxObserver:
             momentum = -1.0  # running min / max
-        elif type(obs) is MovingAverageObserver:
+        elif kind is MovingAverageObserver:
             momentum = float(obs.momentum)
         else:
             return None
         if self.learnable or self.dtype in FP8_DTYPES:
             return None
-        if not (self.granularity == "per_tensor"
-                or (self.granularity == "per_channel" and self.axis == 0)):
+        granularity = self.granularity
+        if not (granularity == "per_tensor" or (granularity == "per_channel" and self.axis == 0)):
             return None
-        if torch.compiler.is_compiling() or weight_cache.tracing():
-            return None  # first: the checks below would break a compiled graph
-        state = (obs.min_val, obs.max_val, self.scale, self.zero_point)
+        if weight_cache.tracing():  # first: the checks below would break a compiled graph
+            return None
         if not (type(x) in (torch.Tensor, nn.Parameter) and x.dtype == torch.float32
-                and x.is_cpu and x.is_contiguous() and not x.is_inference()
-                and all(type(t) is torch.Tensor and t.is_cpu for t in state)):
+                and x.is_cpu and x.is_contiguous() and not x.is_inference()):
+            return None
+        stats, bufs = obs._buffers, self._buffers
+        mn, mx = stats.get("min_val"), stats.get("max_val")
+        scale, zero_point = bufs.get("scale"), bufs.get("zero_point")
+        if not (type(mn) is torch.Tensor and type(mx) is torch.Tensor
+                and type(scale) is torch.Tensor and type(zero_point) is torch.Tensor
+                and mn.is_cpu and mx.is_cpu and scale.is_cpu and zero_point.is_cpu):
             return None
         if not kernels.available():
             return None
-        rows = 1 if self.granularity == "per_tensor" else x.shape[0]
-        if obs.min_val.numel() != rows or x.dim() == 0 or x.numel() == 0:
+        rows = 1 if granularity == "per_tensor" else x.shape[0]
+        if mn.numel() != rows or x.dim() == 0 or x.numel() == 0:
             return None
-        return momentum
+        return momentum, mn, mx, scale, zero_point
 
     @torch.no_grad()
     def observe_range(self, mn: torch.Tensor, mx: torch.Tensor) -> None:
@@ -684,35 +695,31 @@ class FakeQuantize(nn.Module):
         """Whether training forwards defer their observations to ``apply_pending``: step
         updates, an activation quantizer, a min-max or moving-average observer."""
         return (self.update == "step" and not self.weight
-                and type(self.observer) in (MinMaxObserver, MovingAverageObserver))
+                and type(self._modules.get("observer")) in (MinMaxObserver,
+                                                            MovingAverageObserver))
 
     def _observe_later(self, x: torch.Tensor) -> torch.Tensor:
         """A training forward with step updates: fold ``x``'s minima / maxima into the
         pending statistics; fake-quantize with the qparams as they are (unchanged until
         ``apply_pending``), or pass ``x`` through while the observer has no statistics."""
-        if self.enabled and self._one_pass(x) and self._ready():
+        qparams = self._one_pass(x) if self.enabled else None
+        if qparams is not None and self._ready():
             # one C++ pass (qcompile::fake_quant_minmax): the fake-quant and its mask, and
             # the min / max folded into the pending statistics, x read once; the same bits
             # as the two passes below
-            pending = self._pending
+            pending = self.__dict__.get("_pending")
             if pending is None:
-                obs = self.observer
-                pending = (torch.full_like(obs.min_val, float("inf")),
-                           torch.full_like(obs.max_val, float("-inf")))
-                self.__dict__["_pending"] = pending
+                pending = self._fresh_pending()
+            scale, zero_point = qparams
             return torch.ops.qcompile.fake_quant_minmax(
-                x, self._shaped(self.scale, x), self._shaped(self.zero_point, x),
-                self.quant_min, self.quant_max, pending[0], pending[1])
+                x, scale, zero_point, self.quant_min, self.quant_max, pending[0], pending[1])
         with torch.no_grad():
             pending = self._pending
             if self._fusable(x) is not None:
                 # one C++ pass: a running min / max into the pending statistics (the qparams
                 # it also computes go to scratch tensors, never used)
                 if pending is None:
-                    obs = self.observer
-                    pending = (torch.full_like(obs.min_val, float("inf")),
-                               torch.full_like(obs.max_val, float("-inf")))
-                    self.__dict__["_pending"] = pending
+                    pending = self._fresh_pending()
                 scratch = self.__dict__.get("_scratch")
                 if scratch is None or scratch[0].shape != self.scale.shape:
                     scratch = (torch.empty_like(self.scale), torch.empty_like(self.zero_point))
@@ -741,6 +748,27 @@ class FakeQuantize(nn.Module):
                 return x
         return self._fake_quant(x, self.scale, self.zero_point, shaped=False)
 
+    def _fresh_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """New pending statistics (+inf / -inf, one per scale), set and returned. Every
+        step of every activation quantizer starts them, so they are the two halves of one
+        kept tensor, reset by one copy (``apply_pending`` reads it whole, and each reader
+        of the pending statistics copies them)."""
+        d = self.__dict__
+        like = self._modules["observer"]._buffers["min_val"]
+        spare = d.get("_pending_spare")  # (both halves, its template, the halves)
+        if (spare is None or spare[2][0].shape != like.shape
+                or spare[0].device != like.device):
+            n = like.numel()
+            template = torch.cat([torch.full((n,), float("inf"), device=like.device),
+                                  torch.full((n,), float("-inf"), device=like.device)])
+            both = template.clone()
+            spare = (both, template, (both[:n].view(like.shape), both[n:].view(like.shape)))
+            d["_pending_spare"] = spare
+        else:
+            spare[0].copy_(spare[1])
+        d["_pending"] = spare[2]
+        return spare[2]
+
     def _ready(self) -> bool:
         """The observer has statistics to quantize with (``initialised``, set by the first
         forward that finds them). Not while compiling (a branch on a tensor's value)."""
@@ -750,59 +778,77 @@ class FakeQuantize(nn.Module):
             self.__dict__["initialised"] = True
         return True
 
-    def _one_pass(self, x: torch.Tensor) -> bool:
-        """Whether ``qcompile::fake_quant_minmax`` runs this training forward with step
-        updates: a fixed-scale integer quantizer, per-tensor or per-channel; a plain CPU
-        float32, bfloat16 or float16 activation; CPU statistics of one value per scale;
-        nothing tracing; the kernels built. ``_one_pass_step`` (a private switch, True):
-        False takes the two passes (the benchmark's comparison)."""
+    def _one_pass(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The scale and zero point, shaped for ``x``, when ``qcompile::fake_quant_minmax``
+        runs this training forward with step updates, else None: a fixed-scale integer
+        quantizer, per-tensor or per-channel; a plain CPU float32, bfloat16 or float16
+        activation; CPU statistics of one value per scale; nothing tracing; the kernels
+        built. ``_one_pass_step`` (a private switch, True): False takes the two passes
+        (the benchmark's comparison). The tensors come from the module tables directly
+        (see ``_fusable``)."""
         if not self._one_pass_step or self.learnable or self.dtype in FP8_DTYPES:
-            return False
-        if torch.compiler.is_compiling() or weight_cache.tracing():
-            return False  # first: the checks below would break a compiled graph
+            return None
+        if weight_cache.tracing():  # first: the checks below would break a compiled graph
+            return None
         if not (type(x) is torch.Tensor and x.dtype in _ONE_PASS_DTYPES and x.is_cpu):
-            return False
-        n = self.zero_point.numel()
+            return None
+        bufs, stats = self._buffers, self._modules["observer"]._buffers  # deferred(): one
+        scale, zero_point = bufs.get("scale"), bufs.get("zero_point")
+        mn, mx = stats.get("min_val"), stats.get("max_val")
+        if not (type(scale) is torch.Tensor and type(zero_point) is torch.Tensor
+                and type(mn) is torch.Tensor and type(mx) is torch.Tensor
+                and scale.is_cpu and zero_point.is_cpu and mn.is_cpu and mx.is_cpu):
+            return None
+        n = zero_point.numel()
         if self.granularity == "per_channel":
             if not (-x.dim() <= self.axis < x.dim() and x.shape[self.axis] == n):
-                return False
+                return None
         elif self.granularity != "per_tensor":
-            return False
-        state = (self.scale, self.zero_point, self.observer.min_val, self.observer.max_val)
-        if not all(type(t) is torch.Tensor and t.is_cpu for t in state):
-            return False
-        pending = self._pending
-        if pending is not None and not all(
-                t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() and t.numel() == n
-                for t in pending):
-            return False
-        return kernels.available()
+            return None
+        pending = self.__dict__.get("_pending")
+        if pending is not None:
+            for t in pending:
+                if not (t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
+                        and t.numel() == n):
+                    return None
+        if not kernels.available():
+            return None
+        if self.granularity == "per_tensor" and x.dim() != 0:
+            return scale, zero_point
+        return self._shaped(scale, x), self._shaped(zero_point, x)
 
     def pending_stats(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The pending (min, max) of step updates, or None when there are none."""
         return self._pending
 
-    @torch.no_grad()
     def apply_pending(self, stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
         """Fold the pending statistics (or ``stats``: the same reduced across ranks) into
         the observer, once (a moving average takes one update), and recompute the qparams.
         Returns whether there was anything to apply."""
-        pending, self.__dict__["_pending"] = self._pending, None
+        d = self.__dict__
+        pending = d.get("_pending")
         if pending is None:
             return False
-        mn, mx = stats if stats is not None else pending
-        obs = self.observer
-        both = torch.cat([mn.reshape(-1), mx.reshape(-1)]).to(obs.min_val.device)
+        d["_pending"] = None
+        spare = d.get("_pending_spare")
+        if stats is None and spare is not None and pending is spare[2]:
+            both = spare[0]  # [minima, maxima] already (_fresh_pending)
+        else:
+            mn, mx = stats if stats is not None else pending
+            both = torch.cat([mn.reshape(-1), mx.reshape(-1)])
+        obs = self._modules["observer"]
+        both = both.to(obs._buffers["min_val"].device)
         if self.granularity == "per_tensor" and self._observe_fused(both):
             # one C++ call: the observer's update and the qparams, the same bits as below
             # (the minimum and maximum of [min, max] are min and max)
-            self.__dict__["observed"] = False
+            d["observed"] = False
         else:
-            obs.update(both[:mn.numel()].view_as(obs.min_val),
-                       both[mn.numel():].view_as(obs.max_val))
+            n = both.numel() // 2
+            with torch.no_grad():
+                obs.update(both[:n].view_as(obs.min_val), both[n:].view_as(obs.max_val))
             self.refresh_qparams()
         # reduced already: not `observed` (nothing for a per-forward sync to do)
-        self.__dict__["initialised"] = True
+        d["initialised"] = True
         if self.learnable:
             self.observe = False  # LSQ: the observer only initialises the scale
         return True
@@ -814,7 +860,8 @@ class FakeQuantize(nn.Module):
         # free of the checks below (it is also safe to trace).
         if type(x) is not nn.Parameter or torch.compiler.is_compiling():
             return False
-        if self.observe and not (type(self.observer) is MinMaxObserver and not self.learnable):
+        if self.observe and not (type(self._modules.get("observer")) is MinMaxObserver
+                                 and not self.learnable):
             return False
         # LSQ under saved-tensor hooks (non-reentrant checkpointing compares the tensors
         # saved by a forward with those of its recomputation): the uncached nodes, always

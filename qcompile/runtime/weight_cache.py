@@ -360,16 +360,24 @@ def _key(x: torch.Tensor) -> tuple:
 
 
 def _qkey(fq: Any) -> tuple[tuple, tuple]:
-    """What the result depends on besides the weight, and the objects whose ids it uses."""
+    """What the result depends on besides the weight, and the objects whose ids it uses.
+    (Every forward of a weight asks: the tensors come from the module tables directly,
+    ``nn.Module.__getattr__`` costs about a microsecond a name.)"""
+    bufs = fq._buffers
     # a learnable scale is computed on each read: key on what it is computed from
-    pins: tuple = ((fq.scale_offset, fq.scale_ref, fq.zero_point) if fq.learnable
-                   else (fq.scale, fq.zero_point))
-    state = tuple(v for t in pins for v in (id(t), t._version, t.data_ptr()))
+    pins: tuple = ((fq._parameters["scale_offset"], bufs["scale_ref"], bufs["zero_point"])
+                   if fq.learnable else (bufs["scale"], bufs["zero_point"]))
+    state: tuple = ()
+    for t in pins:
+        state += (id(t), t._version, t.data_ptr())
     obs: tuple = ()
-    if fq.observe and fq.observer is not None:
-        o = fq.observer
-        obs = (id(o.min_val), o.min_val._version, id(o.max_val), o.max_val._version)
-        pins += (o.min_val, o.max_val)
+    o = fq._modules.get("observer")
+    if fq.observe and o is not None:
+        mn, mx = o._buffers.get("min_val"), o._buffers.get("max_val")
+        if mn is None or mx is None:  # an observer of another kind: its attributes
+            mn, mx = o.min_val, o.max_val
+        obs = (id(mn), mn._version, id(mx), mx._version)
+        pins += (mn, mx)
     key = (state, fq.observe, obs,
            fq.dtype, fq.granularity, fq.axis, fq.group_size, fq.quant_min, fq.quant_max,
            fq.learnable, fq.per_example)
@@ -415,9 +423,10 @@ def forward(fq: Any, x: torch.Tensor) -> torch.Tensor:
             entry.mask = _out_and_mask(fq, x)[1]
         return _CachedSTE.apply(x, entry.out, entry.mask)
 
-    # miss: drop the old entry first (its memory is free for the new one)
+    # miss: drop the old entry first, this reference too, so that its memory is free for
+    # the new one (the same block again: in cache, its pages mapped)
     reused = entry is not None and entry.reused
-    fq.__dict__[ATTR] = None
+    fq.__dict__[ATTR] = entry = None
     mask = None
     # Under saved-tensor hooks (checkpointing matches the forward's saves with its
     # recomputation's, which will hit), every forward goes through the cache's nodes.

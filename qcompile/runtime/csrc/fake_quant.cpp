@@ -41,6 +41,7 @@
 #endif
 
 #include <algorithm>
+#include <cfenv>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -100,9 +101,11 @@ struct KernelTable {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
 #define QCOMPILE_FQ_ISA_NAME "avx512"
 #define QCOMPILE_FQ_AVX2 1  // GCC's target pragma does not define __AVX2__: our own flag
+#define QCOMPILE_FQ_AVX512 1
 namespace qcompile_fq::isa_avx512 {
 #include __FILE__
 }  // namespace qcompile_fq::isa_avx512
+#undef QCOMPILE_FQ_AVX512
 #undef QCOMPILE_FQ_AVX2
 #undef QCOMPILE_FQ_ISA_NAME
 #pragma GCC pop_options
@@ -745,6 +748,19 @@ static bool plain_cpu(const Tensor& t) {
          t.storage().data() != nullptr;
 }
 
+// n bytes all 0xFF (8 at a time)
+static bool all_ones(const uint8_t* p, int64_t n) {
+  uint64_t acc = ~uint64_t(0);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + i, sizeof w);
+    acc &= w;
+  }
+  for (; i < n; ++i) acc &= 0xFFFFFFFFFFFFFF00ULL | p[i];
+  return acc == ~uint64_t(0);
+}
+
 // Whether the first n bits of a packed mask are all set (the bits past n are zero).
 static bool all_set(const Tensor& bits, int64_t n) {
   const uint8_t* p = bits.const_data_ptr<uint8_t>();
@@ -1017,7 +1033,6 @@ static std::tuple<Tensor, Tensor> observe_fwd(const Tensor& x, const Tensor& min
   Job j;
   j.x = x.const_data_ptr();
   j.y = out.mutable_data_ptr();
-  j.bits = with_mask ? static_cast<uint8_t*>(bits.mutable_data_ptr()) : nullptr;
   j.s = o.s;
   j.z = zf.data();
   j.n = x.numel();
@@ -1028,15 +1043,52 @@ static std::tuple<Tensor, Tensor> observe_fwd(const Tensor& x, const Tensor& min
   j.hi = o.hi;
   const auto& k = kernels();
   const float* xp = x.const_data_ptr<float>();
+  float* yp = out.mutable_data_ptr<float>();
+  // With a mask, each row's bits go to a small buffer first and into the mask only for a
+  // row with an element outside the range: a weight under its own min-max range has
+  // none, and then no mask is written or read at all (nor kept).
+  uint8_t* bp = with_mask ? static_cast<uint8_t*>(bits.mutable_data_ptr()) : nullptr;
+  std::vector<uint8_t> clamped(with_mask ? rows : 0, 0);
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / len), [&](int64_t b, int64_t e) {
+    std::vector<uint8_t> row_bits(with_mask ? len / 8 : 0);
+    Job one = j;  // one row: its own pointers, one scale
+    one.n = one.row = len;
+    one.C = one.rows = 1;
+    one.bits = row_bits.data();
     for (int64_t r = b; r < e; ++r) {
       float mn, mx;
+      // the next row on its way from memory while this one is reduced and quantized from
+      // cache (rows up to 16 KB: a weight's; 4% of the call on a 4 MB weight)
+      if (r + 1 < e && len <= 4096) {
+        const char* next = reinterpret_cast<const char*>(xp + (r + 1) * len);
+        for (int64_t o = 0; o < len * 4; o += 64) __builtin_prefetch(next + o, 0, 3);
+      }
       k.minmax(xp + r * len, len, &mn, &mx);
       zf[r] = o.update(r, mn, mx);
-      k.fwd(j, r * len, (r + 1) * len);  // whole mask bytes: len % 8 == 0
+      if (!with_mask) {
+        k.fwd(j, r * len, (r + 1) * len);
+        continue;
+      }
+      one.x = xp + r * len;
+      one.y = yp + r * len;
+      one.s = o.s + r;
+      one.z = zf.data() + r;
+      k.fwd(one, 0, len);  // whole mask bytes: len % 8 == 0
+      if (!all_ones(row_bits.data(), len / 8)) {
+        clamped[r] = 1;
+        std::memcpy(bp + r * (len / 8), row_bits.data(), len / 8);
+      }
     }
   });
   bump({&min_val, &max_val, &scale, &zero_point});
+  if (with_mask) {
+    if (std::none_of(clamped.begin(), clamped.end(), [](uint8_t c) { return c != 0; })) {
+      return {out, Tensor()};  // everything inside: no mask
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!clamped[r]) std::memset(bp + r * (len / 8), 0xFF, len / 8);
+    }
+  }
   return {out, bits};
 }
 
@@ -1074,7 +1126,7 @@ Tensor fake_quant_observe_autograd(const Tensor& x, const Tensor& min_val,
     std::tie(out, mask) = observe_fwd(x.detach(), min_val, max_val, scale, zero_point,
                                       quant_min, quant_max, symmetric, momentum, true);
   }
-  node->all_in = all_set(mask, x.numel());
+  node->all_in = !mask.defined() || all_set(mask, x.numel());
   if (!node->all_in) node->mask = SavedVariable(mask, false);
   node->stride = out.sym_strides().vec();
   torch::autograd::set_history(out, node);
@@ -1308,18 +1360,66 @@ static inline uint64_t spread_bits(uint32_t b) {
 enum MaskOut { kNoMask = 0, kMaskBytes = 1, kMaskBits = 2 };
 
 #ifdef QCOMPILE_FQ_AVX2
-// Eight lanes of the forward: the scalar loop's IEEE operations, lane for lane (true
-// division, nearbyint's rounding, comparisons false for NaN, a clamp NaN passes through);
-// the in-range bits come back from one movemask. GCC vectorises the scalar loop without
-// the mask, but not with it (a byte store next to a float one): the mask doubled the
-// forward's time.
-static inline __m256 fq8(__m256 v, __m256 s, __m256 z, __m256 lo, __m256 hi, int* in) {
-  const __m256 q = _mm256_add_ps(
-      _mm256_round_ps(_mm256_div_ps(v, s), _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC), z);
-  *in = _mm256_movemask_ps(
-      _mm256_and_ps(_mm256_cmp_ps(q, lo, _CMP_GE_OQ), _mm256_cmp_ps(q, hi, _CMP_LE_OQ)));
-  __m256 c = _mm256_blendv_ps(q, lo, _mm256_cmp_ps(q, lo, _CMP_LT_OQ));
-  c = _mm256_blendv_ps(c, hi, _mm256_cmp_ps(c, hi, _CMP_GT_OQ));
+// nearbyint(x / s) from a product. With r = 1 / s rounded to a normal float, q0 = x * r is
+// within 3 * 2^-24 |q0| (relative) of the IEEE quotient x / s, so where q0 is farther than
+// 2^-21 |q0| from every half-integer (where nearbyint's result changes) both round to the
+// same integer. The forward only needs that where it can matter: for |q0| <= Q + 2, Q the
+// largest step from the zero point to a clamp edge; beyond, both integers lie beyond the
+// same edge (the same clamped output, no gradient). So one bound serves every element,
+// 2^-21 (Q + 2): nearbyint(q0) is taken where |q0 - nearbyint(q0)| < 0.5 - that bound,
+// and the lanes of a vector with any other element (a tie within the bound, NaN, an
+// infinity) take the true division. A multiplication instead of a division: with AVX-512
+// the divider bounded the forward; the AVX2 variant divides (the check's extra operations
+// cost more there than the division). Only under round-to-nearest (the bound is about
+// half-integers), for one scale per segment (one reciprocal) of at least kRecipMin
+// elements (a scalar division each), and ranges of at most 2^12 steps a side (wider ones,
+// int16, would fall back too often).
+constexpr int64_t kRecipMin = 32;
+struct Recip {
+  float r = 0.0f;    // 1 / s; 0: divide
+  float below = 0.0f;  // 0.5 - 2^-21 (Q + 2): |q0 - nearbyint(q0)| below it is exact
+};
+static inline Recip usable_recip(float s, float z, float lo, float hi, int64_t n) {
+  Recip out;
+#ifdef QCOMPILE_FQ_AVX512
+  const float q = std::max(std::fabs(lo - z), std::fabs(hi - z));  // z, lo, hi: integers
+  if (n >= kRecipMin && q <= 4096.0f && std::fegetround() == FE_TONEAREST) {
+    const float r = 1.0f / s;
+    if (std::isnormal(r)) {
+      out.r = r;
+      out.below = 0.5f - (q + 2.0f) * 0x1p-21f;  // exact: q + 2 <= 4098
+    }
+  }
+#else
+  (void)s;
+  (void)z;
+  (void)lo;
+  (void)hi;
+  (void)n;
+#endif
+  return out;
+}
+
+static inline __m256 round_quot8(__m256 v, __m256 s, __m256 r, __m256 below) {
+  const __m256 q0 = _mm256_mul_ps(v, r);
+  const __m256 k = _mm256_round_ps(q0, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+  const __m256 off = _mm256_and_ps(_mm256_sub_ps(q0, k),
+                                   _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
+  if (_mm256_movemask_ps(_mm256_cmp_ps(off, below, _CMP_LT_OQ)) == 0xFF) return k;
+  return _mm256_round_ps(_mm256_div_ps(v, s), _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+}
+
+// Eight lanes of the forward from the rounded quotient k (nearbyint(x / s)): the scalar
+// loop's IEEE operations, lane for lane. The clamp is max(lo, q), then min(hi, .): with
+// the bound first, max_ps / min_ps return the second operand for a NaN, so NaN passes
+// through as the scalar clamp lets it (and -0.0 stays). In range exactly where the clamp
+// changed nothing (ordered: NaN is not); the bits come back from one movemask. GCC
+// vectorises the scalar loop without the mask, but not with it (a byte store next to a
+// float one): the mask doubled the forward's time.
+static inline __m256 fq8(__m256 k, __m256 s, __m256 z, __m256 lo, __m256 hi, int* in) {
+  const __m256 q = _mm256_add_ps(k, z);
+  const __m256 c = _mm256_min_ps(hi, _mm256_max_ps(lo, q));
+  *in = _mm256_movemask_ps(_mm256_cmp_ps(c, q, _CMP_EQ_OQ));
   return _mm256_mul_ps(_mm256_sub_ps(c, z), s);
 }
 
@@ -1330,20 +1430,97 @@ struct MinMax8 {
   __m256 mn, mx, nan;
 };
 
-// float32, 8 at a time; returns how many elements it did (the caller does the rest). With
-// kStats, the elements it did are folded into *st too, in the same loop: the division
-// bounds the loop, the min / max chains hide under it.
+#ifdef QCOMPILE_FQ_AVX512
+// The same sixteen lanes at a time (AVX-512: one instruction where AVX2 takes two).
+static inline __m512 round_quot16(__m512 v, __m512 s, __m512 r, __m512 below) {
+  const __m512 q0 = _mm512_mul_ps(v, r);
+  const __m512 k = _mm512_roundscale_ps(q0, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+  if (_mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(q0, k)), below, _CMP_LT_OQ) == 0xFFFF) {
+    return k;
+  }
+  return _mm512_roundscale_ps(_mm512_div_ps(v, s), _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+}
+
+static inline __m512 fq16(__m512 k, __m512 s, __m512 z, __m512 lo, __m512 hi,
+                          __mmask16* in) {
+  const __m512 q = _mm512_add_ps(k, z);
+  const __m512 c = _mm512_min_ps(hi, _mm512_max_ps(lo, q));
+  *in = _mm512_cmp_ps_mask(c, q, _CMP_EQ_OQ);
+  return _mm512_mul_ps(_mm512_sub_ps(c, z), s);
+}
+
+// fwd_seg8's first elements, sixteen at a time; returns how many it did (a multiple of
+// 16). Its statistics are folded into *st's eight lanes at the end (min / max: exact).
+template <typename P, int kOut, bool kStats>
+static int64_t fwd_seg16(const float* __restrict x, float* __restrict y,
+                         uint8_t* __restrict m, int64_t n, P p, Recip rc, float lo_f,
+                         float hi_f, MinMax8* st) {
+  const __m512 lo = _mm512_set1_ps(lo_f), hi = _mm512_set1_ps(hi_f);
+  const __m512 r = _mm512_set1_ps(rc.r), below = _mm512_set1_ps(rc.below);
+  __m512 vmn = _mm512_set1_ps(INFINITY), vmx = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 s, z;
+    if constexpr (std::is_same_v<P, ScalarP>) {
+      s = _mm512_set1_ps(p.s);
+      z = _mm512_set1_ps(p.z);
+    } else {
+      s = _mm512_loadu_ps(p.s + i);
+      z = _mm512_loadu_ps(p.z + i);
+    }
+    const __m512 v = _mm512_loadu_ps(x + i);
+    if constexpr (kStats) {
+      vmn = _mm512_min_ps(vmn, v);
+      vmx = _mm512_max_ps(vmx, v);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    const __m512 k =
+        rc.r != 0.0f ? round_quot16(v, s, r, below)
+                     : _mm512_roundscale_ps(_mm512_div_ps(v, s),
+                                            _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+    __mmask16 in;
+    _mm512_storeu_ps(y + i, fq16(k, s, z, lo, hi, &in));
+    if constexpr (kOut == kMaskBytes) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(m + i),
+                       _mm_maskz_mov_epi8(in, _mm_set1_epi8(1)));
+    } else if constexpr (kOut == kMaskBits) {
+      std::memcpy(m + i / 8, &in, sizeof in);  // little-endian: element k is bit k
+    }
+  }
+  if constexpr (kStats) {
+    if (i > 0) {
+      st->mn = _mm256_min_ps(st->mn, _mm256_min_ps(_mm512_castps512_ps256(vmn),
+                                                   _mm512_extractf32x8_ps(vmn, 1)));
+      st->mx = _mm256_max_ps(st->mx, _mm256_max_ps(_mm512_castps512_ps256(vmx),
+                                                   _mm512_extractf32x8_ps(vmx, 1)));
+      if (nan) st->nan = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    }
+  }
+  return i;
+}
+#endif
+
+// float32, 8 at a time (16 with AVX-512); returns how many elements it did (the caller
+// does the rest). With kStats, the elements it did are folded into *st too, in the same
+// loop: the forward bounds the loop, the min / max chains hide under it.
 template <typename P, int kOut, bool kStats = false>
 static int64_t fwd_seg8(const float* __restrict x, float* __restrict y, uint8_t* __restrict m,
                         int64_t n, P p, float lo_f, float hi_f, MinMax8* st = nullptr) {
+  Recip rc;
+  if constexpr (std::is_same_v<P, ScalarP>) rc = usable_recip(p.s, p.z, lo_f, hi_f, n);
+  int64_t i = 0;
+#ifdef QCOMPILE_FQ_AVX512
+  i = fwd_seg16<P, kOut, kStats>(x, y, m, n, p, rc, lo_f, hi_f, st);
+#endif
   const __m256 lo = _mm256_set1_ps(lo_f), hi = _mm256_set1_ps(hi_f);
+  const __m256 r = _mm256_set1_ps(rc.r), below = _mm256_set1_ps(rc.below);
   __m256 vmn, vmx, vnan;
   if constexpr (kStats) {
     vmn = st->mn;
     vmx = st->mx;
     vnan = st->nan;
   }
-  int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m256 s, z;
     if constexpr (std::is_same_v<P, ScalarP>) {
@@ -1360,7 +1537,11 @@ static int64_t fwd_seg8(const float* __restrict x, float* __restrict y, uint8_t*
       vmx = _mm256_max_ps(vmx, v);
       vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     }
-    _mm256_storeu_ps(y + i, fq8(v, s, z, lo, hi, &in));
+    const __m256 k =
+        rc.r != 0.0f ? round_quot8(v, s, r, below)
+                     : _mm256_round_ps(_mm256_div_ps(v, s),
+                                       _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+    _mm256_storeu_ps(y + i, fq8(k, s, z, lo, hi, &in));
     if constexpr (kOut == kMaskBytes) {
       const uint64_t bytes = spread_bits(static_cast<uint32_t>(in));
       std::memcpy(m + i, &bytes, sizeof bytes);
@@ -1697,9 +1878,55 @@ static void minmax(const float* __restrict x, int64_t n, float* mn_out, float* m
   float mn = INFINITY, mx = -INFINITY;
   bool nan = false;
 #ifdef QCOMPILE_FQ_AVX2
-  // a min/max reduction GCC does not vectorise without fast-math (signed zeros, NaN)
+  // a min/max reduction GCC does not vectorise without fast-math (signed zeros, NaN);
+  // four chains of each, or the min / max latency bounds the loop, not memory
   __m256 vmn = _mm256_set1_ps(INFINITY), vmx = _mm256_set1_ps(-INFINITY);
   __m256 vnan = _mm256_setzero_ps();
+#ifdef QCOMPILE_FQ_AVX512
+  if (n >= 64) {
+    __m512 a0 = _mm512_set1_ps(INFINITY), a1 = a0, a2 = a0, a3 = a0;
+    __m512 b0 = _mm512_set1_ps(-INFINITY), b1 = b0, b2 = b0, b3 = b0;
+    __mmask16 nan16 = 0;
+    for (; i + 64 <= n; i += 64) {
+      const __m512 v0 = _mm512_loadu_ps(x + i), v1 = _mm512_loadu_ps(x + i + 16);
+      const __m512 v2 = _mm512_loadu_ps(x + i + 32), v3 = _mm512_loadu_ps(x + i + 48);
+      a0 = _mm512_min_ps(a0, v0);
+      a1 = _mm512_min_ps(a1, v1);
+      a2 = _mm512_min_ps(a2, v2);
+      a3 = _mm512_min_ps(a3, v3);
+      b0 = _mm512_max_ps(b0, v0);
+      b1 = _mm512_max_ps(b1, v1);
+      b2 = _mm512_max_ps(b2, v2);
+      b3 = _mm512_max_ps(b3, v3);
+      nan16 |= _mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v2, v3, _CMP_UNORD_Q);
+    }
+    a0 = _mm512_min_ps(_mm512_min_ps(a0, a1), _mm512_min_ps(a2, a3));
+    b0 = _mm512_max_ps(_mm512_max_ps(b0, b1), _mm512_max_ps(b2, b3));
+    vmn = _mm256_min_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
+    vmx = _mm256_max_ps(_mm512_castps512_ps256(b0), _mm512_extractf32x8_ps(b0, 1));
+    if (nan16) vnan = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  }
+#else
+  if (n >= 32) {
+    __m256 a1 = vmn, a2 = vmn, a3 = vmn, b1 = vmx, b2 = vmx, b3 = vmx;
+    for (; i + 32 <= n; i += 32) {
+      const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+      const __m256 v2 = _mm256_loadu_ps(x + i + 16), v3 = _mm256_loadu_ps(x + i + 24);
+      vmn = _mm256_min_ps(vmn, v0);
+      a1 = _mm256_min_ps(a1, v1);
+      a2 = _mm256_min_ps(a2, v2);
+      a3 = _mm256_min_ps(a3, v3);
+      vmx = _mm256_max_ps(vmx, v0);
+      b1 = _mm256_max_ps(b1, v1);
+      b2 = _mm256_max_ps(b2, v2);
+      b3 = _mm256_max_ps(b3, v3);
+      vnan = _mm256_or_ps(vnan, _mm256_or_ps(_mm256_cmp_ps(v0, v1, _CMP_UNORD_Q),
+                                             _mm256_cmp_ps(v2, v3, _CMP_UNORD_Q)));
+    }
+    vmn = _mm256_min_ps(_mm256_min_ps(vmn, a1), _mm256_min_ps(a2, a3));
+    vmx = _mm256_max_ps(_mm256_max_ps(vmx, b1), _mm256_max_ps(b2, b3));
+  }
+#endif
   for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
     vmn = _mm256_min_ps(vmn, v);

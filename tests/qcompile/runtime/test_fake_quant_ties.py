@@ -125,3 +125,85 @@ def test_lsq_scale_gradient_on_ties(path: str, monkeypatch: pytest.MonkeyPatch) 
     assert torch.equal(y, torch.from_numpy(want).to(torch.bfloat16).reshape(1, -1))
     assert torch.equal(gx, torch.from_numpy(grad * mask).to(torch.bfloat16).reshape(1, -1))
     assert gs is not None and float(gs) == float((grad * ds).sum() * 0.5)
+
+
+def near_ties(scales: np.ndarray, k: np.ndarray, ulps: int) -> np.ndarray:
+    """float32 inputs within ``ulps`` units in the last place of ``(k + 0.5) * scale``, one
+    row per scale: where ``x / scale`` is a hair from a rounding tie, so that which side of
+    it the float32 quotient lands on decides the step (a quotient computed any other way
+    than by IEEE division, say from a reciprocal, shows)."""
+    base = ((k[None, :] + 0.5) * scales[:, None].astype(np.float64)).astype(np.float32)
+    out = base.copy()
+    steps = np.arange(base.shape[1]) % (2 * ulps + 1) - ulps
+    up, down = np.full_like(base, np.inf), np.full_like(base, -np.inf)
+    for i in range(1, ulps + 1):
+        out = np.where(steps[None, :] >= i, np.nextafter(out, up), out)
+        out = np.where(steps[None, :] <= -i, np.nextafter(out, down), out)
+    return out
+
+
+def quotient_reference(x: np.ndarray, s: np.ndarray, qmin: int, qmax: int, zp: int
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """The definition in numpy float32: IEEE division, half to even, the product last."""
+    q = np.rint(x / s) + np.float32(zp)
+    return ((np.clip(q, qmin, qmax) - np.float32(zp)) * s).astype(np.float32), \
+        (q >= qmin) & (q <= qmax)
+
+
+@pytest.mark.parametrize("path", [p for p in _paths() if p != "eager"])
+@pytest.mark.parametrize("qrange", list(RANGES))
+def test_near_ties_follow_the_float32_quotient(path: str, qrange: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inputs 0-3 ulps from a tie, with scales of full 24-bit mantissas, through every
+    kernel that fake-quantizes float32 rows with one scale each (fake_quant per channel
+    and per tensor, the weight observer's fused call, the step statistics' one pass): the
+    step is the float32 quotient's (numpy), on both sides of the tie."""
+    qmin, qmax, zp = RANGES[qrange]
+    rng = np.random.default_rng(7)
+    scales = rng.uniform(1e-3, 2.0, 24).astype(np.float32)
+    k = np.arange(qmin - zp - 2, qmax - zp + 2, dtype=np.float64)[:256]
+    k = np.resize(k, 272)  # rows of 272: a 16-multiple body and more than one tail
+    x = near_ties(scales, k, 3)
+    monkeypatch.setenv("QCOMPILE_FQ_ISA", {"ext-base": "base", "ext-avx2": "avx2"}.get(path, ""))
+    ops = torch.ops.qcompile
+    xt = torch.from_numpy(x)
+    # fake_quant, one scale per row
+    s = torch.from_numpy(scales).reshape(-1, 1)
+    z = torch.full((len(scales), 1), zp, dtype=torch.int32)
+    want, mask = quotient_reference(x, scales[:, None], qmin, qmax, zp)
+    xg = xt.clone().requires_grad_(True)
+    y = ops.fake_quant(xg, s, z, qmin, qmax)
+    y.backward(torch.ones_like(y))
+    assert np.array_equal(y.detach().numpy(), want), path
+    assert np.array_equal(xg.grad.numpy(), mask.astype(np.float32)), path
+    # per tensor: one scale for everything
+    want1, _ = quotient_reference(x, scales[0], qmin, qmax, zp)
+    y1 = ops.fake_quant(xt, s[:1, 0], z[:1, 0], qmin, qmax)
+    assert np.array_equal(y1.numpy(), want1), path
+    # the step statistics' one pass: the same output, and the extremes
+    mn = torch.full((1,), float("inf"))
+    mx = torch.full((1,), float("-inf"))
+    y2 = ops.fake_quant_minmax(xt, s[:1, 0], z[:1, 0], qmin, qmax, mn, mx)
+    assert np.array_equal(y2.numpy(), want1) and mn.item() == x.min() and mx.item() == x.max()
+    # a weight's observer and forward in one call: its scales are the row ranges'; the
+    # reference divides by the scales the call wrote
+    obs = [torch.full((len(scales),), v) for v in (float("inf"), float("-inf"))]
+    qs, qz = torch.empty(len(scales)), torch.empty(len(scales), dtype=torch.int32)
+    y3 = ops.fake_quant_observe(xt, obs[0], obs[1], qs, qz, qmin, qmax, zp == 0, -1.0)
+
+    def want_rows(xs: np.ndarray) -> np.ndarray:
+        return np.stack([quotient_reference(r, qs.numpy()[i], qmin, qmax, int(qz[i]))[0]
+                         for i, r in enumerate(xs)])
+
+    assert np.array_equal(y3.numpy(), want_rows(x)), path
+    # again, with inputs near the ties of the scales the observer picked, inside each
+    # row's range, the row's extremes kept (so the scales stay)
+    x4 = np.stack([near_ties(qs.numpy()[i:i + 1], np.resize(
+        np.arange(qmin - int(qz[i]) + 1, qmax - int(qz[i]) - 1, dtype=np.float64), 272), 3)[0]
+        for i in range(len(scales))])
+    x4[:, 0], x4[:, 1] = x.min(axis=1), x.max(axis=1)
+    scales_before = qs.clone()
+    y4 = ops.fake_quant_observe(torch.from_numpy(x4), obs[0], obs[1], qs, qz, qmin, qmax,
+                                zp == 0, -1.0)
+    assert torch.equal(qs, scales_before)
+    assert np.array_equal(y4.numpy(), want_rows(x4)), path
