@@ -75,6 +75,19 @@ def _values(fmt: str, rows: int, block: int, seed: str) -> torch.Tensor:
             x[r] = _grid_ties(FORMATS["mxfp4"], block, gen).clamp(-6, 6) * 2.0 ** k
             x[r, 0] = 6.0 * 2.0 ** k
             x[0, 1] = 2688.0
+        elif f.kind == "ggml":  # Q8_0 / Q4_0 / Q4_1 at d = 2^k: x / d on and between grid ties
+            m = torch.randint(-120, 121, (block,), generator=gen).float()
+            half = torch.rand(block, generator=gen) < 0.5
+            if fmt == "q8_0":  # amax 127 d: x / d = m + 1/2, C's roundf goes away from 0
+                x[r] = torch.where(half, m + 0.5, m).clamp(-126.5, 126.5)
+                x[r, 0] = 127.0
+            elif fmt == "q4_0":  # lead -8 d: x / d + 8.5 an integer (trunc exact) or a half
+                x[r] = torch.where(half, m / 16 - 0.5, m / 16).clamp(-7.5, 7.5)
+                x[r, 0] = -8.0
+            else:  # q4_1: min 0, max 15 d: (x - min) / d + 0.5 an integer or a half
+                x[r] = torch.where(half, m.abs() / 8 + 0.5, m.abs() / 8).clamp(0.0, 15.0)
+                x[r, 0], x[r, 1] = 0.0, 15.0
+            x[r] = x[r] * 2.0 ** k
         else:  # level midpoints (as float32) times a power of two absmax
             lv = torch.tensor(NF4_LEVELS)
             mids = (lv[:-1] + lv[1:]) / 2
