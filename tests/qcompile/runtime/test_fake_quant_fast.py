@@ -243,6 +243,8 @@ def test_fused_observation_keeps_weight_cache_rules() -> None:
     ((6, 1064), {"granularity": "per_channel", "axis": 0, "channels": 6}),  # long rows
     ((12, 4, 3, 3), {"granularity": "per_channel", "axis": 0, "channels": 12}),  # rows of 36
     ((12, 37), {"granularity": "per_channel", "axis": 0, "channels": 12}),  # two passes
+    # 2.5 MB: the output written with streaming stores
+    ((640, 1032), {"granularity": "per_channel", "axis": 0, "channels": 640}),
     ((3, 5, 40000), {}),  # per-tensor: min / max over chunks of the row
     ((7, 9), {"observer": {"kind": "moving_average", "momentum": 0.3}}),
     ((16, 24), {"granularity": "per_channel", "axis": 0, "channels": 16,
