@@ -488,10 +488,7 @@ class FakeQuantize(nn.Module):
         ``qcompile::observe_minmax`` (momentum -1: a running min / max) when it can observe
         ``x`` for this quantizer, else None: a plain min-max or moving-average observer,
         per-tensor or per-channel along dim 0 (a weight's output channels), fixed integer
-        scales, plain contiguous float32 CPU tensors, nothing tracing.
-
-        Every training forward asks, so the tensors come from the module tables directly
-        (``nn.Module.__getattr__`` costs about a microsecond a name)."""
+        scales, plain contiguous float32 CPU tensors, nothing tracing (``_cpu_state``)."""
         obs = self._modules.get("observer")
         kind = type(obs)
         if kind is MinMaxObserver:
@@ -510,19 +507,27 @@ class FakeQuantize(nn.Module):
         if not (type(x) in (torch.Tensor, nn.Parameter) and x.dtype == torch.float32
                 and x.is_cpu and x.is_contiguous() and not x.is_inference()):
             return None
-        stats, bufs = obs._buffers, self._buffers
-        mn, mx = stats.get("min_val"), stats.get("max_val")
-        scale, zero_point = bufs.get("scale"), bufs.get("zero_point")
-        if not (type(mn) is torch.Tensor and type(mx) is torch.Tensor
-                and type(scale) is torch.Tensor and type(zero_point) is torch.Tensor
-                and mn.is_cpu and mx.is_cpu and scale.is_cpu and zero_point.is_cpu):
+        state = self._cpu_state(obs)
+        if state is None or not kernels.available():
             return None
-        if not kernels.available():
-            return None
+        mn, mx, scale, zero_point = state
         rows = 1 if granularity == "per_tensor" else x.shape[0]
         if mn.numel() != rows or x.dim() == 0 or x.numel() == 0:
             return None
         return momentum, mn, mx, scale, zero_point
+
+    def _cpu_state(self, obs: nn.Module) -> tuple[torch.Tensor, ...] | None:
+        """``(min_val, max_val, scale, zero_point)`` of ``obs`` (this quantizer's observer)
+        and this quantizer when all four are plain CPU tensors, else None. Read from the
+        module tables directly: ``nn.Module.__getattr__`` costs about a microsecond a name,
+        and every training forward asks."""
+        stats, bufs = obs._buffers, self._buffers
+        state = (stats.get("min_val"), stats.get("max_val"), bufs.get("scale"),
+                 bufs.get("zero_point"))
+        for t in state:
+            if type(t) is not torch.Tensor or not t.is_cpu:
+                return None
+        return state
 
     @torch.no_grad()
     def observe_range(self, mn: torch.Tensor, mx: torch.Tensor) -> None:
@@ -784,21 +789,17 @@ class FakeQuantize(nn.Module):
         quantizer, per-tensor or per-channel; a plain CPU float32, bfloat16 or float16
         activation; CPU statistics of one value per scale; nothing tracing; the kernels
         built. ``_one_pass_step`` (a private switch, True): False takes the two passes
-        (the benchmark's comparison). The tensors come from the module tables directly
-        (see ``_fusable``)."""
+        (the benchmark's comparison)."""
         if not self._one_pass_step or self.learnable or self.dtype in FP8_DTYPES:
             return None
         if weight_cache.tracing():  # first: the checks below would break a compiled graph
             return None
         if not (type(x) is torch.Tensor and x.dtype in _ONE_PASS_DTYPES and x.is_cpu):
             return None
-        bufs, stats = self._buffers, self._modules["observer"]._buffers  # deferred(): one
-        scale, zero_point = bufs.get("scale"), bufs.get("zero_point")
-        mn, mx = stats.get("min_val"), stats.get("max_val")
-        if not (type(scale) is torch.Tensor and type(zero_point) is torch.Tensor
-                and type(mn) is torch.Tensor and type(mx) is torch.Tensor
-                and scale.is_cpu and zero_point.is_cpu and mn.is_cpu and mx.is_cpu):
+        state = self._cpu_state(self._modules["observer"])  # deferred(): there is one
+        if state is None:
             return None
+        scale, zero_point = state[2:]
         n = zero_point.numel()
         if self.granularity == "per_channel":
             if not (-x.dim() <= self.axis < x.dim() and x.shape[self.axis] == n):
