@@ -25,7 +25,9 @@ under ``torch.compile`` and ``torch.export``):
 - ``qcompile::fake_quant_observe(...)`` (the same arguments): ``observe_minmax`` and then
   ``fake_quant`` with the new qparams, in one call, with the straight-through node; a
   weight's rows are read once (each row's min / max, its qparams, then its forward while
-  the row is in cache). What an observing quantizer's forward runs.
+  the row is in cache), a mask is kept only when an element was clamped, and an output of
+  2 MB and more is written with streaming stores. What an observing quantizer's forward
+  runs.
 - ``qcompile::fake_quant_minmax(x, scale, zero_point, quant_min, quant_max, min_val,
   max_val)``: ``fake_quant`` (the same bits, the same straight-through node), and ``x``'s
   minimum and maximum per scale (per-tensor or per-channel) folded into ``min_val`` /
