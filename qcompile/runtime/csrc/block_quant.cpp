@@ -824,9 +824,7 @@ static void nf4_blocks8(const Job& j, const T* x, T* y, int64_t nblocks) {
 static inline __m256 clamp8(__m256 v, float lo, float hi) {
   return _mm256_min_ps(_mm256_set1_ps(hi), _mm256_max_ps(_mm256_set1_ps(lo), v));
 }
-static inline __m256 abs8(__m256 v) {
-  return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
-}
+static inline __m256 abs8(__m256 v) { return _mm256_castsi256_ps(abs_bits8(v)); }
 static inline __m256 trunc_exact8(__m256 v) {  // trunc_exact
   const __m256 r = _mm256_round_ps(v, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
   const __m256 one = _mm256_or_ps(_mm256_and_ps(v, _mm256_set1_ps(-0.0f)),
