@@ -9,7 +9,7 @@ Example:
     >>> from qcompile.passes import default_passes
     >>> from qcompile.specs import CompileSpec
     >>> [p.name for p in default_passes(CompileSpec.model_validate({"quant": {"mode": "qat"}}))]
-    ['trace', 'fold_bn', 'annotate', 'insert_quant']
+    ['trace', 'fold_bn', 'annotate', 'insert_quant', 'overwrite_inputs']
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from qcompile.passes import (
     fold_bn,
     insert_adapters,
     insert_quant,
+    overwrite_inputs,
     partition,
     place,
     plan_tensor_parallel,
@@ -85,6 +86,8 @@ def default_passes(spec: CompileSpec) -> list[Pass]:
         passes += [plan_tensor_parallel.plan_tensor_parallel]
     if spec.pipeline is not None:
         passes += [partition.partition, place.place]
+    if spec.quant.mode != "none":
+        passes += [overwrite_inputs.overwrite_inputs]  # last: the graphs as they will run
     return passes
 
 

@@ -49,7 +49,7 @@ Example:
     >>> int8 = qc.convert(gm)
     >>> sorted({r.path for r in qc.report(int8).conversions})  # the input quantized too
     ['kernel', 'quantize']
-    >>> [p.name for p in qc.report(int8).passes][4:]  # doctest: +NORMALIZE_WHITESPACE
+    >>> [p.name for p in qc.report(int8).passes][5:]  # doctest: +NORMALIZE_WHITESPACE
     ['convert.collect_weights', 'convert.fold_batchnorm', 'convert.lower_activations',
      'convert.sink_dequantize', 'convert.use_kernels', 'convert.use_recurrent_kernels',
      'convert.store_weights', 'convert.tidy']

@@ -45,7 +45,7 @@ Example:
         _0_weight_fake_quant = getattr(self, "0").weight_fake_quant(_0_weight);  _0_weight = None
         _0_bias = getattr(self, "0").bias
         linear = torch._C._nn.linear(input_input_fake_quant, _0_weight_fake_quant, _0_bias);  ...
-        _0_output_fake_quant = getattr(self, "0").output_fake_quant(linear);  linear = None
+        _0_output_fake_quant = getattr(self, "0").output_fake_quant(linear, overwrite = True);  ...
         return _0_output_fake_quant
 """
 

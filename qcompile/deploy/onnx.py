@@ -430,6 +430,7 @@ def _rewrite(gm: GraphModule, observing: list[str]) -> None:
             continue
         owner, _, leaf = str(node.target).rpartition(".")
         setattr(gm.get_submodule(owner) if owner else gm, leaf, module)
+        node.kwargs = {}  # overwrite=True (passes.overwrite_inputs) is FakeQuantize's alone
         if isinstance(module, (_WeightDQ, _BlockWeightDQ)):
             weight = node.args[0]
             node.args = ()

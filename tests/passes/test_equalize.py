@@ -185,7 +185,8 @@ def test_runs_after_fold_bn_and_before_annotate_in_spec_order():
     s = qc.CompileSpec.model_validate(spec(algorithms=[CLE, {"kind": "smoothquant"}, CLE]))
     from qcompile.passes import default_passes
     assert [p.name for p in default_passes(s)] == [
-        "trace", "fold_bn", "equalize", "smooth", "equalize", "annotate", "insert_quant"]
+        "trace", "fold_bn", "equalize", "smooth", "equalize", "annotate", "insert_quant",
+        "overwrite_inputs"]
 
 
 def test_compile_once_with_real_weights_equalizes_and_refuses_a_checkpoint(tmp_path):

@@ -62,7 +62,7 @@ def test_pipeline_refuses_unmet_requirements(passes, name, fact):
 def test_default_order_is_accepted():
     spec = qc.CompileSpec.model_validate(STATIC)
     assert [p.name for p in default_passes(spec)] == ["trace", "fold_bn", "annotate",
-                                                      "insert_quant"]
+                                                      "insert_quant", "overwrite_inputs"]
     Pipeline(default_passes(spec))  # no error
     assert [p.name for p in default_passes(qc.CompileSpec())] == ["trace"]
 
@@ -111,7 +111,8 @@ def test_pass_records_list_added_and_removed_nodes():
 def test_report_carries_the_records():
     gm = qc.qcompile(ConvBnRelu().eval(), STATIC, example_inputs=(X,))
     rep = qc.report(gm)
-    assert [p.name for p in rep.passes] == ["trace", "fold_bn", "annotate", "insert_quant"]
+    assert [p.name for p in rep.passes] == ["trace", "fold_bn", "annotate", "insert_quant",
+                                            "overwrite_inputs"]
     assert rep.passes[1].removed == ["bn"]
     assert rep.mode == "static" and rep.trace_method == "symbolic"
     assert rep.rule_matches == {0: ["conv"]}
@@ -145,9 +146,10 @@ def test_graph_dumps_writes_one_file_per_pass(tmp_path):
     gm = qc.qcompile(ConvBnRelu().eval(), STATIC, example_inputs=(X,),
                      instruments=[GraphDumps(tmp_path)])
     files = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".txt")
-    assert files == ["01_trace.txt", "02_fold_bn.txt", "03_annotate.txt", "04_insert_quant.txt"]
+    assert files == ["01_trace.txt", "02_fold_bn.txt", "03_annotate.txt", "04_insert_quant.txt",
+                     "05_overwrite_inputs.txt"]
     texts = {name: (tmp_path / name).read_text(encoding="utf-8") for name in files}
-    assert texts["04_insert_quant.txt"] == format_graph(gm) + "\n"
+    assert texts["05_overwrite_inputs.txt"] == format_graph(gm) + "\n"
     assert "bn      call_module    bn(conv)" in texts["01_trace.txt"]
     assert "bn(" not in texts["02_fold_bn.txt"] and "fusion=conv+relu" in texts["02_fold_bn.txt"]
     assert "rule=0" in texts["03_annotate.txt"] and "fake_quant" not in texts["03_annotate.txt"]

@@ -26,7 +26,7 @@ PRESETS = sorted(qc.specs.presets())
 # the presets the small test CNN takes: gguf-q4_k-qat's super-blocks of 256 need Linear
 # input dims that are multiples of 256 (tests/qcompile/runtime/test_ggml_grids.py)
 CNN_PRESETS = [p for p in PRESETS if p != "gguf-q4_k-qat"]
-QUANT_PASSES = ["trace", "fold_bn", "annotate", "insert_quant"]
+QUANT_PASSES = ["trace", "fold_bn", "annotate", "insert_quant", "overwrite_inputs"]
 
 
 # -- models -----------------------------------------------------------------------------
@@ -343,7 +343,7 @@ def test_report_is_pydantic_and_describes_every_pass_and_quantizer() -> None:
         assert rec.role in ("weight", "activation", "input")
         if rec.role != "input":
             assert rec.rule is not None and 0 <= rec.rule < len(spec.quant.rules)
-        assert inserted[rec.name] in r.passes[-1].added, rec.name
+        assert inserted[rec.name] in r.passes[3].added, rec.name  # insert_quant
     roles = {rec.name: rec.role for rec in r.quantizers}
     assert roles["conv1.weight_fake_quant"] == "weight"
     assert roles["conv1.output_fake_quant"] == "activation"
@@ -500,7 +500,8 @@ def test_every_preset_compiles_and_trains_a_step(preset: str) -> None:
     gm = qc.qcompile(model, preset, (x,))
     r = qc.report(gm)
     adapters = bool(qc.load_spec(preset).adapters)
-    assert [p.name for p in r.passes] == QUANT_PASSES + ["insert_adapters"] * adapters
+    assert [p.name for p in r.passes] == (QUANT_PASSES[:-1] + ["insert_adapters"] * adapters
+                                          + QUANT_PASSES[-1:])
     # a frozen base replaces its layer's weight quantizer by integer storage
     assert len(qc.quantizers(gm)) == len(r.quantizers) > 0 or len(r.adapters) == 2
     check_contract_attributes(gm)

@@ -731,11 +731,11 @@ def test_passes(capsys: pytest.CaptureFixture[str], work: Path, tmp_path: Path) 
     assert rc == 0
     data = json.loads(out)
     files = ["01_trace.txt", "02_fold_bn.txt", "03_annotate.txt", "04_insert_quant.txt",
-             "report.json"]
+             "05_overwrite_inputs.txt", "report.json"]
     assert data["files"] == files and sorted(p.name for p in dump.iterdir()) == files
     report = json.loads((dump / "report.json").read_text(encoding="utf-8"))
     assert [p["name"] for p in report["passes"]] == ["trace", "fold_bn", "annotate",
-                                                     "insert_quant"]
+                                                     "insert_quant", "overwrite_inputs"]
     assert "bn" in (dump / "01_trace.txt").read_text(encoding="utf-8").split()
     assert "bn" not in (dump / "02_fold_bn.txt").read_text(encoding="utf-8").split()
     assert "weight_fake_quant" in (dump / "04_insert_quant.txt").read_text(encoding="utf-8")
@@ -747,7 +747,7 @@ def test_passes(capsys: pytest.CaptureFixture[str], work: Path, tmp_path: Path) 
     rc, out, _ = run(capsys, "passes", "int8-static", "--model", ref(work, "net"), *NET_SHAPE,
                      "--dump-dir", str(tmp_path / "d2"), "--diff", "insert_quant")
     assert rc == 0
-    assert f"wrote 5 files to {tmp_path / 'd2'}" in out
+    assert f"wrote 6 files to {tmp_path / 'd2'}" in out
     assert f"pass insert_quant: +{len(diff['added'])} -3" in out
     assert "  + fc_weight_fake_quant" in out.splitlines() and "  - fc" in out.splitlines()
 
@@ -759,7 +759,8 @@ def test_passes_pipeline_dumps(capsys: pytest.CaptureFixture[str], work: Path,
                      "--format", "json")
     assert rc == 0
     data = json.loads(out)
-    assert data["files"][4:] == ["05_partition.txt", "06_place.txt", "report.json"]
+    assert data["files"][4:] == ["05_partition.txt", "06_place.txt", "07_overwrite_inputs.txt",
+                                 "report.json"]
     assert set(data["diff"]["added"]) == {"stage_0", "stage_1"}
 
 
@@ -781,19 +782,20 @@ def test_passes_convert(capsys: pytest.CaptureFixture[str], work: Path, tmp_path
                      "--format", "json")
     assert rc == 0
     data = json.loads(out)
-    steps = [f"{i:02d}_convert.{s}.txt" for i, s in enumerate(CONVERT_STEPS, start=5)]
+    steps = [f"{i:02d}_convert.{s}.txt" for i, s in enumerate(CONVERT_STEPS, start=6)]
     assert data["files"] == ["01_trace.txt", "02_fold_bn.txt", "03_annotate.txt",
-                             "04_insert_quant.txt", *steps, "report.json"]
+                             "04_insert_quant.txt", "05_overwrite_inputs.txt", *steps,
+                             "report.json"]
     report = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
-    assert [p["name"] for p in report["passes"]][4:] == [f"convert.{s}" for s in CONVERT_STEPS]
+    assert [p["name"] for p in report["passes"]][5:] == [f"convert.{s}" for s in CONVERT_STEPS]
     assert data["conversions"] == report["conversions"] and data["conversions"]
     assert data["diff"]["pass"] == "convert.tidy"
     # text, and a pipeline-placed QAT graph: each stage's steps
     rc, out, _ = run(capsys, "passes", str(work / "pipe.yaml"), "--model", ref(work, "mlp"),
                      "--input-shape", "2x16", "--dump-dir", str(tmp_path / "d2"), "--convert")
     assert rc == 0
-    assert "converted: " in out and "14_convert.stage_0.tidy.txt" in out
-    assert "22_convert.stage_1.tidy.txt" in out
+    assert "converted: " in out and "15_convert.stage_0.tidy.txt" in out
+    assert "23_convert.stage_1.tidy.txt" in out
 
 
 def test_passes_convert_needs_shapes_and_quantizers(capsys: pytest.CaptureFixture[str],

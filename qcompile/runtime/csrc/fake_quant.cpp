@@ -576,15 +576,11 @@ Tensor fake_quant_bwd_cpu(const Tensor& grad, const Tensor& mask_in) {
   return gx;
 }
 
-// grad * mask for fake_quant_ste_fwd's bit mask, in the forward output's layout (stride)
-Tensor fake_quant_ste_bwd_cpu(const Tensor& grad, const Tensor& mask,
-                              c10::SymIntArrayRef stride_sym) {
-  const auto stride = C10_AS_INTARRAYREF_SLOW(stride_sym);
-  if (!native(grad.scalar_type())) {
-    return fake_quant_ste_bwd_cpu(grad.to(at::kFloat), mask, stride_sym)
-        .to(grad.scalar_type());
-  }
-  Tensor gx = empty_out(grad.sizes(), stride, grad.scalar_type());
+// grad * mask for fake_quant_ste_fwd's bit mask, in the forward output's layout (stride);
+// into gx when given (grad itself: FakeQuantSTEBackward), else a new tensor
+static Tensor ste_bwd(const Tensor& grad, const Tensor& mask, at::IntArrayRef stride,
+                      Tensor gx) {
+  if (!gx.defined()) gx = empty_out(grad.sizes(), stride, grad.scalar_type());
   if (gx.numel() == 0) return gx;
   TORCH_CHECK(gx.is_non_overlapping_and_dense() && mask.scalar_type() == at::kByte &&
                   mask.is_contiguous() && mask.numel() == packed_bytes(gx.numel()),
@@ -600,6 +596,16 @@ Tensor fake_quant_ste_bwd_cpu(const Tensor& grad, const Tensor& mask,
   const auto& k = kernels();
   parallel_blocks(j.n, [&](int64_t b, int64_t e) { k.bwd_bits(j, b, e); });
   return gx;
+}
+
+Tensor fake_quant_ste_bwd_cpu(const Tensor& grad, const Tensor& mask,
+                              c10::SymIntArrayRef stride_sym) {
+  const auto stride = C10_AS_INTARRAYREF_SLOW(stride_sym);
+  if (!native(grad.scalar_type())) {
+    return fake_quant_ste_bwd_cpu(grad.to(at::kFloat), mask, stride_sym)
+        .to(grad.scalar_type());
+  }
+  return ste_bwd(grad, mask, stride, Tensor());
 }
 
 std::tuple<Tensor, Tensor> fake_quant_lsq_bwd_cpu(const Tensor& grad, const Tensor& x,
@@ -735,9 +741,34 @@ struct FakeQuantSTEBackward final : public Node {
     if (grads[0].defined() && should_compute_output(0)) {
       // grad * 1 is grad, bit for bit: hand it on (as an identity's backward does)
       // instead of reading it and writing a copy
-      out[0] = all_in ? std::move(grads[0]) : bwd.call(grads[0], mask.unpack(), stride);
+      if (all_in) {
+        out[0] = std::move(grads[0]);
+      } else if (own_grad(grads[0])) {
+        // nothing else holds the incoming gradient (as AccumulateGrad steals one): mask
+        // it where it is instead of writing a new tensor
+        const Tensor m = mask.unpack();
+        out[0] = ste_bwd(grads[0], m, grads[0].strides(), grads[0]);
+      } else {
+        out[0] = bwd.call(grads[0], mask.unpack(), stride);
+      }
     }
     return out;
+  }
+
+  // The gradient is this node's alone (no other reference, no view of it: a sum's
+  // backward hands one tensor to both its inputs, each a reference) and lies in the
+  // forward output's layout, in a dtype the kernel takes; not under create_graph.
+  bool own_grad(const Tensor& g) const {
+    if (at::GradMode::is_enabled() || g.use_count() != 1 || g.is_view() ||
+        !native(g.scalar_type()) || !g.has_storage() || g.storage().use_count() != 1) {
+      return false;
+    }
+    const auto keys = g.key_set();
+    if (!keys.has(c10::DispatchKey::CPU) || keys.has(c10::DispatchKey::Python) ||
+        g.storage().data() == nullptr || g.sym_strides().vec() != stride) {
+      return false;
+    }
+    return g.is_non_overlapping_and_dense();
   }
 };
 
@@ -1153,10 +1184,13 @@ Tensor fake_quant_observe_autograd(const Tensor& x, const Tensor& min_val,
 // fake_quant (output, mask) and to the min / max reductions. The threads each fold their
 // share into their own statistics, reduced in a fixed order at the end (min / max are
 // exact in any order).
+// ``into``: where the output goes (x's own memory, fake_quant_minmax_overwrite), else a new
+// tensor.
 static std::tuple<Tensor, Tensor> fwd_minmax(const Tensor& x, const Tensor& scale,
                                              const Tensor& zero_point, int64_t quant_min,
                                              int64_t quant_max, const Tensor& min_val,
-                                             const Tensor& max_val, bool with_mask) {
+                                             const Tensor& max_val, bool with_mask,
+                                             const Tensor& into = Tensor()) {
   auto ok = [&](const Tensor& t) {
     return t.scalar_type() == at::kFloat && t.is_contiguous() && t.is_cpu() &&
            t.numel() == min_val.numel();
@@ -1175,7 +1209,7 @@ static std::tuple<Tensor, Tensor> fwd_minmax(const Tensor& x, const Tensor& scal
   TORCH_CHECK(min_val.numel() == L.C && L.scale_index.empty(),
               "qcompile fake_quant_minmax: min_val / max_val must hold one value per scale "
               "along one dim of x (", L.C, " here), got ", min_val.numel());
-  Tensor out = empty_out_like(L.x, L.x.scalar_type());
+  Tensor out = into.defined() ? into : empty_out_like(L.x, L.x.scalar_type());
   Job j = make_job(L, quant_min, quant_max);
   j.y = out.mutable_data_ptr();
   j.bits = with_mask ? static_cast<uint8_t*>(bits.mutable_data_ptr()) : nullptr;
@@ -1252,6 +1286,65 @@ Tensor fake_quant_minmax_autograd(const Tensor& x, const Tensor& scale,
   return out;
 }
 
+// -- writing over the input ------------------------------------------------------------
+// Whether x's memory may take the output of an elementwise op on x: a plain contiguous
+// float32 / bfloat16 CPU tensor that is not a leaf needing a gradient, whose memory
+// nothing else holds. Nothing: x is the only tensor on its storage or, for a view, the
+// only one besides its base, which nothing but x holds (a Linear's output on a 3-D input
+// is a view of its 2-D result). Anything that saved x, or a view of it, or its memory,
+// holds the storage too. A Python reference to x itself is the caller's to rule out.
+static bool overwritable(const Tensor& x) {
+  if (!plain_cpu(x) || !native(x.scalar_type()) || !x.is_contiguous() || x.numel() == 0 ||
+      x.is_inference() || (x.is_leaf() && x.requires_grad())) {
+    return false;
+  }
+  const auto holders = x.storage().use_count();
+  if (!x.is_view()) return holders == 1;
+  const at::TensorBase& base = x._base();
+  return holders == 2 && base.use_count() == 1 && base.storage().is_alias_of(x.storage());
+}
+
+Tensor fake_quant_minmax_overwrite_cpu(const Tensor& x, const Tensor& scale,
+                                       const Tensor& zero_point, int64_t quant_min,
+                                       int64_t quant_max, const Tensor& min_val,
+                                       const Tensor& max_val) {
+  const Tensor into = overwritable(x) ? x.variable_data() : Tensor();
+  Tensor out = std::get<0>(fwd_minmax(x, scale, zero_point, quant_min, quant_max, min_val,
+                                      max_val, false, into));
+  if (into.defined()) bump({&x});
+  return out;
+}
+
+// fake_quant_minmax_autograd, its output written over x when x is overwritable: a tensor
+// of its own (x's memory, not a view of x) whose history is the straight-through node
+// (x's history before it: the node's next edge). x's version moves on, so anything that
+// kept x despite the checks fails in backward instead of reading the new values.
+Tensor fake_quant_minmax_overwrite_autograd(const Tensor& x, const Tensor& scale,
+                                            const Tensor& zero_point, int64_t quant_min,
+                                            int64_t quant_max, const Tensor& min_val,
+                                            const Tensor& max_val) {
+  if (!overwritable(x)) {
+    return fake_quant_minmax_autograd(x, scale, zero_point, quant_min, quant_max, min_val,
+                                      max_val);
+  }
+  const bool grad = needs_grad(x, scale);
+  c10::intrusive_ptr<FakeQuantSTEBackward> node;
+  if (grad) node = new_node<FakeQuantSTEBackward>(x, scale);  // before x changes
+  Tensor out = x.variable_data(), mask;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(out, mask) = fwd_minmax(x.detach(), scale, zero_point, quant_min, quant_max,
+                                     min_val, max_val, grad, out);
+  }
+  bump({&x});
+  if (!grad) return out;
+  node->all_in = all_set(mask, x.numel());
+  if (!node->all_in) node->mask = SavedVariable(mask, false);
+  node->stride = out.sym_strides().vec();
+  torch::autograd::set_history(out, node);
+  return out;
+}
+
 std::string isa() { return kernels().name; }
 
 }  // namespace qcompile_fq
@@ -1281,6 +1374,8 @@ TORCH_LIBRARY(qcompile, m) {
         "bool symmetric, float momentum=-1.0) -> Tensor");
   m.def("fake_quant_minmax(Tensor x, Tensor scale, Tensor zero_point, int quant_min, "
         "int quant_max, Tensor(a!) min_val, Tensor(b!) max_val) -> Tensor");
+  m.def("fake_quant_minmax_overwrite(Tensor(c!) x, Tensor scale, Tensor zero_point, "
+        "int quant_min, int quant_max, Tensor(a!) min_val, Tensor(b!) max_val) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(qcompile, CPU, m) {
@@ -1293,6 +1388,7 @@ TORCH_LIBRARY_IMPL(qcompile, CPU, m) {
   m.impl("observe_minmax", &qcompile_fq::observe_minmax_cpu);
   m.impl("fake_quant_observe", &qcompile_fq::fake_quant_observe_cpu);
   m.impl("fake_quant_minmax", &qcompile_fq::fake_quant_minmax_cpu);
+  m.impl("fake_quant_minmax_overwrite", &qcompile_fq::fake_quant_minmax_overwrite_cpu);
 }
 
 TORCH_LIBRARY_IMPL(qcompile, Meta, m) {
@@ -1304,6 +1400,7 @@ TORCH_LIBRARY_IMPL(qcompile, Meta, m) {
   m.impl("fake_quant_lsq_bwd", &qcompile_fq::fake_quant_lsq_bwd_meta);
   m.impl("fake_quant_observe", &qcompile_fq::fake_quant_observe_meta);
   m.impl("fake_quant_minmax", &qcompile_fq::fake_quant_minmax_meta);
+  m.impl("fake_quant_minmax_overwrite", &qcompile_fq::fake_quant_minmax_meta);
 }
 
 TORCH_LIBRARY_IMPL(qcompile, Autograd, m) {
@@ -1311,6 +1408,7 @@ TORCH_LIBRARY_IMPL(qcompile, Autograd, m) {
   m.impl("fake_quant_lsq", &qcompile_fq::fake_quant_lsq_autograd);
   m.impl("fake_quant_observe", &qcompile_fq::fake_quant_observe_autograd);
   m.impl("fake_quant_minmax", &qcompile_fq::fake_quant_minmax_autograd);
+  m.impl("fake_quant_minmax_overwrite", &qcompile_fq::fake_quant_minmax_overwrite_autograd);
 }
 
 #else  // QCOMPILE_FQ_KERNEL_BODY: compiled once per instruction set, inside its namespace
@@ -2009,6 +2107,11 @@ static void fwd_minmax_rows(const Job& j, int64_t b, int64_t e, float* __restric
     }
     if (_mm256_movemask_ps(st.nan) != 0) a = z = NAN;
     if (done < n) {  // fewer than 8 left: the tensor's last elements
+      // their statistics first: y may be x (fake_quant_minmax_overwrite)
+      float ta, tz;
+      minmax(x + at + done, n - done, &ta, &tz);
+      a = fold_min(a, ta);
+      z = fold_max(z, tz);
       if constexpr (kOut == kMaskBits) {
         alignas(8) uint8_t mb8[8] = {0};
         fwd_seg<float, decltype(p), true>(x + at + done, y + at + done, mb8, n - done,
@@ -2018,10 +2121,6 @@ static void fwd_minmax_rows(const Job& j, int64_t b, int64_t e, float* __restric
         fwd_seg<float, decltype(p), false>(x + at + done, y + at + done, nullptr, n - done,
                                            p.advanced(done), j.lo, j.hi);
       }
-      float ta, tz;
-      minmax(x + at + done, n - done, &ta, &tz);
-      a = fold_min(a, ta);
-      z = fold_max(z, tz);
     }
     const int64_t c = (at / j.row) % j.C;
     mn[c] = fold_min(mn[c], a);
@@ -2045,12 +2144,12 @@ static void fwd_minmax_t(const Job& j, int64_t b, int64_t e, float* __restrict m
     }
   }
 #endif
-  // elsewhere: the forward of a tile, then its statistics while it is in cache
+  // elsewhere: a tile's statistics, then its forward while it is in cache (in this order:
+  // y may be x, fake_quant_minmax_overwrite)
   const T* x = static_cast<const T*>(j.x);
   alignas(64) float buf[kTile];  // a bfloat16 tile as float32 (exact), for minmax
   for (int64_t t0 = b; t0 < e; t0 += kTile) {
     const int64_t t1 = std::min(e, t0 + kTile), len = t1 - t0;
-    fwd_t<T>(j, t0, t1);
     const float* v;
     if constexpr (std::is_same_v<T, float>) {
       v = x + t0;
@@ -2064,16 +2163,17 @@ static void fwd_minmax_t(const Job& j, int64_t b, int64_t e, float* __restrict m
         mx[o] = fold_max(mx[o], v[i]);
         if (++o == j.row) o = 0;
       }
-      continue;
+    } else {
+      for (int64_t at = t0, r = t0 / j.row; at < t1; ++r) {  // segments within a row
+        const int64_t end = std::min(t1, (r + 1) * j.row), c = r % j.C;
+        float a, z;
+        minmax(v + (at - t0), end - at, &a, &z);
+        mn[c] = fold_min(mn[c], a);
+        mx[c] = fold_max(mx[c], z);
+        at = end;
+      }
     }
-    for (int64_t at = t0, r = t0 / j.row; at < t1; ++r) {  // segments within a row
-      const int64_t end = std::min(t1, (r + 1) * j.row), c = r % j.C;
-      float a, z;
-      minmax(v + (at - t0), end - at, &a, &z);
-      mn[c] = fold_min(mn[c], a);
-      mx[c] = fold_max(mx[c], z);
-      at = end;
-    }
+    fwd_t<T>(j, t0, t1);
   }
 }
 

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation.*:Us
 
 STEPS = ["collect_weights", "fold_batchnorm", "lower_activations", "sink_dequantize",
          "use_kernels", "use_recurrent_kernels", "store_weights", "tidy"]
-COMPILE = ["trace", "fold_bn", "annotate", "insert_quant"]
+COMPILE = ["trace", "fold_bn", "annotate", "insert_quant", "overwrite_inputs"]
 
 
 def mlp() -> nn.Module:
