@@ -3,10 +3,12 @@
 An activation quantizer's input is usually a value nothing else reads: a Linear's or a
 matmul's output, a residual sum. The quantizer's output then need not take new memory:
 this pass marks such calls ``overwrite=True`` (in the graph and in its dumps, as
-``nn.ReLU(inplace=True)`` marks its own), and a training forward with step observer
-updates writes the fake-quantized values over the input (``FakeQuantize.forward``). On a
-12-layer transformer that is 2% of the QAT step on a 2-core AVX-512 machine: 96 new
-outputs of 1-4 MB a step not allocated, written or faulted in.
+``nn.ReLU(inplace=True)`` marks its own), and a training forward (step observer updates,
+or fixed qparams: ``qcompile::fake_quant_minmax_overwrite`` / ``fake_quant_overwrite``)
+writes the fake-quantized values over the input (``FakeQuantize.forward``); evaluation
+forwards do not (measuring tools keep values). On a 12-layer transformer that is 2% of
+the QAT step on a 2-core AVX-512 machine: 96 new outputs of 1-4 MB a step not
+allocated, written or faulted in.
 
 A call is marked when its input
 

@@ -77,6 +77,12 @@ class _Record(Interpreter):
         self.values[n.name] = out
         return out
 
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        # every value is kept: a quantizer must not write over its input
+        # (passes.overwrite_inputs), whatever mode the graph runs in
+        kwargs = {k: v for k, v in kwargs.items() if k != "overwrite"}
+        return super().call_module(target, args, kwargs)
+
 
 def _module_outputs(g: GraphModule) -> dict[str, str]:
     """Module name -> the node holding what its (first) call returns, under either front

@@ -628,8 +628,9 @@ class FakeQuantize(nn.Module):
 
     def forward(self, x: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
         # ``overwrite``: the graph's code reads nothing of ``x`` after this call
-        # (``passes.overwrite_inputs`` marks such calls), so a training forward may write
-        # its output over ``x``'s memory (``_may_overwrite``).
+        # (``passes.overwrite_inputs`` marks such calls), so a training forward (fixed
+        # qparams, or step updates) may write its output over ``x``'s memory
+        # (``_may_overwrite``). Evaluation forwards never do: measuring tools keep values.
         # The commonest call once observers are off (calibrated, frozen): a plain CPU
         # tensor through a fixed per-tensor integer quantizer, straight to the kernel.
         # Each Python layer of the general path below costs about a microsecond, together
@@ -641,8 +642,11 @@ class FakeQuantize(nn.Module):
                 and not self.dynamic and self.dtype not in FP8_DTYPES and x.is_cpu
                 and x.is_floating_point() and x.numel() != 0 and x.dim() != 0
                 and not torch.compiler.is_dynamo_compiling() and kernels.available()):
-            return torch.ops.qcompile.fake_quant(x, self.scale, self.zero_point,
-                                                 self.quant_min, self.quant_max)
+            op = torch.ops.qcompile.fake_quant
+            if (overwrite and self.training and torch.is_grad_enabled()
+                    and self._may_overwrite() and not weight_cache.tracing()):
+                op = torch.ops.qcompile.fake_quant_overwrite
+            return op(x, self.scale, self.zero_point, self.quant_min, self.quant_max)
         if type(x) is not torch.Tensor and type(x) is not nn.Parameter and _sharded(x):
             # a tensor-parallel shard: the whole tensor's qparams (qcompile.runtime.sharded)
             return sharded.fake_quant_dtensor(self, x)

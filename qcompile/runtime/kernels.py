@@ -34,6 +34,14 @@ under ``torch.compile`` and ``torch.export``):
   ``max_val`` in place (``torch.minimum`` / ``torch.maximum``, NaN propagating), in one pass
   over ``x`` (float32, bfloat16; float16 through float32): what a training forward with
   step observer updates runs (the step's qparams, its pending statistics).
+- ``qcompile::fake_quant_overwrite(x, ...)`` and ``fake_quant_minmax_overwrite(x, ...)``
+  (``fake_quant``'s and ``fake_quant_minmax``'s arguments): the same, the output written
+  over ``x``'s memory when nothing else holds it (a plain contiguous float32 / bfloat16
+  CPU tensor, not a leaf needing a gradient, no other tensor on its storage but, for a
+  view, its base, which nothing else holds); the returned tensor then shares ``x``'s
+  storage, ``x``'s version moves on and its values are the output. Otherwise a new
+  output, as the plain operators. What a marked activation quantizer's training forward
+  runs (``passes.overwrite_inputs``): the caller promises that nothing reads ``x`` after.
 - ``qcompile::block_fake_quant(x, fmt, block)``: the block-scaled formats' fake-quant (MX,
   NVFP4, NF4; ``fmt`` a name of ``block_formats.FORMATS``) over consecutive ``block``-element
   blocks of the contiguous ``x`` (float32, bfloat16 or float16), with a straight-through
@@ -45,7 +53,9 @@ under ``torch.compile`` and ``torch.export``):
 
 The straight-through node keeps no mask when nothing was clamped (a weight under its own
 min-max range): its backward then hands the incoming gradient on as is (``grad * 1``, the
-same bits) instead of reading it and writing a copy.
+same bits) instead of reading it and writing a copy. Otherwise it masks the incoming
+gradient where it lies when nothing else holds it (as autograd's gradient accumulation
+steals one), else into a new tensor.
 
 With gradients, a call records exactly one autograd node (``FakeQuantSTEBackward`` /
 ``FakeQuantLSQBackward``, C++ nodes like torch's generated ones: no Python runs in the

@@ -1345,6 +1345,39 @@ Tensor fake_quant_minmax_overwrite_autograd(const Tensor& x, const Tensor& scale
   return out;
 }
 
+// fake_quant (a quantizer with fixed qparams: frozen, calibrated) writing over x alike.
+Tensor fake_quant_overwrite_cpu(const Tensor& x, const Tensor& scale, const Tensor& zero_point,
+                                int64_t quant_min, int64_t quant_max) {
+  if (!overwritable(x)) return fake_quant_cpu(x, scale, zero_point, quant_min, quant_max);
+  Tensor out = x.variable_data();
+  run_fwd(make_layout(x, scale, zero_point), out, Tensor(), quant_min, quant_max);
+  bump({&x});
+  return out;
+}
+
+Tensor fake_quant_overwrite_autograd(const Tensor& x, const Tensor& scale,
+                                     const Tensor& zero_point, int64_t quant_min,
+                                     int64_t quant_max) {
+  if (!overwritable(x)) return fake_quant_autograd(x, scale, zero_point, quant_min, quant_max);
+  if (!needs_grad(x, scale)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return fake_quant_overwrite_cpu(x, scale, zero_point, quant_min, quant_max);
+  }
+  auto node = new_node<FakeQuantSTEBackward>(x, scale);  // before x changes
+  Tensor out = x.variable_data();
+  Tensor mask = at::empty({packed_bytes(x.numel())}, x.options().dtype(at::kByte));
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    run_fwd(make_layout(x.detach(), scale, zero_point), out, mask, quant_min, quant_max);
+  }
+  bump({&x});
+  node->all_in = all_set(mask, x.numel());
+  if (!node->all_in) node->mask = SavedVariable(mask, false);
+  node->stride = out.sym_strides().vec();
+  torch::autograd::set_history(out, node);
+  return out;
+}
+
 std::string isa() { return kernels().name; }
 
 }  // namespace qcompile_fq
@@ -1376,6 +1409,8 @@ TORCH_LIBRARY(qcompile, m) {
         "int quant_max, Tensor(a!) min_val, Tensor(b!) max_val) -> Tensor");
   m.def("fake_quant_minmax_overwrite(Tensor(c!) x, Tensor scale, Tensor zero_point, "
         "int quant_min, int quant_max, Tensor(a!) min_val, Tensor(b!) max_val) -> Tensor");
+  m.def("fake_quant_overwrite(Tensor(a!) x, Tensor scale, Tensor zero_point, int quant_min, "
+        "int quant_max) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(qcompile, CPU, m) {
@@ -1389,6 +1424,7 @@ TORCH_LIBRARY_IMPL(qcompile, CPU, m) {
   m.impl("fake_quant_observe", &qcompile_fq::fake_quant_observe_cpu);
   m.impl("fake_quant_minmax", &qcompile_fq::fake_quant_minmax_cpu);
   m.impl("fake_quant_minmax_overwrite", &qcompile_fq::fake_quant_minmax_overwrite_cpu);
+  m.impl("fake_quant_overwrite", &qcompile_fq::fake_quant_overwrite_cpu);
 }
 
 TORCH_LIBRARY_IMPL(qcompile, Meta, m) {
@@ -1401,6 +1437,7 @@ TORCH_LIBRARY_IMPL(qcompile, Meta, m) {
   m.impl("fake_quant_observe", &qcompile_fq::fake_quant_observe_meta);
   m.impl("fake_quant_minmax", &qcompile_fq::fake_quant_minmax_meta);
   m.impl("fake_quant_minmax_overwrite", &qcompile_fq::fake_quant_minmax_meta);
+  m.impl("fake_quant_overwrite", &qcompile_fq::fake_quant_meta);
 }
 
 TORCH_LIBRARY_IMPL(qcompile, Autograd, m) {
@@ -1409,6 +1446,7 @@ TORCH_LIBRARY_IMPL(qcompile, Autograd, m) {
   m.impl("fake_quant_observe", &qcompile_fq::fake_quant_observe_autograd);
   m.impl("fake_quant_minmax", &qcompile_fq::fake_quant_minmax_autograd);
   m.impl("fake_quant_minmax_overwrite", &qcompile_fq::fake_quant_minmax_overwrite_autograd);
+  m.impl("fake_quant_overwrite", &qcompile_fq::fake_quant_overwrite_autograd);
 }
 
 #else  // QCOMPILE_FQ_KERNEL_BODY: compiled once per instruction set, inside its namespace

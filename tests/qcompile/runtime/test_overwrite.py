@@ -87,6 +87,34 @@ def test_writing_over_the_input_gives_the_same_bits(monkeypatch, isa: str,
         assert _same_bits(over[0], ref.to(dtype))
 
 
+@needs_ext
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+                         ids=lambda d: str(d).removeprefix("torch."))
+def test_a_frozen_quantizer_writes_over_its_input_with_the_same_bits(monkeypatch, isa: str,
+                                                                     dtype: torch.dtype) -> None:
+    """Fixed qparams (observers off: frozen, calibrated): the training forward writes over
+    the input, the evaluation forward never does; both give the new-output path's bits."""
+    monkeypatch.setenv("QCOMPILE_FQ_ISA", isa)
+    w, x = _layer(dtype, 6, 40)
+    grad = (torch.randn(3, 11, 40, generator=torch.Generator().manual_seed(7)) * 3).to(dtype)
+    a, b = _quantizer(dtype), _quantizer(dtype)
+    for q in (a, b):
+        q.observe = False
+    new, over = _run(a, w, x, False, grad), _run(b, w, x, True, grad)
+    assert not new[3] and over[3]
+    for u, v in zip(new[:3], over[:3]):
+        assert _same_bits(u, v)
+    s, z = float(a.scale), float(a.zero_point)
+    ref = (torch.clamp(torch.round(F.linear(x, w).detach().float() / s) + z, 0, 255) - z) * s
+    assert _same_bits(over[0], ref.to(dtype))
+    b.eval()
+    with torch.no_grad():
+        h = F.linear(x, w)
+        before = h.clone()
+        assert b(h, overwrite=True).data_ptr() != h.data_ptr() and torch.equal(h, before)
+
+
 def _hooked(fq: FakeQuantize) -> None:
     fq.register_forward_pre_hook(lambda m, args: None)
 
@@ -219,7 +247,9 @@ def test_a_compiled_block_trains_the_same_with_and_without_overwriting() -> None
     torch.manual_seed(0)
     model = nn.Sequential(_Attention(), _ReluBlock(), _Attention())
     x, target = torch.randn(4, 6, 16), torch.randn(4, 6, 16)
-    over = qc.qcompile(copy.deepcopy(model), "int8-qat", (x,))
+    spec = qc.load_spec("int8-qat").model_dump()
+    spec["train"]["check_finite"] = 0  # the checks take the general path: not from step 1
+    over = qc.qcompile(copy.deepcopy(model), spec, (x,))
     marked = [n.name for n in over.graph.nodes if n.kwargs.get("overwrite")]
     assert len(marked) >= 10, marked
     runs = []
@@ -232,6 +262,19 @@ def test_a_compiled_block_trains_the_same_with_and_without_overwriting() -> None
     assert [float(v) for v in la] == [float(v) for v in lb]
     for key, a in sa.items():
         assert torch.equal(a, sb[key]), key
+    # frozen observers (the last steps of a QAT run): the same, through fake_quant, and
+    # the marked calls take the writing-over operator
+    runs = []
+    for gm in (over, _unmarked(copy.deepcopy(over))):
+        gm = qc.freeze(copy.deepcopy(gm))
+        opt = torch.optim.SGD(gm.parameters(), lr=0.05)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            losses = [qc.distributed.train_step(gm, opt, x, target, F.mse_loss)
+                      for _ in range(2)]
+        names = {e.key for e in prof.key_averages()}
+        assert ("qcompile::fake_quant_overwrite" in names) == (len(runs) == 0), names
+        runs.append(losses + list(gm.state_dict().values()))
+    assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(*runs))
     allocated = {}
     for gm in (over, _unmarked(copy.deepcopy(over))):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
@@ -241,3 +284,27 @@ def test_a_compiled_block_trains_the_same_with_and_without_overwriting() -> None
                                     if e.key.startswith("qcompile::fake_quant_minmax"))
     # what is left: the marked calls' masks (a bit per element) and the unmarked calls
     assert allocated[True] < allocated[False] / 4, allocated
+
+
+@needs_ext
+def test_the_value_recorder_of_qc_sqnr_keeps_every_input() -> None:
+    """``qc.sqnr``'s recorder keeps every node's value: in a training forward too, the
+    marked quantizers write new outputs there."""
+    from qcompile.measure import _Record
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 16)
+    spec = qc.load_spec("int8-qat").model_dump()
+    spec["train"]["check_finite"] = 0
+    gm = qc.qcompile(_Attention(), spec, (x,))
+    gm(x).sum().backward()
+    for q in qc.quantizers(gm).values():
+        q.apply_pending()
+    record = _Record(gm)
+    record.run(x)
+    marked = [n for n in gm.graph.nodes if n.kwargs.get("overwrite")]
+    assert marked
+    for n in marked:
+        source, out = record.values[n.args[0].name], record.values[n.name]
+        assert source.data_ptr() != out.data_ptr(), n.name
+        assert not torch.equal(source, out), n.name  # the float input, kept as it was
