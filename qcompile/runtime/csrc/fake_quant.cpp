@@ -1104,7 +1104,11 @@ static std::tuple<Tensor, Tensor> observe_fwd(const Tensor& x, const Tensor& min
       }
       k.minmax(xp + r * len, len, &mn, &mx);
       zf[r] = o.update(r, mn, mx);
-      if (!with_mask) {
+      // x -> nearbyint(x / s) + z is monotonic, so the row's extremes tell whether any
+      // element leaves the range (a NaN extreme: maybe); a weight under its own min-max
+      // range never does, and its row needs no mask bits at all
+      if (!with_mask || (std::nearbyint(mn / o.s[r]) + zf[r] >= o.lo &&
+                         std::nearbyint(mx / o.s[r]) + zf[r] <= o.hi)) {
         k.fwd(j, r * len, (r + 1) * len);
         continue;
       }
