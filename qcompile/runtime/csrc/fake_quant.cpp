@@ -1295,8 +1295,15 @@ Tensor fake_quant_minmax_autograd(const Tensor& x, const Tensor& scale,
 // float32 / bfloat16 CPU tensor that is not a leaf needing a gradient, whose memory
 // nothing else holds. Nothing: x is the only tensor on its storage or, for a view, the
 // only one besides its base, which nothing but x holds (a Linear's output on a 3-D input
-// is a view of its 2-D result). Anything that saved x, or a view of it, or its memory,
-// holds the storage too. A Python reference to x itself is the caller's to rule out.
+// is a view of its 2-D result). Another view of x, a tensor autograd saved as its
+// operator's output, x's storage taken from Python: each holds the storage too. What
+// holds x itself (a Python reference, an operator that saved x as its input, a
+// saved-tensor hook) is the caller's to rule out: passes.overwrite_inputs marks only
+// inputs that an operator whose backward does not read its output made for no other
+// reader.
+// The forward kernels then get y == x: each reads an element before it writes that
+// element, and no other, so in place they compute what they compute into a new tensor
+// (the tests compare the two bit for bit on every instruction set).
 static bool overwritable(const Tensor& x) {
   if (!plain_cpu(x) || !native(x.scalar_type()) || !x.is_contiguous() || x.numel() == 0 ||
       x.is_inference() || (x.is_leaf() && x.requires_grad())) {
@@ -1607,8 +1614,8 @@ static inline __m512 fq16(__m512 k, __m512 s, __m512 z, __m512 lo, __m512 hi,
 //   where the float spacing is 1, so it rounds to an integer, ties to even: the constant
 //   is even), and +0 for a zero result. Where |q0| >= 2^22 it may be off by one, beyond
 //   every clamp edge (at most 2^12 steps from the zero point: usable_recip) as
-//   nearbyint(q0) is: the same output, no mask bit. Lanes the exactness check doubts take the division (rounded, +0 added: -0
-//   becomes +0, as the sum gives).
+//   nearbyint(q0) is: the same output, no mask bit. Lanes the exactness check doubts
+//   take the division (rounded, +0 added: -0 becomes +0, as the sum gives).
 // - (min(hi, max(lo, k + z)) - z) * s == min(hi - z, max(lo - z, k)) * s: integers below
 //   2^24 add and subtract exactly, a huge k lands on the same edge either way, and the
 //   zero's sign agrees (c - z is +0 where c == z; k is +0 there). In range where the
