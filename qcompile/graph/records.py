@@ -209,9 +209,10 @@ class Report(BaseModel):
                  f"{self.total_seconds * 1e3:.1f} ms"]
         if self.shapes is not None and self.shapes.startswith("example inputs"):
             lines.append(f"shapes from {self.shapes}")
-        lines.append(f"{'pass':<14}{'ms':>9}{'nodes':>8}{'+':>6}{'-':>6}")
+        width = max([14] + [len(p.name) + 1 for p in self.passes])
+        lines.append(f"{'pass':<{width}}{'ms':>9}{'nodes':>8}{'+':>6}{'-':>6}")
         for p in self.passes:
-            lines.append(f"{p.name:<14}{p.seconds * 1e3:>9.2f}{p.nodes_after:>8}"
+            lines.append(f"{p.name:<{width}}{p.seconds * 1e3:>9.2f}{p.nodes_after:>8}"
                          f"{len(p.added):>6}{len(p.removed):>6}")
             lines += [f"    note: {n}" for n in p.notes]
         for i, nodes in sorted(self.rule_matches.items()):
