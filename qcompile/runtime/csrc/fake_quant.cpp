@@ -1607,6 +1607,23 @@ static inline __m512 fq16(__m512 k, __m512 s, __m512 z, __m512 lo, __m512 hi,
   return _mm512_mul_ps(_mm512_sub_ps(c, z), s);
 }
 
+// Sixteen outputs at y, and their in-range bits as the mask kind asks (element i's).
+template <int kOut>
+static inline void store16(float* __restrict y, uint8_t* __restrict m, int64_t i, __m512 out,
+                           __mmask16 in, bool stream) {
+  if (stream) {
+    _mm512_stream_ps(y, out);
+  } else {
+    _mm512_storeu_ps(y, out);
+  }
+  if constexpr (kOut == kMaskBytes) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(m + i),
+                     _mm_maskz_mov_epi8(in, _mm_set1_epi8(1)));
+  } else if constexpr (kOut == kMaskBits) {
+    std::memcpy(m + i / 8, &in, sizeof in);  // little-endian: element k is bit k
+  }
+}
+
 // The forward with one scale and a usable reciprocal (round-to-nearest), in fewer
 // operations than fq16 on round_quot16: no instruction rounds, and the zero point is
 // folded into the clamp bounds.
@@ -1647,17 +1664,7 @@ static int64_t fwd_recip16(const float* __restrict x, float* __restrict y,
     const __m512 c = _mm512_min_ps(hi, _mm512_max_ps(lo, k));
     const __mmask16 in = _mm512_cmp_ps_mask(c, k, _CMP_EQ_OQ);
     const __m512 out = _mm512_mul_ps(c, s);
-    if (stream) {
-      _mm512_stream_ps(y + i, out);
-    } else {
-      _mm512_storeu_ps(y + i, out);
-    }
-    if constexpr (kOut == kMaskBytes) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(m + i),
-                       _mm_maskz_mov_epi8(in, _mm_set1_epi8(1)));
-    } else if constexpr (kOut == kMaskBits) {
-      std::memcpy(m + i / 8, &in, sizeof in);  // little-endian: element k is bit k
-    }
+    store16<kOut>(y + i, m, i, out, in, stream);
   }
   return i;
 }
@@ -1699,17 +1706,7 @@ static int64_t fwd_seg16(const float* __restrict x, float* __restrict y,
                                             _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
     __mmask16 in;
     const __m512 out = fq16(k, s, z, lo, hi, &in);
-    if (stream) {
-      _mm512_stream_ps(y + i, out);
-    } else {
-      _mm512_storeu_ps(y + i, out);
-    }
-    if constexpr (kOut == kMaskBytes) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(m + i),
-                       _mm_maskz_mov_epi8(in, _mm_set1_epi8(1)));
-    } else if constexpr (kOut == kMaskBits) {
-      std::memcpy(m + i / 8, &in, sizeof in);  // little-endian: element k is bit k
-    }
+    store16<kOut>(y + i, m, i, out, in, stream);
   }
   if constexpr (kStats) {
     if (i > 0) {

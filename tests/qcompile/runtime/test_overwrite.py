@@ -22,6 +22,9 @@ from qcompile.runtime.fake_quant import FakeQuantize
 needs_ext = pytest.mark.skipif(kernels.load() is None,
                                reason="no C++ kernels (QCOMPILE_NO_EXT=1 or no compiler)")
 ISAS = ["avx512", "avx2", "base"]  # unsupported ones fall back to the next
+EVERY_ISA = pytest.mark.parametrize("isa", ISAS)
+BOTH_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+                                      ids=lambda d: str(d).removeprefix("torch."))
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -48,6 +51,18 @@ def _layer(dtype: torch.dtype, seed: int, width: int = 37):
     return w, x
 
 
+def _same_as_new_and_formula(new: tuple, over: tuple, q: FakeQuantize, w, x,
+                             dtype: torch.dtype) -> None:
+    """Both runs wrote where they should and agree bit for bit, and the output is the
+    formula's with ``q``'s qparams: x / s rounded to even, clamped to [0, 255]."""
+    assert not new[3] and over[3]
+    for u, v in zip(new[:3], over[:3]):
+        assert _same_bits(u, v)
+    s, z = float(q.scale), float(q.zero_point)
+    ref = (torch.clamp(torch.round(F.linear(x, w).detach().float() / s) + z, 0, 255) - z) * s
+    assert _same_bits(over[0], ref.to(dtype))
+
+
 def _run(fq: FakeQuantize, w, x, overwrite: bool, grad: torch.Tensor):
     """Forward ``fq(linear(x, w))``, backward ``grad``; (output, dx, dw, wrote over the
     linear's output)."""
@@ -61,9 +76,8 @@ def _run(fq: FakeQuantize, w, x, overwrite: bool, grad: torch.Tensor):
 
 
 @needs_ext
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
-                         ids=lambda d: str(d).removeprefix("torch."))
+@EVERY_ISA
+@BOTH_DTYPES
 def test_writing_over_the_input_gives_the_same_bits(monkeypatch, isa: str,
                                                     dtype: torch.dtype) -> None:
     """Output, both gradients and the pending statistics match the new-output path bit
@@ -74,23 +88,16 @@ def test_writing_over_the_input_gives_the_same_bits(monkeypatch, isa: str,
         g = torch.Generator().manual_seed(seed + 10)
         grad = (torch.randn(3, 11, width, generator=g) * 3).to(dtype)
         a, b = _quantizer(dtype), _quantizer(dtype)
-        new = _run(a, w, x, False, grad)
-        over = _run(b, w, x, True, grad)
-        assert not new[3] and over[3]
-        for u, v in zip(new[:3], over[:3]):
-            assert _same_bits(u, v)
+        # the step's qparams, fixed until apply_pending
+        _same_as_new_and_formula(_run(a, w, x, False, grad), _run(b, w, x, True, grad), a, w,
+                                 x, dtype)
         for u, v in zip(a.pending_stats(), b.pending_stats()):
             assert torch.equal(u, v)
-        # against an independent formula: the step's fixed qparams, x / s rounded to even
-        s, z = float(a.scale), float(a.zero_point)
-        ref = (torch.clamp(torch.round(F.linear(x, w).detach().float() / s) + z, 0, 255) - z) * s
-        assert _same_bits(over[0], ref.to(dtype))
 
 
 @needs_ext
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
-                         ids=lambda d: str(d).removeprefix("torch."))
+@EVERY_ISA
+@BOTH_DTYPES
 def test_a_frozen_quantizer_writes_over_its_input_with_the_same_bits(monkeypatch, isa: str,
                                                                      dtype: torch.dtype) -> None:
     """Fixed qparams (observers off: frozen, calibrated): the training forward writes over
@@ -101,13 +108,8 @@ def test_a_frozen_quantizer_writes_over_its_input_with_the_same_bits(monkeypatch
     a, b = _quantizer(dtype), _quantizer(dtype)
     for q in (a, b):
         q.observe = False
-    new, over = _run(a, w, x, False, grad), _run(b, w, x, True, grad)
-    assert not new[3] and over[3]
-    for u, v in zip(new[:3], over[:3]):
-        assert _same_bits(u, v)
-    s, z = float(a.scale), float(a.zero_point)
-    ref = (torch.clamp(torch.round(F.linear(x, w).detach().float() / s) + z, 0, 255) - z) * s
-    assert _same_bits(over[0], ref.to(dtype))
+    _same_as_new_and_formula(_run(a, w, x, False, grad), _run(b, w, x, True, grad), a, w, x,
+                             dtype)
     b.eval()
     with torch.no_grad():
         h = F.linear(x, w)
@@ -172,8 +174,7 @@ def test_an_input_autograd_kept_fails_loudly_not_silently() -> None:
 
 
 @needs_ext
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
-                         ids=lambda d: str(d).removeprefix("torch."))
+@BOTH_DTYPES
 def test_a_residual_sums_gradient_is_not_masked_for_both_inputs(dtype: torch.dtype) -> None:
     """``y = fq(2 h) + h``: the sum's backward hands one gradient tensor to both inputs.
     The quantizer masks its own copy; h's other path gets the gradient unmasked. Checked
