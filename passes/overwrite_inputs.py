@@ -14,11 +14,11 @@ A call is marked when its input
 
 - comes from an operator whose backward does not read its output: linear, matmul and
   its batched forms, convolutions, and tensor ``+ - * /`` (``_PRODUCERS``, torch's and
-  the export front end's spellings). So autograd never saved the input, not even
-  through a saved-tensor hook that holds it as a Python object (ReLU, softmax, sigmoid
-  or tanh do read their output: a quantizer after them writes a new tensor). Not a graph input (the
-  caller may hold it; a pipeline stage's inputs are in flight), not a weight, not a
-  submodule's output (its hooks may keep it);
+  the export front end's spellings), into a new tensor (no ``out=``). So autograd never
+  saved the input, not even through a saved-tensor hook that holds it as a Python
+  object (ReLU, softmax, sigmoid or tanh do read their output: a quantizer after them
+  writes a new tensor). Not a graph input (the caller may hold it; a pipeline stage's
+  inputs are in flight), not a weight, not a submodule's output (its hooks may keep it);
 - has no other user in the graph (nor the graph's output).
 
 The mark is the graph's own promise that its code reads nothing of the input after the
@@ -70,6 +70,8 @@ _METHODS = frozenset({"matmul", "mm", "bmm", "add", "sub", "mul", "div"})
 
 def _fresh(n: Node) -> bool:
     """``n`` returns a new tensor that autograd does not keep."""
+    if "out" in n.kwargs:  # written into a tensor someone else holds
+        return False
     if n.op == "call_function":
         try:
             return n.target in _PRODUCERS

@@ -13,6 +13,8 @@ from torch import nn
 
 import qcompile as qc
 from qcompile.graph.dump import GraphDumps
+from qcompile.passes.overwrite_inputs import _marks
+from qcompile.runtime.fake_quant import FakeQuantize
 
 
 def _dumps(tmp_path: Path, model: nn.Module, spec, *inputs: torch.Tensor) -> tuple[str, str]:
@@ -121,3 +123,19 @@ def test_a_marked_graph_computes_what_the_unmarked_one_does() -> None:
         outs.append([y.detach()] + [p.grad for p in g.parameters()])
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def test_a_sum_written_into_a_kept_buffer_is_not_marked() -> None:
+    """``torch.add(x, x, out=buf)`` returns the module's own buffer: never written over."""
+    root = nn.Module()
+    root.register_buffer("buf", torch.zeros(3))
+    root.fq = FakeQuantize("uint8", symmetric=False)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    for out in (graph.get_attr("buf"), None):
+        kwargs = {"out": out} if out is not None else {}
+        graph.call_module("fq", (graph.call_function(torch.add, (x, x), kwargs),))
+    graph.output(x)
+    gm = torch.fx.GraphModule(root, graph)
+    assert _marks(gm) == 1
+    assert [n.kwargs for n in gm.graph.nodes if n.op == "call_module"] == [{}, {"overwrite": True}]
