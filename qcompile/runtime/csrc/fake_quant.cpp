@@ -842,6 +842,17 @@ static c10::intrusive_ptr<N> new_node(const Tensor& x, const Tensor& scale) {
   return node;
 }
 
+// The straight-through node as out's history, keeping the mask unless every element was
+// inside the range (all_in: the backward hands the gradient on as is).
+static Tensor with_history(Tensor out, const c10::intrusive_ptr<FakeQuantSTEBackward>& node,
+                           const Tensor& mask, bool all_in) {
+  node->all_in = all_in;
+  if (!all_in) node->mask = SavedVariable(mask, false);
+  node->stride = out.sym_strides().vec();
+  torch::autograd::set_history(out, node);
+  return out;
+}
+
 static bool needs_grad(const Tensor& x, const Tensor& scale) {
   return at::GradMode::is_enabled() && (x.requires_grad() || scale.requires_grad());
 }
@@ -862,11 +873,7 @@ Tensor fake_quant_autograd(const Tensor& x, const Tensor& scale, const Tensor& z
   }
   // Weights under a min-max observer are never clamped (the range covers them): their
   // backward is then free. The check reads the n / 8 mask bytes just written.
-  node->all_in = plain_cpu(mask) && all_set(mask, x.numel());
-  if (!node->all_in) node->mask = SavedVariable(mask, false);
-  node->stride = out.sym_strides().vec();
-  torch::autograd::set_history(out, node);
-  return out;
+  return with_history(out, node, mask, plain_cpu(mask) && all_set(mask, x.numel()));
 }
 
 Tensor fake_quant_lsq_autograd(const Tensor& x, const Tensor& scale, const Tensor& zero_point,
@@ -1172,11 +1179,7 @@ Tensor fake_quant_observe_autograd(const Tensor& x, const Tensor& min_val,
     std::tie(out, mask) = observe_fwd(x.detach(), min_val, max_val, scale, zero_point,
                                       quant_min, quant_max, symmetric, momentum, true);
   }
-  node->all_in = !mask.defined() || all_set(mask, x.numel());
-  if (!node->all_in) node->mask = SavedVariable(mask, false);
-  node->stride = out.sym_strides().vec();
-  torch::autograd::set_history(out, node);
-  return out;
+  return with_history(out, node, mask, !mask.defined() || all_set(mask, x.numel()));
 }
 
 // -- fake-quant with fixed qparams, gathering statistics (step observer updates) -------------
@@ -1283,11 +1286,7 @@ Tensor fake_quant_minmax_autograd(const Tensor& x, const Tensor& scale,
     std::tie(out, mask) = fwd_minmax(x.detach(), scale, zero_point, quant_min, quant_max,
                                      min_val, max_val, true);
   }
-  node->all_in = all_set(mask, x.numel());
-  if (!node->all_in) node->mask = SavedVariable(mask, false);
-  node->stride = out.sym_strides().vec();
-  torch::autograd::set_history(out, node);
-  return out;
+  return with_history(out, node, mask, all_set(mask, x.numel()));
 }
 
 // -- writing over the input ------------------------------------------------------------
@@ -1349,11 +1348,7 @@ Tensor fake_quant_minmax_overwrite_autograd(const Tensor& x, const Tensor& scale
   }
   bump({&x});
   if (!grad) return out;
-  node->all_in = all_set(mask, x.numel());
-  if (!node->all_in) node->mask = SavedVariable(mask, false);
-  node->stride = out.sym_strides().vec();
-  torch::autograd::set_history(out, node);
-  return out;
+  return with_history(out, node, mask, all_set(mask, x.numel()));
 }
 
 // fake_quant (a quantizer with fixed qparams: frozen, calibrated) writing over x alike.
@@ -1382,11 +1377,7 @@ Tensor fake_quant_overwrite_autograd(const Tensor& x, const Tensor& scale,
     run_fwd(make_layout(x.detach(), scale, zero_point), out, mask, quant_min, quant_max);
   }
   bump({&x});
-  node->all_in = all_set(mask, x.numel());
-  if (!node->all_in) node->mask = SavedVariable(mask, false);
-  node->stride = out.sym_strides().vec();
-  torch::autograd::set_history(out, node);
-  return out;
+  return with_history(out, node, mask, all_set(mask, x.numel()));
 }
 
 std::string isa() { return kernels().name; }
