@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
            "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
            "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+# bytes of one piece of a box read (``read_box_into``): rows at a time, never a whole tensor
+CHUNK_BYTES = 1 << 20
 _FIX_CKPT = ("save the model's state_dict with safetensors.torch.save_file (or "
              "save_pretrained), from the same model class and configuration")
 
@@ -233,6 +236,36 @@ class Checkpoint:
                                         f"{name!r}", fix="the file is truncated: copy or save "
                                         "it again")
                 got += n
+        return True
+
+    def read_box_into(self, name: str, box: tuple[slice, ...], out: torch.Tensor) -> bool:
+        """Read the box ``box`` of tensor ``name`` (one slice per dim, steps of 1: a
+        rowwise tensor-parallel shard's columns of its rows) into ``out``, a contiguous CPU
+        tensor of the box's shape (of another dtype: converted as ``copy_`` does). The
+        box's rows are read a few at a time, into one buffer of about ``CHUNK_BYTES`` (one
+        row when a row is larger): never the whole tensor, whose freed pages the allocator
+        may keep. False when ``out`` does not qualify: use ``read``."""
+        name = self.aliases.get(name, name)
+        shape, dtype, _ = self.entries[name]
+        if (out.device.type != "cpu" or not out.is_contiguous()
+                or len(box) != len(shape) or not shape
+                or any(b.step not in (None, 1) for b in box)):
+            return False
+        sizes = [len(range(*b.indices(n))) for b, n in zip(box, shape)]
+        if list(out.shape) != sizes:
+            return False
+        if out.numel() == 0:
+            return True
+        rows = range(*box[0].indices(shape[0]))
+        within = (slice(None), *box[1:])
+        row_bytes = max(1, math.prod(shape[1:]) * dtype.itemsize)
+        step = max(1, CHUNK_BYTES // row_bytes)
+        buffer = torch.empty((min(step, len(rows)), *shape[1:]), dtype=dtype)
+        for i in range(0, len(rows), step):
+            n = min(step, len(rows) - i)
+            if not self.read_into(name, slice(rows.start + i, rows.start + i + n), buffer[:n]):
+                return False
+            out[i:i + n].copy_(buffer[:n][within])
         return True
 
     def read(self, name: str, rows: slice | None = None) -> torch.Tensor:

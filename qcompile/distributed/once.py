@@ -399,14 +399,17 @@ class _Loader:
 
 @torch.no_grad()
 def _read_into(ckpt: Checkpoint, name: str, target: torch.Tensor) -> bool:
-    """This rank's rows of ``name`` read from the checkpoint straight into ``target``'s
-    local shard (no temporary); False when that shard cannot take a direct read (a
-    rowwise tensor-parallel shard's columns are not one byte range)."""
+    """This rank's part of ``name`` read from the checkpoint into ``target``'s local
+    shard: its rows straight in (one byte range, no temporary), or, for a rowwise
+    tensor-parallel shard's columns or another dtype than the file's, a few rows at a time
+    through a small buffer; False when the shard cannot take either (``_Loader.put``)."""
     box = _box(target)
-    if _across(box, target.shape) is not None:
-        return False
     local = target.to_local() if hasattr(target, "to_local") else target
-    return ckpt.read_into(name, box[0] if box is not None else None, local)
+    if _across(box, target.shape) is None and ckpt.read_into(
+            name, box[0] if box is not None else None, local):
+        return True
+    whole = tuple(slice(0, n) for n in target.shape)
+    return ckpt.read_box_into(name, box if box is not None else whole, local)
 
 
 def _sharded(gm: nn.Module, group: Any, device: torch.device) -> None:
