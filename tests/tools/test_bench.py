@@ -25,7 +25,9 @@ def test_quick_suite_prints_json(capsys: pytest.CaptureFixture[str], suite: str)
         assert "speedup_fwd" in data["per_tensor"] and "speedup_fwd" in data["per_channel"]
     elif suite == "step":
         for model in ("mlp", "cnn", "transformer"):
-            assert data[model]["qcompile_vs_fp32"] > 0 and data[model]["fp32_s"] > 0
+            for row in (data[model], data[f"{model}_steady_heap"]):  # the second: a process
+                assert row["qcompile_vs_fp32"] > 0 and row["fp32_s"] > 0  # of its own
+                assert row["fp32_faults"] >= 0 and row["qcompile_faults"] >= 0
     elif suite == "convert":
         for case in ("mlp_b64", "mlp_b1", "cnn_b32"):
             assert data[case]["kernels"] >= 4, "every layer reads integers"

@@ -8,6 +8,16 @@ inputs of Linear layers), ``8da4w-qat``, and llama.cpp's Q4_0 grid on the weight
 input twice (``two_pass``), next to the one pass they make. Prints as ``records`` (one
 line per model).
 
+Every contender's minor page faults per step are in its row (``*_faults``): glibc returns a
+large free block at the top of its heap to the system (``M_TRIM_THRESHOLD``, which it
+raises and lowers by itself) and the next step faults its pages in again, one 4 KB page
+at a time, inside whichever operator allocates there (a weight's gradient, mostly). Which
+contender meets that, and how often, depends on where its tensors happened to land in the
+heap, not on its step: 0 to 4,000 faults a step, about a microsecond each. So the suite
+measures every model twice: in this process, with the allocator as it is (glibc's
+defaults, unless the environment sets them), and in a fresh process whose heap is steady
+(``STEADY_HEAP``: nothing returned, so nothing faulted back; the ``*_steady_heap`` rows).
+
 Example:
     >>> from qcompile.tools.bench.suites.step import bench_step
     >>> bench_step.__doc__.splitlines()[0]
@@ -17,7 +27,12 @@ Example:
 from __future__ import annotations
 
 import copy
+import json
+import os
+import resource
 import statistics
+import subprocess
+import sys
 from typing import Any
 
 import torch
@@ -37,6 +52,9 @@ NVFP4_WEIGHTS = qc.CompileSpec.model_validate({"quant": {
 Q4_0_WEIGHTS = qc.CompileSpec.model_validate({"quant": {
     "mode": "qat", "target": "generic",
     "rules": [{"match": {"module": "Linear"}, "weight": {"dtype": "q4_0"}}]}})
+# glibc's settings for a heap that never shrinks: no trimming, every block from the heap
+# (a fixed mmap threshold also stops glibc moving its thresholds by itself)
+STEADY_HEAP = {"MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_MMAP_THRESHOLD_": str(1 << 30)}
 
 
 def two_pass(gm: nn.Module) -> nn.Module:
@@ -58,6 +76,10 @@ def warm_up_steps(m: nn.Module) -> int:
     return 1 + (max(int(state[0]), 0) if state else 0)
 
 
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def bench_step(quick: bool) -> dict[str, Any]:
     """Training step (fwd + bwd + SGD) relative to fp32 eager.
 
@@ -65,7 +87,32 @@ def bench_step(quick: bool) -> dict[str, Any]:
     changes within seconds: timing one library's steps after another's measured the load
     as much as the step). Medians over the rounds; ``*_vs_fp32_range`` is the
     interquartile range of the per-round ratios. Each contender is warmed up first
-    (``warm_up_steps``). ``QCOMPILE_BENCH_CLOCK=cpu``: see ``fakequant.clock``."""
+    (``warm_up_steps``). ``QCOMPILE_BENCH_CLOCK=cpu``: see ``fakequant.clock``. Then the
+    same in a fresh process with a steady heap (``steady_heap``): the ``<model>_steady_heap``
+    rows."""
+    out = measure_steps(quick)
+    for name, row in steady_heap(quick).items():
+        out[f"{name}_steady_heap" if name != "note" else name] = row
+    return out
+
+
+def steady_heap(quick: bool) -> dict[str, Any]:
+    """``measure_steps`` in a fresh process with glibc's ``STEADY_HEAP`` settings and this
+    process's torch threads."""
+    code = ("import json, sys, torch\n"
+            "from qcompile.tools.bench.suites.step import measure_steps\n"
+            "torch.set_num_threads(int(sys.argv[1]))\n"
+            "print(json.dumps(measure_steps(sys.argv[2] == '1')))")
+    run = subprocess.run([sys.executable, "-c", code, str(torch.get_num_threads()),
+                          "1" if quick else "0"], capture_output=True, text=True,
+                         env={**os.environ, **STEADY_HEAP}, check=False)
+    if run.returncode != 0:
+        raise RuntimeError(f"the steady-heap run failed:\n{run.stderr[-4000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def measure_steps(quick: bool) -> dict[str, Any]:
+    """``bench_step``'s rows, measured in this process (its allocator as it is)."""
     out: dict[str, Any] = {}
     rounds = 3 if quick else 15
     for name, (make, x) in workloads(quick).items():
@@ -98,15 +145,18 @@ def bench_step(quick: bool) -> dict[str, Any]:
                 step()
             steps[label] = step
         times: dict[str, list[float]] = {label: [] for label in steps}
+        faults: dict[str, list[int]] = {label: [] for label in steps}
         now = clock()
         for _ in range(rounds):
             for label, step in steps.items():
-                t0 = now()
+                f0, t0 = _faults(), now()
                 step()
                 times[label].append(now() - t0)
+                faults[label].append(_faults() - f0)
         med = {k: statistics.median(v) for k, v in times.items()}
         row: dict[str, Any] = {f"{k}_s": v for k, v in med.items()}
         for k in steps:
+            row[f"{k}_faults"] = statistics.median(faults[k])
             if k == "fp32":
                 continue
             ratios = sorted(a / b for a, b in zip(times[k], times["fp32"]))
