@@ -513,6 +513,17 @@ static inline void minmax32(const T* x, float* lo, float* hi) {
   *hi = h[0];
 }
 
+#ifdef QCOMPILE_BQ_AVX2
+// The two-level grids, a whole super-block of 256 eight lanes at a time in both x86
+// variants (defined with the other eight-lane code below): their sub-block scales are
+// computed for all sub-blocks in one vector (one division for eight, not eight), where
+// the scalar code's per-sub-block reductions and divisions cost more than its elements.
+template <typename T>
+static void q4_k_block8(const T* x, T* y);
+template <typename T>
+static void q6_k_block8(const T* x, T* y);
+#endif
+
 #if defined(QCOMPILE_BQ_AVX2) && !defined(QCOMPILE_BQ_AVX512)
 // The element loops of the 32-element grids, eight lanes at a time (defined with the other
 // eight-lane code below); each returns how many elements it did.
@@ -571,6 +582,9 @@ static void ggml_block_scalar(const Job& j, const T* x, T* y, uint32_t amax) {
       return;
     }
     case kQ4_K: {  // 8 sub-blocks of 32
+#ifdef QCOMPILE_BQ_AVX2
+      return q4_k_block8(x, y);
+#endif
       float scale[8], mins[8], top_s = 0.0f, top_m = 0.0f;
       for (int s = 0; s < 8; ++s) {
         float hi, lo;
@@ -596,6 +610,9 @@ static void ggml_block_scalar(const Job& j, const T* x, T* y, uint32_t amax) {
       return;
     }
     case kQ6_K: {  // 16 sub-blocks of 16; the scale of largest magnitude gets code -128
+#ifdef QCOMPILE_BQ_AVX2
+      return q6_k_block8(x, y);
+#endif
       float scale[16];
       for (int s = 0; s < 16; ++s) {
         scale[s] = lead_of(x + 16 * s, 16, absmax_scalar(x + 16 * s, 16)) / -32.0f;
@@ -877,6 +894,119 @@ static int64_t q4_1_elements8(const T* x, T* y, int64_t n, float lo, float id, f
 }
 #undef QCOMPILE_BQ_GGML8
 #endif
+
+// -- llama.cpp's two-level grids (Q4_K, Q6_K), eight lanes at a time, both x86 variants:
+// ggml_block_scalar's IEEE operations lane for lane, with each step over the sub-blocks
+// (their scales, codes, 1 / scale) done for eight sub-blocks in one vector. Minima and
+// maxima of finite values agree in every order up to a zero's sign, which plus0 drops as
+// the scalar code does.
+static inline __m256 nearbyint8(__m256 v) {  // std::nearbyint: the current rounding mode
+  return _mm256_round_ps(v, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+}
+static inline __m256 plus0_8(__m256 v) {  // plus0: +0.0 for either zero
+  return _mm256_andnot_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_EQ_OQ), v);
+}
+static inline __m256 recip0_8(__m256 d) {  // recip0: 1 / d, 0 where that is infinite
+  const __m256 r = _mm256_div_ps(_mm256_set1_ps(1.0f), d);
+  const __m256 inf = _mm256_castsi256_ps(_mm256_set1_epi32(0x7F800000));
+  return _mm256_andnot_ps(_mm256_cmp_ps(_mm256_castsi256_ps(abs_bits8(r)), inf, _CMP_EQ_OQ),
+                          r);
+}
+static inline __m256 clamp8k(__m256 v, float lo, float hi) {  // clampf: NaN passes
+  return clamp8(v, _mm256_set1_ps(lo), _mm256_set1_ps(hi));
+}
+static inline float hmin8(__m256 v) {
+  __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_min_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+static inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+// the lanes of a and b (16 lanes: a's first) whose bits are m, as a bit mask
+static inline unsigned hits16(__m256i a, __m256i b, __m256i m) {
+  return static_cast<unsigned>(
+      _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a, m))) |
+      (_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(b, m))) << 8));
+}
+// lead_of for 16 values: the first of largest magnitude, with its sign
+template <typename T>
+static inline float lead16(const T* x) {
+  const __m256i a = abs_bits8(load8(x)), b = abs_bits8(load8(x + 8));
+  const __m256i m = _mm256_set1_epi32(static_cast<int>(hmax(_mm256_max_epi32(a, b))));
+  return load_f(x, __builtin_ctz(hits16(a, b, m)));  // (a match is always there)
+}
+
+template <typename T>
+static void q4_k_block8(const T* x, T* y) {  // 8 sub-blocks of 32
+  alignas(32) float lo[8], hi[8], big_d[8], big_m[8], inv[8];
+  for (int s = 0; s < 8; ++s) {
+    __m256 l = load8(x + 32 * s), h = l;
+    for (int i = 8; i < 32; i += 8) {
+      const __m256 v = load8(x + 32 * s + i);
+      l = _mm256_min_ps(v, l);
+      h = _mm256_max_ps(v, h);
+    }
+    lo[s] = hmin8(l);
+    hi[s] = hmax8(h);
+  }
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 l8 = plus0_8(_mm256_min_ps(zero, _mm256_load_ps(lo)));  // min(lo, 0)
+  const __m256 scale = _mm256_div_ps(_mm256_sub_ps(plus0_8(_mm256_load_ps(hi)), l8),
+                                     _mm256_set1_ps(15.0f));
+  const __m256 mins = _mm256_sub_ps(zero, l8);
+  // (scales and mins are >= +0: their maximum is the scalar loop's from 0.0f)
+  const float d = std::max(hmax8(scale), 0.0f) / 63.0f;
+  const float dmin = std::max(hmax8(mins), 0.0f) / 63.0f;
+  const float d16 = f16r(d), m16 = f16r(dmin), id = recip0(d), im = recip0(dmin);
+  const __m256 sc = plus0_8(clamp8k(nearbyint8(_mm256_mul_ps(scale, _mm256_set1_ps(id))),
+                                    0.0f, 63.0f));
+  const __m256 m = plus0_8(clamp8k(nearbyint8(_mm256_mul_ps(mins, _mm256_set1_ps(im))),
+                                   0.0f, 63.0f));
+  const __m256 bd = _mm256_mul_ps(_mm256_set1_ps(d16), sc);
+  _mm256_store_ps(big_d, bd);
+  _mm256_store_ps(big_m, _mm256_mul_ps(_mm256_set1_ps(m16), m));
+  _mm256_store_ps(inv, recip0_8(bd));
+  for (int s = 0; s < 8; ++s) {
+    const __m256 vd = _mm256_set1_ps(big_d[s]), vm = _mm256_set1_ps(big_m[s]);
+    const __m256 vi = _mm256_set1_ps(inv[s]);
+    for (int i = 32 * s; i < 32 * s + 32; i += 8) {
+      const __m256 q = plus0_8(
+          clamp8k(nearbyint8(_mm256_mul_ps(_mm256_add_ps(load8(x + i), vm), vi)), 0.0f, 15.0f));
+      store8(y + i, _mm256_sub_ps(_mm256_mul_ps(vd, q), vm));
+    }
+  }
+}
+
+template <typename T>
+static void q6_k_block8(const T* x, T* y) {  // 16 sub-blocks of 16
+  alignas(32) float scale[16], big_d[16], inv[16];
+  for (int s = 0; s < 16; ++s) scale[s] = lead16(x + 16 * s);
+  const __m256 minus32 = _mm256_set1_ps(-32.0f);
+  const __m256 s0 = _mm256_div_ps(_mm256_load_ps(scale), minus32);
+  const __m256 s1 = _mm256_div_ps(_mm256_load_ps(scale + 8), minus32);
+  _mm256_store_ps(scale, s0);
+  _mm256_store_ps(scale + 8, s1);
+  const float top = lead16(scale);
+  const float iscale = inverse_scale(top, -128.0f), d16 = f16r(recip0(iscale));
+  for (int h = 0; h < 2; ++h) {
+    const __m256 sc = plus0_8(clamp8k(
+        nearbyint8(_mm256_mul_ps(_mm256_set1_ps(iscale), h ? s1 : s0)), -128.0f, 127.0f));
+    const __m256 bd = _mm256_mul_ps(_mm256_set1_ps(d16), sc);
+    _mm256_store_ps(big_d + 8 * h, bd);
+    _mm256_store_ps(inv + 8 * h, recip0_8(bd));
+  }
+  for (int s = 0; s < 16; ++s) {
+    const __m256 vd = _mm256_set1_ps(big_d[s]), vi = _mm256_set1_ps(inv[s]);
+    for (int i = 16 * s; i < 16 * s + 16; i += 8) {
+      const __m256 q =
+          plus0_8(clamp8k(nearbyint8(_mm256_mul_ps(load8(x + i), vi)), -32.0f, 31.0f));
+      store8(y + i, _mm256_mul_ps(vd, q));
+    }
+  }
+}
 #endif  // QCOMPILE_BQ_AVX2
 
 template <typename T>

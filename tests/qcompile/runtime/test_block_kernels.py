@@ -247,3 +247,43 @@ def test_odd_blocks_match_the_independent_reference(fmt: str, block: int, isa: s
             assert wrong == 0, (f"{fmt}, block {block}, {dtype}, isa {isa or 'best'}: "
                                 f"{wrong} of {x.numel()} values differ from the reference")
             _assert_same_bits(got, want)
+
+
+def _k_quant_blocks(fmt: str, seed: int) -> torch.Tensor:
+    """[8, 256] super-blocks whose sub-blocks part the ways a kernel can go wrong: a lead
+    of either sign tied with its opposite (the first one is the lead), all-zero and
+    single-value sub-blocks next to large ones, sub-blocks so small next to the largest
+    that their scale code is 0 (1 / scale infinite: 0), ranges whose scale code is a tie
+    (x.5), all-negative and all-positive sub-blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    sub = 32 if fmt == "q4_k" else 16
+    x = torch.randn(8, 256, generator=gen) * torch.exp2(torch.randint(-8, 8, (8, 256 // sub),
+                                                                    generator=gen)
+                                                       ).repeat_interleave(sub, 1)
+    for r in range(8):
+        s = int(torch.randint(0, 256 // sub, (), generator=gen)) * sub
+        a = float(x[r].abs().max()) * 2
+        x[r, s + 3], x[r, s + 9] = (a, -a) if r % 2 else (-a, a)  # tied lead, either sign
+        x[r, (s + sub) % 256:(s + sub) % 256 + sub] = 0.0  # an all-zero sub-block
+        t = (s + 2 * sub) % 256
+        x[r, t:t + sub] = 0.0
+        x[r, t + 5] = -1e-3 * a  # one value, scale code 0 next to the lead
+        u = (s + 3 * sub) % 256
+        x[r, u:u + sub] = x[r, u:u + sub].abs() * (1 if r % 3 else -1)  # one sign throughout
+        v = (s + 4 * sub) % 256  # a range of 10.5 / 63 of the largest: code 10.5 (a tie)
+        x[r, v:v + sub] = torch.linspace(0, 10.5 / 63 * a, sub)
+    return x
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda s: s or "best")
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_k_quant_sub_blocks_match_eager_bit_for_bit(fmt: str, isa: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two-level grids' vector kernels compute every sub-block's scale together: the
+    same bits as the eager formula on the sub-blocks where that can part ways."""
+    monkeypatch.setenv("QCOMPILE_FQ_ISA", isa)
+    for seed in range(4):
+        x = _k_quant_blocks(fmt, seed)
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            _assert_same_bits(OPS.block_fake_quant(xd, fmt, 256), fake_quant_eager(xd, fmt, 256))
