@@ -522,9 +522,13 @@ template <typename T>
 static void q4_k_block8(const T* x, T* y);
 template <typename T>
 static void q6_k_block8(const T* x, T* y);
+// Q8_0 / Q4_0 / Q4_1: eight blocks of 32 together, their scales in one vector; false
+// (nothing written) when a block holds NaN or inf
+template <typename T>
+static bool ggml32_group8(const Job& j, const T* x, T* y);
 #endif
 
-#if defined(QCOMPILE_BQ_AVX2) && !defined(QCOMPILE_BQ_AVX512)
+#ifdef QCOMPILE_BQ_AVX2
 // The element loops of the 32-element grids, eight lanes at a time (defined with the other
 // eight-lane code below); each returns how many elements it did.
 template <typename T>
@@ -1007,6 +1011,58 @@ static void q6_k_block8(const T* x, T* y) {  // 16 sub-blocks of 16
     }
   }
 }
+
+template <typename T>
+static bool ggml32_group8(const Job& j, const T* x, T* y) {
+  alignas(32) float a[8], b[8], id[8], d16[8], m16[8];
+  for (int k = 0; k < 8; ++k) {  // each block's statistic: amax, lead or minimum and maximum
+    const T* p = x + 32 * k;
+    const __m256i v0 = abs_bits8(load8(p)), v1 = abs_bits8(load8(p + 8));
+    const __m256i v2 = abs_bits8(load8(p + 16)), v3 = abs_bits8(load8(p + 24));
+    const uint32_t amax =
+        hmax(_mm256_max_epi32(_mm256_max_epi32(v0, v1), _mm256_max_epi32(v2, v3)));
+    if (amax >= 0x7F800000u) return false;
+    if (j.ggml == kQ8_0) {
+      a[k] = float_of(amax);
+    } else if (j.ggml == kQ4_0) {  // the lead: the first element of largest magnitude
+      const __m256i m = _mm256_set1_epi32(static_cast<int>(amax));
+      const unsigned hits = hits16(v0, v1, m) | (hits16(v2, v3, m) << 16);
+      a[k] = load_f(p, __builtin_ctz(hits));
+    } else {
+      __m256 l = _mm256_min_ps(load8(p + 8), load8(p));
+      __m256 h = _mm256_max_ps(load8(p + 8), load8(p));
+      l = _mm256_min_ps(_mm256_min_ps(load8(p + 16), l), load8(p + 24));
+      h = _mm256_max_ps(_mm256_max_ps(load8(p + 16), h), load8(p + 24));
+      a[k] = hmin8(l);
+      b[k] = hmax8(h);
+    }
+  }
+  // the scales of all eight blocks: ggml_block_scalar's operations, one vector each
+  __m256 d;
+  if (j.ggml == kQ8_0) {
+    d = _mm256_div_ps(_mm256_load_ps(a), _mm256_set1_ps(127.0f));
+  } else if (j.ggml == kQ4_0) {
+    d = _mm256_div_ps(_mm256_load_ps(a), _mm256_set1_ps(-8.0f));
+  } else {
+    const __m256 lo = plus0_8(_mm256_load_ps(a)), hi = plus0_8(_mm256_load_ps(b));
+    _mm256_store_ps(a, lo);
+    d = _mm256_div_ps(_mm256_sub_ps(hi, lo), _mm256_set1_ps(15.0f));
+    _mm256_store_ps(m16, _mm256_cvtph_ps(_mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT)));
+  }
+  _mm256_store_ps(id, recip0_8(d));
+  // f16r: float32 -> fp16 (round to nearest even, overflow to inf) -> float32
+  _mm256_store_ps(d16, _mm256_cvtph_ps(_mm256_cvtps_ph(d, _MM_FROUND_TO_NEAREST_INT)));
+  for (int k = 0; k < 8; ++k) {
+    const T* p = x + 32 * k;
+    T* q = y + 32 * k;
+    switch (j.ggml) {
+      case kQ8_0: q8_0_elements8(p, q, 32, id[k], d16[k]); break;
+      case kQ4_0: q4_0_elements8(p, q, 32, id[k], d16[k]); break;
+      default: q4_1_elements8(p, q, 32, a[k], id[k], d16[k], m16[k]); break;
+    }
+  }
+  return true;
+}
 #endif  // QCOMPILE_BQ_AVX2
 
 template <typename T>
@@ -1027,6 +1083,15 @@ static void blocks_t(const Job& j, int64_t b0, int64_t b1) {
       case kNVFP4: return nvfp4_blocks8(j, x, y, b1 - b0);
       case kNF4: return nf4_blocks8(j, x, y, b1 - b0);
       case kGGML: break;  // (not reached)
+    }
+  }
+  if (j.kind == kGGML && n == 32) {  // Q8_0, Q4_0, Q4_1: eight blocks at a time
+    for (; b0 + 8 <= b1; b0 += 8, x += 256, y += 256) {
+      if (!ggml32_group8(j, x, y)) {
+        for (int k = 0; k < 8; ++k) {
+          ggml_block_scalar(j, x + 32 * k, y + 32 * k, absmax_scalar(x + 32 * k, 32));
+        }
+      }
     }
   }
 #endif

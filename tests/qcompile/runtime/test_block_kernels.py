@@ -287,3 +287,24 @@ def test_k_quant_sub_blocks_match_eager_bit_for_bit(fmt: str, isa: str,
         for dtype in (torch.float32, torch.bfloat16):
             xd = x.to(dtype)
             _assert_same_bits(OPS.block_fake_quant(xd, fmt, 256), fake_quant_eager(xd, fmt, 256))
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda s: s or "best")
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_32_element_grids_in_groups_of_eight_blocks(fmt: str, isa: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 32-element grids' kernels take eight blocks at a time: a group holding a NaN or
+    an infinite block, groups followed by a tail of fewer than eight blocks, a lead tied
+    with its opposite and blocks of one sign give the eager formula's bits."""
+    monkeypatch.setenv("QCOMPILE_FQ_ISA", isa)
+    x = _values(fmt, 43, 32, f"groups-{fmt}")  # five groups of eight, then three blocks
+    x[5, 7], x[5, 20] = 3.0, -3.0   # tied lead, positive first
+    x[6, 7], x[6, 20] = -3.0, 3.0   # negative first
+    x[7] = x[7].abs()
+    x[8] = -x[8].abs()
+    x[13, 4] = float("nan")         # in the second group
+    x[26, 31] = float("inf")        # in the fourth
+    x[33, 0] = float("-inf")        # in the fifth
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        _assert_same_bits(OPS.block_fake_quant(xd, fmt, 32), fake_quant_eager(xd, fmt, 32))
