@@ -5,6 +5,8 @@ kernels and the eager formulation (what CUDA runs) both take reduced-precision i
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -96,11 +98,13 @@ def test_qat_under_bf16_autocast_trains_with_float32_qparams(kind, learnable):
     for name, p in gm.named_parameters():  # autocast leaves the master weights float32
         assert p.dtype == torch.float32, name
     # and it learns as the float32 run of the same graph does. Adam at lr 1e-2 oscillates,
-    # so one step's loss depends on rounding (thread count, ISA): compare the last 5 steps'
-    # mean, which differs by ~2.5% between bf16 and float32 on the CNN (10% allowed).
+    # so one step's loss depends on rounding (thread count, ISA, a CPU's native bf16 dot
+    # products): compare the median of the last 5 steps, which differs by ~2.5-5% between
+    # bf16 and float32 on the CNN (10% allowed). A median, not a mean: on an AVX-512 BF16
+    # CPU the LSQ run's loss jumps once (0.98 -> 1.39 -> 1.03) and falls back on course.
     ref = train(qc.qcompile(model, spec(learnable), example_inputs=(x[:2],)), x, y, None)
-    mean, ref_mean = sum(losses[-5:]) / 5, sum(ref[-5:]) / 5
-    assert abs(mean - ref_mean) < 0.1 * ref_mean, (losses[-5:], ref[-5:])
+    mid, ref_mid = statistics.median(losses[-5:]), statistics.median(ref[-5:])
+    assert abs(mid - ref_mid) < 0.1 * ref_mid, (losses[-5:], ref[-5:])
 
 
 def _cpu_grad_scaler() -> torch.amp.GradScaler | None:
