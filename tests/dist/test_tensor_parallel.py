@@ -118,8 +118,12 @@ def test_adapters_train_on_the_shards_as_one_process(dist_run: Any, case: str) -
     in this rank's rows or block columns. Three SGD steps of the adapters equal one
     process on the global batch; ``qc.save_adapters`` from the ranks writes one process's
     adapter file, and peft, loading it onto the NF4 values, gives the ranks' logits."""
-    tol, trained_tol = (1e-5, 1e-5) if dist_run.world == 2 or case == "qlora_nf4" else (
-        1e-3, 2e-2)  # 8da4w under dp: a per-token activation a rounding apart, see above
+    # a float base under 8da4w: a per-token activation a rounding apart flips a code, at
+    # tp 2 as under dp (on an AMD EPYC: losses 4.4e-5 apart, the adapters 4.2e-3 of their
+    # largest value, lora_B having grown from zero for three steps); an NF4 base with float
+    # activations has no such step
+    tol, trained_tol = ((1e-5, 1e-5) if case == "qlora_nf4" else
+                        (1e-4 if dist_run.world == 2 else 1e-3, 2e-2))
     for rank, got in enumerate(dist_run.case(case)):
         plan = got["plan"]
         attn = "model.layers.0.self_attn"
