@@ -23,9 +23,14 @@ the element that sets each block's scale is rounded to a magnitude that keeps it
 block's largest level for NF4 and NVFP4, its top binade for MX; NVFP4's largest original
 element keeps its block's scale at the maximum, so the tensor scale stays), the others to
 nearest: the weight GPTQ writes is its own fake-quant (NVFP4: to a float32 rounding of
-the tensor scale). The lazy batches hold whole blocks (``block_size`` rounded down to a
-multiple of the block); ``act_order`` takes every block's scale from the original weights
-(the columns no longer go block by block).
+the tensor scale). llama.cpp's grids pin their ends the same way: Q4_0's and Q8_0's
+element of largest magnitude and Q4_1's minimum and maximum keep their values on the
+block's grid; in Q4_K's and Q6_K's super-blocks of 256 every sub-block's ends (Q4_K's
+maximum and negative minimum, Q6_K's largest magnitude) take the grid's end levels, so the
+fp16 super-block scales and the sub-block scale codes come back exactly. The lazy batches
+hold whole blocks (``block_size`` rounded down to a multiple of the block); ``act_order``
+takes every block's scale from the original weights (the columns no longer go block by
+block).
 
 Layers go level by level (``qcompile.graph.layerwise.levels``): each level's inputs come
 from the graph with the levels before it already rounded, as in the paper. Memory is one
@@ -51,7 +56,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.fx import GraphModule
@@ -206,6 +211,55 @@ def _block_state(cols: torch.Tensor, fmt: str, tensor_scale: torch.Tensor | None
     return _BlockState(grid, lead[:, 0], keep[:, 0])
 
 
+@dataclass(frozen=True)
+class _SuperBlockState:
+    """One super-block's grid (llama.cpp's Q4_K, Q6_K) while GPTQ rounds it column by
+    column. A sub-block's scale (and Q4_K's minimum) is found from its ends: Q4_K's maximum
+    and its minimum (when negative), Q6_K's element of largest magnitude. Those elements
+    take the grid's end levels (Q4_K: codes 15 and 0; Q6_K: code -32), not their nearest
+    ones, so the rounded super-block's ranges give back exactly the fp16 super-block scales
+    and the 6-bit / 8-bit sub-block codes they came from (round-to-nearest itself is not
+    always a fixed point: an end may round a step inside)."""
+
+    grid: BlockGrid                 # [N, 256] per-element scales
+    sub: int                        # elements per sub-block
+    hi: torch.Tensor                # [N, S] int64: column (within its sub-block) of the end
+    hi_value: torch.Tensor          # [N, S] float32: its level
+    lo: torch.Tensor | None         # Q4_K: [N, S] int64, column of a negative minimum or -1
+    lo_value: torch.Tensor | None   # Q4_K: [N, S] float32, the level of code 0
+
+    def round(self, col: torch.Tensor, pos: int) -> torch.Tensor:
+        """Column ``pos`` of the super-block ([N] float32), rounded onto the grid."""
+        g = self.grid
+        here = {f: getattr(g, f)[:, pos:pos + 1] for f in ("to_grid", "from_grid", "offset",
+                                                            "offset_out")
+                if getattr(g, f) is not None}
+        q = replace(g, **here).fake_quant(col.unsqueeze(1))[:, 0]
+        s, within = divmod(pos, self.sub)
+        if self.lo is not None:
+            q = torch.where(self.lo[:, s] == within, self.lo_value[:, s], q)
+        return torch.where(self.hi[:, s] == within, self.hi_value[:, s], q)
+
+
+def _super_block_state(cols: torch.Tensor, fmt: str) -> _SuperBlockState:
+    """The grid of ``cols`` ([N, 256]) and the ends of its sub-blocks."""
+    grid = block_scales(cols, fmt)
+    n = cols.shape[0]
+
+    def level(code: float, sub: int) -> torch.Tensor:  # [N, S]: each sub-block's level
+        return grid.values(torch.full_like(cols, code))[:, ::sub]
+
+    if fmt == "q6_k":  # a sub-block's scale: its largest magnitude (the first on a tie)
+        hi = cols.reshape(n, 16, 16).abs().argmax(dim=-1)
+        return _SuperBlockState(grid, 16, hi, level(-32.0, 16), None, None)
+    # q4_k: a sub-block spans min(its minimum, 0) .. its maximum; with no negative element
+    # its code 0 is the level 0 whatever its smallest element, which stays free
+    xs = cols.reshape(n, 8, 32)
+    negative = xs.amin(dim=-1) < 0
+    return _SuperBlockState(grid, 32, xs.argmax(dim=-1), level(15.0, 32),
+                            torch.where(negative, xs.argmin(dim=-1), -1), level(0.0, 32))
+
+
 def gptq_blocks(w: torch.Tensor, gram: torch.Tensor, fmt: str, block: int, *,
                 block_size: int = 128, damp: float = 0.01,
                 act_order: bool = False) -> tuple[torch.Tensor, float]:
@@ -231,10 +285,6 @@ def gptq_blocks(w: torch.Tensor, gram: torch.Tensor, fmt: str, block: int, *,
     k = w.shape[1]
     if k % block:
         raise ValueError(f"rows of {k} elements do not split into blocks of {block}")
-    if FORMATS[fmt].kind == "ggml_k":
-        raise ValueError(f"GPTQ does not round {fmt}'s super-blocks (their sub-block scales "
-                         "come from the whole super-block): use q4_0, q4_1 or q8_0, or "
-                         "round to nearest")
     original = w.detach().float()
     w, h = _prepare(w, gram)
     tensor_scale, pin = None, None
@@ -243,13 +293,15 @@ def gptq_blocks(w: torch.Tensor, gram: torch.Tensor, fmt: str, block: int, *,
         row, col = divmod(int(original.abs().argmax()), k)
         pin = (row, col, original[row, col].abs())
 
-    def state(cols: torch.Tensor, b: int) -> _BlockState:
+    def state(cols: torch.Tensor, b: int) -> _BlockState | _SuperBlockState:
+        if FORMATS[fmt].kind == "ggml_k":
+            return _super_block_state(cols, fmt)
         here = pin if pin is not None and pin[1] // block == b else None
         if here is not None:
             here = (here[0], here[1] - b * block, here[2])
         return _block_state(cols, fmt, tensor_scale, here)
 
-    states: dict[int, _BlockState] = {}
+    states: dict[int, _BlockState | _SuperBlockState] = {}
     perm = None
     if act_order:  # columns out of block order: every grid from the original weights
         states = {b: state(w[:, b * block:(b + 1) * block], b) for b in range(k // block)}
@@ -272,12 +324,15 @@ def gptq_blocks(w: torch.Tensor, gram: torch.Tensor, fmt: str, block: int, *,
                 states[b] = state(cur[:, i:i + block], b)
             st = states[b]
             col = cur[:, i]
-            q = st.grid.fake_quant(col.unsqueeze(1))[:, 0]
-            if st.lead_value is not None:  # llama.cpp's grids: the grid's ends stay put
+            if isinstance(st, _SuperBlockState):
+                q = st.round(col, pos)
+            elif st.lead_value is not None:  # llama.cpp's grids: the grid's ends stay put
+                q = st.grid.fake_quant(col.unsqueeze(1))[:, 0]
                 q = torch.where(st.lead == pos, st.lead_value, q)
                 if fmt == "q4_1":
                     q = torch.where(st.low == pos, st.low_value, q)
             else:
+                q = st.grid.fake_quant(col.unsqueeze(1))[:, 0]
                 q = torch.where(st.lead == pos,
                                 torch.copysign(torch.maximum(q.abs(), st.keep), col), q)
             out[:, i1 + i] = q

@@ -99,6 +99,36 @@ def test_calibrate_runs_it_on_block_format_layers(fmt):
         assert torch.allclose(fake_quant_eager(w, fmt, 16), w, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_calibrate_runs_it_on_llama_cpp_super_blocks(fmt):
+    """Weight-only PTQ on llama.cpp's K grids through the spec: GPTQ lowers the model's
+    output error against round-to-nearest, and the forward finds GPTQ's weights again bit
+    for bit (their fp16 super-block scales and sub-block codes included)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 16))
+    mix = torch.randn(256, 256, generator=torch.Generator().manual_seed(9)) / 16 + torch.eye(256)
+    calib, test = [torch.randn(128, 256, generator=torch.Generator().manual_seed(s)) @ mix
+                   for s in range(4)], torch.randn(512, 256) @ mix
+
+    def compiled(algorithms):
+        spec = qc.CompileSpec.model_validate({"quant": {
+            "mode": "static", "target": "generic", "algorithms": algorithms,
+            "rules": [{"match": {"module": "Linear"}, "weight": {"dtype": fmt}}]}})
+        gm = qc.qcompile(model, spec, example_inputs=(calib[0],))
+        return qc.calibrate(gm, calib, progress=False)
+
+    def mse(gm):
+        with torch.no_grad():
+            return float(((gm(test) - model(test)) ** 2).mean())
+
+    rtn, gm = compiled([]), compiled([{"kind": "gptq", "block_size": 64}])
+    assert mse(gm) < 0.8 * mse(rtn)
+    for name in ("0", "2"):
+        w = gm.get_submodule(name).weight.detach()
+        assert torch.equal(fake_quant_eager(w, fmt, 256), w)
+        assert not torch.equal(w, fake_quant_eager(model.get_submodule(name).weight, fmt, 256))
+
+
 def test_adaround_leaves_block_format_layers_to_round_to_nearest():
     """AdaRound learns a rounding on a fixed grid; a block-scaled weight has none: it is
     skipped with the reason, and an integer layer beside it is still rounded."""

@@ -217,12 +217,37 @@ def test_gptq_result_is_on_the_grid_and_beats_rounding(fmt: str) -> None:
         assert output_error(q - w, x.T @ x, 512) < 0.8 * output_error(rtn - w, x.T @ x, 512)
 
 
-def test_gptq_refuses_super_blocks() -> None:
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_gptq_keeps_every_sub_block_range_of_a_super_block(fmt: str) -> None:
+    """GPTQ on the K types: each super-block's grid from its columns as GPTQ reaches them,
+    every sub-block's ends kept, so the forward finds the same fp16 super-block scales and
+    sub-block codes again (the rounded weight is its own fake-quant, bit for bit), with
+    far less output error than round-to-nearest. Rows span the cases the ends decide: mixed
+    signs, no negative element (Q4_K's minimum is then 0), all negative, constant sub-blocks,
+    an all-zero row, and sub-blocks of graded ranges, whose small scale codes make
+    round-to-nearest itself drift when applied twice (an end rounds a step inside)."""
+    from qcompile.graph.layerwise import output_error
     from qcompile.passes.round_gptq import gptq_blocks
 
-    w = torch.randn(4, 256)
-    with pytest.raises(ValueError, match="GPTQ does not round q4_k"):
-        gptq_blocks(w, torch.eye(256), "q4_k", 256)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 512, generator=g) @ torch.randn(512, 512, generator=g) / 20
+    x = x + 2 * torch.randn(512, generator=g)
+    w = 0.05 * torch.randn(16, 512, generator=g)
+    w[1] = w[1].abs()
+    w[2] = -w[2].abs()
+    w[3, :32] = 0.02
+    w[3, 256:288] = -0.03
+    w[4] = 0.0
+    w[5, 40] = 1.5  # an outlier sets its super-block's fp16 scale
+    w[6:] *= torch.linspace(0.05, 1.0, 16).repeat_interleave(16).repeat(2)
+    h = x.T @ x
+    rtn = fake_quant_eager(w, fmt, 256)
+    assert not torch.equal(fake_quant_eager(rtn, fmt, 256), rtn)
+    for act_order in (False, True):
+        q, _ = gptq_blocks(w, h, fmt, 256, block_size=64, act_order=act_order)
+        assert torch.equal(fake_quant_eager(q, fmt, 256), q)
+        assert torch.equal(q[4], w[4])
+        assert output_error(q - w, h, 1024) < 0.5 * output_error(rtn - w, h, 1024)
 
 
 def test_q4_k_preset_trains_a_256_wide_model_and_names_the_width_it_needs() -> None:
