@@ -43,6 +43,7 @@ from qcompile.graph.layerwise import (
     Sweep,
     Walker,
     levels,
+    other_weights,
     output_error,
     parameters_as,
     quantized_layers,
@@ -108,6 +109,8 @@ def usable(gm: nn.Module, *, gram: bool, blocks: bool = True
             ok.append(layer)
         else:
             skipped.append((layer.name, reason))
+    skipped += [(name, "read by an op other than conv/linear (a fused expert weight, bmm, "
+                       "einsum ...)") for name in other_weights(gm, layers)]
     return ok, skipped
 
 

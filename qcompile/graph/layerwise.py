@@ -42,6 +42,7 @@ from qcompile.graph.matching import op_name
 from qcompile.runtime.fake_quant import FakeQuantize
 
 _OPS = ("linear", "conv1d", "conv2d", "conv3d")
+_VIEWS = ("reshape", "view", "flatten", "transpose", "permute", "contiguous")
 Reduce = Callable[[list[torch.Tensor]], None]  # sums tensors in place across ranks
 
 
@@ -173,6 +174,36 @@ def quantized_layers(gm: nn.Module) -> list[QuantLayer]:
             layer = _layer(owner_name, owner, node)
             if layer is not None:
                 found.append(layer)
+    if isinstance(gm, GraphModule):
+        walk("", gm)
+    return found
+
+
+def other_weights(gm: nn.Module, layers: Sequence[QuantLayer]) -> list[str]:
+    """The fake-quantized parameters of ``gm`` that no conv/linear layer of ``layers``
+    reads (a mixture of experts' fused ``[experts, ...]`` weights, matrices read by
+    ``bmm`` or ``einsum``), by qualified name, in graph order."""
+    seen = {(layer.owner, layer.quantizer) for layer in layers}
+    found: list[str] = []
+
+    def walk(owner_name: str, owner: GraphModule) -> None:
+        for node in owner.graph.nodes:
+            if node.op != "call_module":
+                continue
+            child = owner.get_submodule(str(node.target))
+            if isinstance(child, GraphModule):
+                walk(f"{owner_name}.{node.target}" if owner_name else str(node.target), child)
+                continue
+            if not isinstance(child, FakeQuantize) or not node.args:
+                continue
+            src = node.args[0]  # the parameter, maybe viewed first ([experts * out, in])
+            while (isinstance(src, Node) and src.op in ("call_function", "call_method")
+                   and src.args and op_name(src) in _VIEWS):
+                src = src.args[0]
+            weight = _param(owner, src)
+            if (weight is not None
+                    and (owner_name, str(node.target)) not in seen):
+                found.append(f"{owner_name}.{weight}" if owner_name else weight)
     if isinstance(gm, GraphModule):
         walk("", gm)
     return found

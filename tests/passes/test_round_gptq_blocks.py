@@ -144,3 +144,36 @@ def test_adaround_leaves_block_format_layers_to_round_to_nearest():
     notes = qc.report(gm).passes[-1].notes
     assert any("block-scaled" in n and n.startswith("0") for n in notes), notes
     assert any("round-to-nearest)" in n and n.startswith("2") for n in notes), notes
+
+
+def test_weights_read_by_other_ops_are_named_as_left_to_round_to_nearest():
+    """A fused-experts-style ``[experts, out, in]`` parameter read by ``bmm`` (quantized
+    by an op rule) is not a conv/linear layer: GPTQ rounds the Linear beside it and names
+    the parameter it leaves to round-to-nearest, at compile time and after calibration."""
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(32, 32)
+            self.experts = nn.Parameter(torch.randn(2, 32, 32) / 6)
+
+        def forward(self, x):
+            h = self.proj(x)
+            return torch.bmm(h.unsqueeze(0).expand(2, -1, -1), self.experts.transpose(1, 2))
+
+    torch.manual_seed(0)
+    calib = [_data(64, s) for s in range(2)]
+    scheme = {"weight": {"dtype": "int4", "granularity": "per_channel"}, "optional": True}
+    spec = qc.CompileSpec.model_validate({"quant": {
+        "mode": "static", "algorithms": [{"kind": "gptq", "block_size": 16}],
+        "rules": [{"match": {"module": "Linear"}, **scheme},
+                  {"match": {"op": ["bmm"], "reads_weight": True}, **scheme}]}})
+    gm = qc.qcompile(Experts(), spec, example_inputs=(calib[0],))
+    compiled = [n for r in qc.report(gm).passes for n in r.notes]
+    gm = qc.calibrate(gm, calib, progress=False)
+    notes = qc.report(gm).passes[-1].notes
+    assert notes[0].startswith("proj (32x32): output error")
+    for where in (compiled, notes):
+        assert any(n.endswith("experts left to round-to-nearest: read by an op other than "
+                              "conv/linear (a fused expert weight, bmm, einsum ...)")
+                   for n in where), where
