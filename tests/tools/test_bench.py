@@ -314,19 +314,29 @@ def test_saved_bytes_counts_each_storage_once_as_it_is_after_forward() -> None:
 @pytest.mark.e2e
 def test_quick_llm_deploy_measures_inside_llama_cpp(capsys: pytest.CaptureFixture[str],
                                                      tmp_path, monkeypatch) -> None:
-    """The whole --deploy flow on the quick LM: llama.cpp evaluates the F32 file as torch
-    does, and qcompile's RTN on the Q4_0 grid exports the very tensors llama.cpp's own
-    quantizer writes (so the same perplexity)."""
+    """The whole --deploy flow on the quick LMs, dense (as Llama) and MoE (as Mixtral):
+    llama.cpp evaluates the F32 file as torch does, and qcompile's RTN on the Q4_0 grid
+    exports the very tensors llama.cpp's own quantizer writes (so the same perplexity)."""
     pytest.importorskip("llama_cpp")
     monkeypatch.setenv("QCOMPILE_BENCH_CACHE", str(tmp_path))
     assert main(["llm", "--deploy", "--quick", "--json"]) == 0
-    r = json.loads(capsys.readouterr().out)["dense"]
-    assert r["hf_vs_bench_lm_max_abs"] < 1e-4
-    assert math.isclose(r["fp32"], r["fp32_torch"], rel_tol=1e-3)
-    assert r["rtn_tensors_identical"] == 1.0
-    assert r["rtn"] == r["llama_cpp_q4_0"]
-    assert len(r["qat"]) == len(r["gptq_qat"]) == 1
-    assert 4.0 < r["bits_per_param"]["llama.cpp Q4_0"] < r["bits_per_param"]["fp32"]
+    result = json.loads(capsys.readouterr().out)
+    for kind, arch in (("dense", "LlamaForCausalLM"), ("moe", "MixtralForCausalLM")):
+        r = result[kind]
+        assert r["architecture"] == arch
+        assert r["hf_vs_bench_lm_max_abs"] < 1e-4
+        assert math.isclose(r["fp32"], r["fp32_torch"], rel_tol=1e-3)
+        q4_0, q4_k = r["grids"]["q4_0"], r["grids"]["q4_k"]
+        # per block q, k, v, o and the three MLP (or fused expert) tensors, and the head;
+        # the routers stay F32
+        assert q4_0["quantized_tensors"] == q4_k["quantized_tensors"] == \
+            7 * r["config"]["layers"] + 1
+        assert q4_0["rtn_tensors_identical"] == 1.0
+        assert q4_0["rtn"] == q4_0["llama_cpp"]
+        for row in (q4_0, q4_k):
+            assert len(row["qat"]) == len(row["gptq_qat"]) == 1
+        for row, g in ((q4_0, "Q4_0"), (q4_k, "Q4_K")):
+            assert 4.0 < row["bits_per_param"][f"llama.cpp {g}"] < r["bits_per_param"]["fp32"]
 
 
 def test_deploy_is_for_the_llm_suite_only(capsys: pytest.CaptureFixture[str]) -> None:

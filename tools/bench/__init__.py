@@ -172,8 +172,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the suite to run (listed below)")
     p.add_argument("--quick", action="store_true", help="smaller workloads")
     p.add_argument("--deploy", action="store_true",
-                   help="llm only: the LM exported to GGUF, its perplexity measured inside "
-                        "llama.cpp (needs the llama extra)")
+                   help="llm only: a dense and an MoE LM exported to GGUF (Q4_0, Q4_K), their "
+                        "perplexity measured inside llama.cpp (needs the llama extra)")
     p.add_argument("--format", choices=FORMATS, default="text",
                    help="text (default) or JSON")
     p.add_argument("--json", dest="format", action="store_const", const="json",
