@@ -158,25 +158,29 @@ def _layer(owner_name: str, owner: GraphModule, node: Node) -> QuantLayer | None
                       weight, bias, str(fq_node.target), exclusive=only, **conv)
 
 
-def quantized_layers(gm: nn.Module) -> list[QuantLayer]:
-    """Every conv/linear node reading a fake-quantized parameter, in every graph of
-    ``gm``, in execution order (a stage's nodes where the root graph calls the stage)."""
-    found: list[QuantLayer] = []
+def _nodes(gm: nn.Module) -> Iterator[tuple[str, GraphModule, Node]]:
+    """(owner's qualified name, owner, node) for every node of every graph of ``gm`` but
+    the calls of child graphs, in execution order (a stage's nodes where the root graph
+    calls the stage)."""
 
-    def walk(owner_name: str, owner: GraphModule) -> None:
+    def walk(owner_name: str, owner: GraphModule) -> Iterator[tuple[str, GraphModule, Node]]:
         for node in owner.graph.nodes:
             if node.op == "call_module":
                 child = owner.get_submodule(str(node.target))
                 if isinstance(child, GraphModule):
-                    walk(f"{owner_name}.{node.target}" if owner_name else str(node.target),
-                         child)
+                    yield from walk(f"{owner_name}.{node.target}" if owner_name
+                                    else str(node.target), child)
                     continue
-            layer = _layer(owner_name, owner, node)
-            if layer is not None:
-                found.append(layer)
+            yield owner_name, owner, node
     if isinstance(gm, GraphModule):
-        walk("", gm)
-    return found
+        yield from walk("", gm)
+
+
+def quantized_layers(gm: nn.Module) -> list[QuantLayer]:
+    """Every conv/linear node reading a fake-quantized parameter, in every graph of
+    ``gm``, in execution order (a stage's nodes where the root graph calls the stage)."""
+    found = (_layer(owner_name, owner, node) for owner_name, owner, node in _nodes(gm))
+    return [layer for layer in found if layer is not None]
 
 
 def other_weights(gm: nn.Module, layers: Sequence[QuantLayer]) -> list[str]:
@@ -185,27 +189,17 @@ def other_weights(gm: nn.Module, layers: Sequence[QuantLayer]) -> list[str]:
     ``bmm`` or ``einsum``), by qualified name, in graph order."""
     seen = {(layer.owner, layer.quantizer) for layer in layers}
     found: list[str] = []
-
-    def walk(owner_name: str, owner: GraphModule) -> None:
-        for node in owner.graph.nodes:
-            if node.op != "call_module":
-                continue
-            child = owner.get_submodule(str(node.target))
-            if isinstance(child, GraphModule):
-                walk(f"{owner_name}.{node.target}" if owner_name else str(node.target), child)
-                continue
-            if not isinstance(child, FakeQuantize) or not node.args:
-                continue
-            src = node.args[0]  # the parameter, maybe viewed first ([experts * out, in])
-            while (isinstance(src, Node) and src.op in ("call_function", "call_method")
-                   and src.args and op_name(src) in _VIEWS):
-                src = src.args[0]
-            weight = _param(owner, src)
-            if (weight is not None
-                    and (owner_name, str(node.target)) not in seen):
-                found.append(f"{owner_name}.{weight}" if owner_name else weight)
-    if isinstance(gm, GraphModule):
-        walk("", gm)
+    for owner_name, owner, node in _nodes(gm):
+        if (node.op != "call_module" or not node.args or (owner_name, str(node.target)) in seen
+                or not isinstance(owner.get_submodule(str(node.target)), FakeQuantize)):
+            continue
+        src = node.args[0]  # the parameter, maybe viewed first ([experts * out, in])
+        while (isinstance(src, Node) and src.op in ("call_function", "call_method")
+               and src.args and op_name(src) in _VIEWS):
+            src = src.args[0]
+        weight = _param(owner, src)
+        if weight is not None:
+            found.append(f"{owner_name}.{weight}" if owner_name else weight)
     return found
 
 

@@ -284,7 +284,7 @@ def run_deploy(cfg: lm.LMConfig, recipe: Recipe, calib_batches: int, seeds: int,
                      f"rtn-{name}")
         row["rtn"] = measure(row, f"{grid.ggml} RTN", rtn, t)
         ours, theirs = _tensors(rtn), _tensors(ref)
-        held = [k for k, (kind_, _) in theirs.items() if kind_ == grid.ggml]
+        held = [k for k, (ggml, _) in theirs.items() if ggml == grid.ggml]
         row["quantized_tensors"] = len(held)
         row["rtn_tensors_identical"] = sum(ours.get(k) == theirs[k] for k in held) / len(held)
         t = time.perf_counter()
