@@ -626,7 +626,10 @@ class FakeQuantize(nn.Module):
             raise QCompileError(f"block fake-quant: {e}",
                                 fix="compile with example_inputs of the shapes you run") from None
 
-    def forward(self, x: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, overwrite: bool = False,
+                local: bool = False) -> torch.Tensor:
+        # ``local``: ``x`` is a tensor-parallel shard (a DTensor) and the caller computes on
+        # this rank's values: they come back as a plain tensor (``ShardedLinear``)
         # ``overwrite``: the graph's code reads nothing of ``x`` after this call
         # (``passes.overwrite_inputs`` marks such calls), so a training forward (fixed
         # qparams, or step updates) may write its output over ``x``'s memory
@@ -649,7 +652,7 @@ class FakeQuantize(nn.Module):
             return op(x, self.scale, self.zero_point, self.quant_min, self.quant_max)
         if type(x) is not torch.Tensor and type(x) is not nn.Parameter and _sharded(x):
             # a tensor-parallel shard: the whole tensor's qparams (qcompile.runtime.sharded)
-            return sharded.fake_quant_dtensor(self, x)
+            return sharded.fake_quant_dtensor(self, x, local=local)
         # Only floating-point tensors are quantized: indices, masks and sizes pass through.
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
             return x

@@ -142,6 +142,8 @@ def _hooks(outer: tuple[Callable, Callable] | None) -> tuple[Callable, Callable]
             recipe = t.__dict__.get(ATTR)
             if recipe is None and t._base is not None:
                 recipe = t._base.__dict__.get(ATTR)
+            if recipe is None:  # the shard itself tagged (DTensor.from_local of it)
+                recipe = _recipe(local)
             if recipe is not None:
                 return _Shard(_View(recipe, local), t)
         return (_Outer, outer_pack(t)) if outer_pack is not None else t

@@ -78,10 +78,63 @@ class ShardedLinear(nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        style = _local_style(x, self.weight, self.bias)
+        if style is not None:
+            return self._local_forward(x, style)
         if self.quantize_input:
             x = self.input_fake_quant(x)
         w = self.weight_fake_quant(self.weight) if self.quantize_weight else self.weight
         return F.linear(x, w, self.bias)
+
+    def _local_forward(self, x: Any, style: str) -> Any:
+        """The layer on this rank's values, as torch's styles hand them over and take them
+        back: a colwise shard reads the whole input (``Replicate``) and gives its output
+        features (``Shard(-1)``); a rowwise one reads its input features (``Shard(-1)``)
+        and gives its partial sums (``Partial``, which torch's style all-reduces). The
+        matmul runs on plain tensors, so each step pays DTensor's dispatch only at the
+        layer's edges, as the float layer pays it for its matmul once per direction."""
+        from torch.distributed.tensor import DTensor, Partial, Shard
+
+        w = self.weight
+        if style == "colwise":
+            # every rank holds the whole input: its quantizer sees what one process sees;
+            # the input's gradient is this rank's output features' part (summed by torch)
+            xl = x.to_local(grad_placements=[Partial()])
+            if self.quantize_input:
+                xl = self.input_fake_quant(xl)
+            bias = self.bias.to_local() if self.bias is not None else None
+            out = [Shard(x.dim() - 1)]
+        else:  # a range over the input features is reduced across tp (fake_quant_dtensor)
+            xl = self.input_fake_quant(x, local=True) if self.quantize_input else x.to_local()
+            bias, out = None, [Partial()]
+        wl = self.weight_fake_quant(w, local=True) if self.quantize_weight else w.to_local()
+        y = F.linear(xl, wl, bias)
+        shape = torch.Size((*x.shape[:-1], w.shape[0]))
+        return DTensor.from_local(y, w.device_mesh, out, run_check=False, shape=shape,
+                                  stride=_contiguous(shape))
+
+
+def _local_style(x: Any, w: Any, bias: Any) -> str | None:
+    """``colwise`` or ``rowwise`` where ``ShardedLinear`` computes on this rank's values
+    (its weight and input DTensors as torch's styles lay them out on one mesh dim; a
+    rowwise layer without a bias, which torch adds once, after the reduction), else None."""
+    if type(x) is torch.Tensor or not hasattr(x, "placements") or not hasattr(
+            w, "placements") or len(w.placements) != 1 or len(x.placements) != 1:
+        return None
+    pw, px = w.placements[0], x.placements[0]
+    if pw.is_shard(0) and px.is_replicate():
+        return "colwise"
+    if pw.is_shard(1) and px.is_shard(x.dim() - 1) and bias is None:
+        return "rowwise"
+    return None
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    stride, step = [], 1
+    for n in reversed(shape):
+        stride.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(stride))
 
 
 class ShardedFrozenLinear(ShardedLinear):
@@ -564,23 +617,40 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
-def fake_quant_dtensor(fq: nn.Module, x: Any) -> Any:
-    """``fq(x)`` for a DTensor ``x``: the whole tensor's qparams, this rank's shard."""
+def fake_quant_dtensor(fq: nn.Module, x: Any, local: bool = False) -> Any:
+    """``fq(x)`` for a DTensor ``x``: the whole tensor's qparams, this rank's shard;
+    ``local``: this rank's values, as a plain tensor (the gradient flows back to ``x``'s
+    shard)."""
     from torch.distributed.tensor import DTensor
 
     weight = isinstance(x, nn.Parameter)
     x, d = _placement(x)
-    local = x.to_local()
+    values = x.to_local()
+    out = _fake_quant_shard(fq, x, values, d, weight)
+    if out is None:  # nothing quantized
+        return values if local else x
+    if local:
+        return out
+    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False,
+                              shape=x.shape, stride=x.stride())
+
+
+def _fake_quant_shard(fq: nn.Module, x: Any, local: torch.Tensor, d: int | None,
+                      weight: bool) -> torch.Tensor | None:
+    """``fake_quant_dtensor``'s work: ``local`` (the values of ``x``, a DTensor sharded
+    along ``d``) fake-quantized under the whole tensor's qparams, or None where nothing
+    is quantized."""
     if not local.is_floating_point():
-        return x
+        return None
     if local.numel() == 0 and d is not None:
-        return _empty_shard(fq, x, local, d)
+        _empty_shard(fq, x, local, d)
+        return None
     if x.numel() == 0:
-        return x
+        return None
     again: tuple | None = None  # a weight's recipe: how the backward computes it again
     if fq.block_format is not None:
         if not fq.enabled:
-            return x
+            return None
         if fq.block_format == "nvfp4" and d is not None:
             ready = _ready_stats(fq, local)
             if ready is not None:
@@ -595,7 +665,7 @@ def fake_quant_dtensor(fq: nn.Module, x: Any) -> Any:
             again = (_blocks_again, fq.block_format, fq.group_size)
     elif fq.dynamic or fq.granularity == "per_token":
         if not fq.enabled:
-            return x
+            return None
         with torch.no_grad():
             mn, mx = fq._minmax(local.detach().float())
             if d is not None and (fq.granularity != "per_token" or d == local.dim() - 1):
@@ -610,24 +680,22 @@ def fake_quant_dtensor(fq: nn.Module, x: Any) -> Any:
             if fq.training and torch.is_grad_enabled() and fq.deferred():
                 _pend(fq, mn, mx)
                 if not fq._ready():
-                    return x
+                    return None
             else:
                 fq.observe_range(mn, mx)
         if not fq.enabled:
-            return x
+            return None
         scale = _local_rows(fq, fq.scale, x, d)
         zp = _local_rows(fq, fq.zero_point, x, d)
         out = fq._fake_quant(local, scale, zp, shaped=False)
         # the qparams as this forward used them (set_qparams writes the buffers in place)
         again = (fq._fake_quant_again, scale.detach().clone(), zp.clone())
-    res = DTensor.from_local(out, x.device_mesh, x.placements, run_check=False,
-                             shape=x.shape, stride=x.stride())
     if weight and again is not None and not torch.compiler.is_compiling() \
             and recompute.active():
         # the shard's fake-quantized copy is computed again in backward, not kept: what
         # the float layer keeps is its weight (qcompile.runtime.recompute)
-        recompute.tag(res, local, *again)
-    return res
+        recompute.tag(out, local, *again)
+    return out
 
 
 def _empty_shard(fq: nn.Module, x: Any, local: torch.Tensor, d: int) -> Any:
