@@ -13,6 +13,11 @@ each layer's experts, and computes the tokens routed to them:
 
     torchrun --standalone --nproc_per_node=2 examples/tp_train.py --moe
 
+Sequence parallelism: an explicit plan, torchtitan's, naming the norms ``sequence``, so the
+norms and the residual stream run on each rank's tokens:
+
+    torchrun --standalone --nproc_per_node=2 examples/tp_train.py --sequence
+
 Across two nodes, tp inside each node and dp across them (run the same command on both,
 ``--node_rank`` 0 and 1, the rendezvous on the first node's address):
 
@@ -43,6 +48,12 @@ import transformers
 import qcompile as qc
 
 VOCAB, SEQ, ROWS = 128, 32, 4  # ROWS per replica
+# torchtitan's Llama plan by layer name, the norms between the blocks sequence-parallel
+SEQUENCE_PLAN = {"*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise",
+                 "*.o_proj": "rowwise", "*.gate_proj": "colwise", "*.up_proj": "colwise",
+                 "*.down_proj": "rowwise", "model.embed_tokens": "rowwise",
+                 "lm_head": "colwise", "*.input_layernorm": "sequence",
+                 "*.post_attention_layernorm": "sequence", "model.norm": "sequence"}
 
 
 def build(moe: bool = False) -> torch.nn.Module:
@@ -65,14 +76,20 @@ def main() -> None:
                         help="qc.distributed.compile_once from a safetensors checkpoint")
     parser.add_argument("--moe", action="store_true",
                         help="a Mixtral-style mixture of experts (experts sharded by expert)")
+    parser.add_argument("--sequence", action="store_true",
+                        help="the norms on each rank's tokens (sequence parallelism)")
     args = parser.parse_args()
+    if args.sequence and args.moe:
+        parser.error("--sequence shards a dense model's norms; a mixture's router reads "
+                     "every token")
     make = functools.partial(build, args.moe)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     dp = world // args.tp
 
     spec = qc.load_spec(args.preset).model_dump()
-    spec["tensor_parallel"] = {"size": args.tp, "plan": "auto"}
+    spec["tensor_parallel"] = {"size": args.tp,
+                               "plan": SEQUENCE_PLAN if args.sequence else "auto"}
     spec["data_parallel"] = {"kind": "fsdp2" if dp > 1 else "none"}
     ids = torch.randint(0, VOCAB, (ROWS * dp, SEQ), generator=torch.Generator().manual_seed(1))
     mine = ids[(rank // args.tp) * ROWS:(rank // args.tp + 1) * ROWS]  # this replica's rows
@@ -96,8 +113,10 @@ def main() -> None:
         plan = qc.report(gm).tensor_parallel
         layers = sum(r.style in ("colwise", "rowwise") for r in plan)
         experts = sum(r.style == "experts" for r in plan)
+        norms = sum(r.style == "sequence" for r in plan)
         print(f"{layers} layers sharded {args.tp} ways"
-              + (f", {experts} expert weights by expert" if experts else "") + f", dp {dp}")
+              + (f", {experts} expert weights by expert" if experts else "")
+              + (f", {norms} norms on each rank's tokens" if norms else "") + f", dp {dp}")
     model = qc.distributed.wrap(gm, spec)  # parallelize_module on tp, fully_shard on dp
     if rank == 0:
         share = sum((p.to_local() if hasattr(p, "to_local") else p).numel()

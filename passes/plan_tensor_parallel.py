@@ -113,6 +113,8 @@ class TensorParallelPlan:
     sliced_quantizers: tuple[tuple[str, int], ...] = ()
     # mixtures of experts sharded by expert (``ExpertsPlan``)
     experts: tuple[ExpertsPlan, ...] = ()
+    # sequence parallelism between the blocks (``SequencePlan``), where the plan names norms
+    sequence: SequencePlan | None = None
 
     def sharded(self) -> dict[str, LayerPlan]:
         """The Linear and embedding layers torch's styles shard, by name."""
@@ -135,6 +137,24 @@ class ExpertsPlan:
     region: tuple[str, ...] = ()
     # the nodes holding this rank's rows only (a pipeline cut must not cross one)
     rows: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    """Sequence parallelism, torchtitan's ``SequenceParallel`` on a graph whose norms are
+    ops: between the blocks, the activations (the residual stream and the norms the plan
+    names ``sequence``) hold each rank's tokens, ``Shard(dim)`` along the sequence. The
+    layers in ``enter`` (rowwise, and the embedding) hand their partial sums over
+    reduce-scattered to each rank's tokens instead of all-reduced; the colwise layers in
+    ``leave`` all-gather the tokens back for their input (torch's styles'
+    ``output_layouts`` / ``input_layouts``). The same bytes cross as without it; the
+    norms, the residual adds and what autograd keeps of them are a rank's share."""
+
+    dim: int
+    norms: tuple[str, ...]
+    enter: tuple[str, ...]
+    leave: tuple[str, ...]
+    nodes: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -535,6 +555,7 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
     explicit = plan if isinstance(plan, dict) else None
     tied = _tied(gm, layers)
     reasons: dict[str, str] = {}
+    sequence_globs = [g for g, style in (explicit or {}).items() if style == "sequence"]
     if explicit is not None:
         for name in by_name:
             if by_name[name].follows is not None:
@@ -542,12 +563,14 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
             style = _explicit(explicit, name)
             if style == "sequence":
                 raise QCompileError(
-                    f"tensor_parallel.plan: {name}: sequence is for normalisation modules; "
-                    "this graph computes its norms as ops",
-                    fix="leave norms out of the plan (they are replicated)")
-        unknown = [g for g in explicit
-                   if not any(fnmatch.fnmatchcase(n, g) for n in by_name
-                              if by_name[n].follows is None)]
+                    f"tensor_parallel.plan: {name} is a {by_name[name].kind} layer, planned "
+                    "sequence; sequence names the norms between the blocks",
+                    fix="give sequence to the norms' module names (e.g. "
+                    "'*.input_layernorm', '*.post_attention_layernorm', 'model.norm') and "
+                    "colwise, rowwise or replicate to layers")
+        unknown = [g for g in explicit if explicit[g] != "sequence"
+                   and not any(fnmatch.fnmatchcase(n, g) for n in by_name
+                               if by_name[n].follows is None)]
         if unknown:
             raise QCompileError(
                 f"tensor_parallel.plan: {unknown[0]!r} matches no Linear or embedding layer "
@@ -661,13 +684,230 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
     # an expert region's quantizers read this rank's rows: as Shard of the rows, their
     # ranges reduced across tp (per-token ones stay each row's own)
     sliced += [(q, -2) for e in experts for q in e.region]
+    quantizers = set(prop.quantizers)
+    params = {k: set(v) for k, v in prop.region_params.items()}
+    sequence = None
+    if sequence_globs:
+        seq = _Sequence(gm, layers, styles, size)
+        sequence = seq.plan(sequence_globs)
+        out = [_sequence_reason(p, sequence) for p in out] + [
+            LayerPlan(norm, "norm", "sequence", f"runs on each rank's tokens (Shard("
+                      f"{sequence.dim}) of the sequence); its weight's gradient summed "
+                      "across tp") for norm in sequence.norms]
+        for q, how in seq.quantizers.items():
+            if how == "step":
+                _check_region_quantizer(gm, q)
+                quantizers.add(q)
+            elif isinstance(how, int):
+                sliced.append((q, how))
+        for k, v in seq.params.items():
+            params.setdefault(k, set()).update(v)
     return TensorParallelPlan(size, tuple(out), tuple(prop.shape_args),
-                              tuple(q for q in sorted(prop.quantizers)
-                                    if q not in dict(sliced)),
-                              tuple((k, tuple(sorted(v)))
-                                    for k, v in sorted(prop.region_params.items())),
+                              tuple(q for q in sorted(quantizers) if q not in dict(sliced)),
+                              tuple((k, tuple(sorted(v))) for k, v in sorted(params.items())),
                               frozenset(n.name for n in prop.state).union(
-                                  *(e.rows for e in experts)), tuple(sliced), tuple(experts))
+                                  *(e.rows for e in experts),
+                                  sequence.nodes if sequence else ()),
+                              tuple(sliced), tuple(experts), sequence)
+
+
+# -- sequence parallelism: the activations between the blocks, by tokens --------------------
+# reductions over the features (a norm's mean of squares) keep each token's values whole
+_TOKEN_REDUCTIONS = frozenset({"mean", "sum", "amax", "amin", "var", "var_mean"})
+
+
+def _sequence_reason(p: LayerPlan, seq: SequencePlan) -> LayerPlan:
+    if p.layer in seq.enter:
+        why = f"{p.reason}; output reduce-scattered to each rank's tokens"
+    elif p.layer in seq.leave:
+        why = f"{p.reason}; input all-gathered from each rank's tokens"
+    else:
+        return p
+    return LayerPlan(p.layer, p.kind, p.style, why, p.gather)
+
+
+class _Sequence:
+    """Which values hold each rank's tokens under sequence parallelism: from the rowwise
+    layers' and the embedding's outputs, through ops acting on each token alone, up to the
+    colwise layers reading them. Anything else reading them is an error naming the node."""
+
+    def __init__(self, gm: GraphModule, layers: dict[Node, _Layer],
+                 styles: dict[str, LayerPlan], size: int) -> None:
+        self.gm, self.layers, self.styles, self.size = gm, layers, styles, size
+        self.state: dict[Node, int] = {}  # value -> its sequence dim
+        # activation quantizers on those values, and how (``_quantizer_dim``)
+        self.quantizers: dict[str, int | str] = {}
+        self.params: dict[str, set[str]] = {}  # the norms' weights, with their readers
+
+    def _style(self, layer: _Layer) -> str:
+        p = self.styles.get(layer.name)
+        return p.style if p is not None else "replicate"
+
+    def _fail(self, n: Node, why: str, fix: str | None = None) -> QCompileError:
+        return QCompileError(
+            f"tensor_parallel.plan: sequence parallelism cannot hold at node {n.name} "
+            f"({_op(n) or n.target}): {why}",
+            fix=fix or "leave sequence out of the plan (the norms then run whole on every "
+            "rank), or plan the layers around that node replicate")
+
+    def plan(self, globs: list[str]) -> SequencePlan:
+        if any(layer.follows is not None for layer in self.layers.values()):
+            raise QCompileError("tensor_parallel.plan: sequence parallelism with adapters "
+                                "(a rowwise layer's LoRA output is whole on every rank)",
+                                fix="leave sequence out of the plan")
+        enter = [layer for layer in self.layers.values() if self._style(layer) == "rowwise"]
+        if not enter:
+            raise QCompileError("tensor_parallel.plan: sequence without a rowwise layer or "
+                                "embedding: nothing hands over each rank's tokens",
+                                fix="plan the blocks' output layers rowwise (o_proj, "
+                                "down_proj) and the embedding rowwise")
+        for layer in enter:
+            shape = _shape(layer.node)
+            if shape is None or len(shape) < 2:
+                raise self._fail(layer.node, f"{layer.name}'s output has no sequence dim")
+            dim = len(shape) - 2
+            if shape[dim] % self.size:
+                raise QCompileError(
+                    f"tensor_parallel.plan: sequence parallelism splits {layer.name}'s "
+                    f"{shape[dim]} tokens (dim {dim}) {self.size} ways: not divisible",
+                    fix=f"example inputs (and batches) with a multiple of {self.size} "
+                    "tokens, or leave sequence out of the plan")
+            self.state[layer.node] = dim
+        dims = set(self.state.values())
+        if len(dims) != 1:
+            raise self._fail(enter[0].node, "the rowwise layers' outputs differ in rank")
+        leave = self._propagate()
+        norms = self._norms(globs)
+        return SequencePlan(dims.pop(), tuple(norms), tuple(sorted(e.name for e in enter)),
+                            tuple(sorted(leave)), frozenset(n.name for n in self.state))
+
+    def _propagate(self) -> set[str]:
+        leave: set[str] = set()
+        for n in self.gm.graph.nodes:
+            if n in self.state:
+                continue
+            ins = [a for a in _tensor_args(n) if a in self.state]
+            if not ins:
+                continue
+            layer = self.layers.get(n)
+            if layer is not None:
+                if self._style(layer) == "colwise" and n.args[0] in self.state:
+                    leave.add(layer.name)
+                    continue
+                raise self._fail(n, f"{layer.name} ({self._style(layer)}) reads each rank's "
+                                 "tokens; only colwise layers gather them back")
+            if n.op == "output":
+                raise self._fail(n, "each rank's tokens are an output of the graph")
+            if n.op == "call_module" and isinstance(
+                    fq := self.gm.get_submodule(str(n.target)), FakeQuantize):
+                own = self._own_input_quantizer(n)
+                if own is not None:  # run inside its colwise layer, on the gathered input
+                    leave.add(own)
+                    continue
+                self.quantizers[str(n.target)] = self._quantizer_dim(n, fq, ins[0])
+                self.state[n] = self.state[ins[0]]
+                continue
+            self.state[n] = self._through(n, ins)
+        return leave
+
+    def _own_input_quantizer(self, n: Node) -> str | None:
+        users = list(n.users)
+        layer = self.layers.get(users[0]) if len(users) == 1 else None
+        if layer is None or str(n.target) != f"{layer.name}.input_fake_quant" or \
+                self._style(layer) != "colwise" or users[0].args[0] is not n:
+            return None
+        return layer.name
+
+    def _quantizer_dim(self, n: Node, fq: Any, x: Node) -> int | str:
+        """How an activation quantizer on each rank's tokens gets one process's qparams:
+        ``local`` (a range per token, blocks along the features: each token's own),
+        ``step`` (per-tensor statistics, combined across the ranks once a step as data
+        parallelism combines them), or the sequence dim counted from the end (a range
+        computed in each forward, NVFP4's tensor scale: read as ``Shard`` of the tokens
+        and reduced across tp)."""
+        if fq.learnable:
+            raise self._fail(n, f"{n.target} has a learnable scale on each rank's tokens",
+                             fix="learnable: false for that activation, or leave sequence "
+                             "out of the plan")
+        if fq.granularity == "per_token" or (fq.block_format is not None
+                                             and fq.block_format != "nvfp4"):
+            return "local"
+        if fq.dynamic or fq.block_format == "nvfp4":
+            return self.state[x] - len(_shape(x) or ())
+        return "step"
+
+    def _through(self, n: Node, ins: list[Node]) -> int:
+        op = _op(n)
+        out = _shape(n)
+        a0 = ins[0]
+        src = _shape(a0) or ()
+        if op == "_assert_tensor_metadata":
+            return self.state[a0]
+        if out is None:
+            raise self._fail(n, "no shape recorded")
+        rank = len(out)
+        if op in _ELEMENTWISE:
+            dim = rank - (len(src) - self.state[a0])
+            for a in _tensor_args(n):
+                shp = _shape(a)
+                if shp is None:
+                    continue
+                k = len(shp) - (rank - dim)
+                if a in self.state:
+                    if self.state[a] != k:
+                        raise self._fail(n, "two token-sharded values meet along different "
+                                         "dims")
+                elif k >= 0 and shp[k] != 1:
+                    raise self._fail(n, f"each rank's tokens meet {a.name}, whole on every "
+                                     "rank")
+                elif a.op == "get_attr" and _is_param(self.gm, str(a.target)):
+                    self.params.setdefault(str(a.target), set()).add(n.name)
+            return dim
+        dim = self.state[a0]
+        args = n.args
+        if op in _TOKEN_REDUCTIONS:
+            d = args[1] if len(args) > 1 else n.kwargs.get("dim")
+            dims = [d] if isinstance(d, int) else list(d or [])
+            dims = [_norm(int(k), len(src)) for k in dims]
+            if not dims or dim in dims:
+                raise self._fail(n, f"{op} across the tokens")
+            return dim if _keepdim(n) else dim - sum(k < dim for k in dims)
+        if op == "slice":
+            d = _norm(int(args[1] if len(args) > 1 else 0), len(src))
+            start = args[2] if len(args) > 2 else 0
+            end = args[3] if len(args) > 3 else None
+            step = args[4] if len(args) > 4 else 1
+            whole = start in (0, None) and (end is None or end >= src[d]) and step == 1
+            if d == dim and not whole:
+                raise self._fail(n, "a slice of the tokens")
+            return dim
+        raise self._fail(n, "this op is not known to act on each token alone")
+
+    def _norms(self, globs: list[str]) -> list[str]:
+        """The modules the globs name (from the ops' module stacks); each one's ops must
+        act on each rank's tokens."""
+        found: dict[str, list[Node]] = {}
+        for n in self.gm.graph.nodes:
+            stack = n.meta.get("nn_module_stack")
+            if n.op != "call_function" or not stack or _op(n) == "getattr":
+                continue
+            path = str(list(stack.values())[-1][0])
+            if any(fnmatch.fnmatchcase(path, g) for g in globs):
+                found.setdefault(path, []).append(n)
+        missing = [g for g in globs if not any(fnmatch.fnmatchcase(p, g) for p in found)]
+        if missing:
+            raise QCompileError(
+                f"tensor_parallel.plan: {missing[0]!r} (sequence) matches no module whose ops "
+                "the graph runs", fix="name the norms between the blocks, e.g. "
+                "'*.input_layernorm', '*.post_attention_layernorm', 'model.norm'")
+        for path, nodes in found.items():
+            whole = next((n for n in nodes if n not in self.state and any(
+                isinstance(a, Node) and _shape(a) for a in n.args)), None)
+            if whole is not None:
+                raise self._fail(whole, f"the norm {path} computes on values whole on every "
+                                 "rank (not between a rowwise and a colwise layer)",
+                                 fix="plan sequence only for the norms between the blocks")
+        return sorted(found)
 
 
 # -- mixtures of experts: sharded by expert ------------------------------------------------
@@ -923,5 +1163,6 @@ def plan_tensor_parallel(gm: GraphModule, ctx: Context) -> GraphModule:
     return gm
 
 
-__all__ = ["TP_PLAN_KEY", "ExpertsPlan", "LayerPlan", "TensorParallelPlan", "build_plan",
+__all__ = ["TP_PLAN_KEY", "ExpertsPlan", "LayerPlan", "SequencePlan", "TensorParallelPlan",
+           "build_plan",
            "find_layers", "plan_tensor_parallel"]

@@ -90,6 +90,10 @@ def shard_tensor_parallel(gm: GraphModule, plan: TensorParallelPlan,
                             fix="wrap the graph qc.qcompile returned, as it returned it")
     for prefix, g in graphs:
         _shape_args(g, plan)
+        for name in _gather_tokens(g, plan.sequence.leave) if plan.sequence else ():
+            done[f"{prefix}.{name}" if prefix else name] = LayerPlan(
+                name, "tokens", "gather", "each rank's tokens gathered for the colwise "
+                "layers reading them")
         if reduce_gradients is not None:
             _sum_gradients(g, plan, reduce_gradients)
             for e in _shard_experts(g, plan, reduce_gradients):
@@ -103,6 +107,41 @@ def shard_tensor_parallel(gm: GraphModule, plan: TensorParallelPlan,
 
 
 _SUM = "tp_sum_gradients"
+_GATHER = "tp_gather_tokens"
+
+
+def _call_site(g: GraphModule, base: str, module: nn.Module) -> str:
+    """``module`` added to ``g`` as ``<base>_<i>`` (the next free index), for one call
+    site: torch's module trackers (``CommDebugMode``) hook a module once per call, and
+    unwind wrongly when one module runs at several places of a forward."""
+    i = 0
+    while hasattr(g, f"{base}_{i}"):
+        i += 1
+    g.add_module(f"{base}_{i}", module)
+    return f"{base}_{i}"
+
+
+def _gather_tokens(g: GraphModule, leave: tuple[str, ...]) -> list[str]:
+    """Under sequence parallelism, each value holding this rank's tokens that colwise
+    layers read goes through a ``tp_gather_tokens_<i>`` call before them: an identity
+    that ``wrap`` gives torch's ``PrepareModuleInput``, so the tokens are all-gathered
+    once and handed on as a DTensor whose gradient the layers' partial sums accumulate
+    into, reduce-scattered once (as torchtitan prepares an attention block's input for
+    q, k and v). Returns the identities added to ``g``."""
+    readers: dict[Node, list[Node]] = {}
+    for n in g.graph.nodes:
+        if n.op == "call_module" and str(n.target) in leave and n.args:
+            readers.setdefault(n.args[0], []).append(n)
+    names = []
+    for x, users in readers.items():
+        name = _call_site(g, _GATHER, nn.Identity())
+        with g.graph.inserting_after(x):
+            whole = g.graph.call_module(name, (x,))
+        whole.meta = dict(x.meta)
+        for user in users:
+            user.replace_input_with(x, whole)
+        names.append(name)
+    return names
 
 
 def _sum_gradients(g: GraphModule, plan: TensorParallelPlan, module: nn.Module) -> None:
@@ -114,10 +153,8 @@ def _sum_gradients(g: GraphModule, plan: TensorParallelPlan, module: nn.Module) 
         inside = [nodes[r] for r in readers[str(n.target)] if r in nodes]
         if not inside:
             continue
-        if not hasattr(g, _SUM):
-            g.add_module(_SUM, module)
         with g.graph.inserting_after(n):
-            summed = g.graph.call_module(_SUM, (n,))
+            summed = g.graph.call_module(_call_site(g, _SUM, type(module)(module.mesh)), (n,))
         for user in inside:
             user.replace_input_with(n, summed)
 
@@ -136,21 +173,19 @@ def _shard_experts(g: GraphModule, plan: TensorParallelPlan, sum_gradients: nn.M
         first, second = nodes.get(e.first), nodes.get(e.second)
         if first is None or second is None:
             continue  # another graph's (an FSDP2 block, a pipeline stage)
-        holder = f"tp_local_experts_{_op_name(first)}"
-        if not hasattr(g, holder):
-            g.add_module(holder, LocalExperts(mesh, first.target))
-        for name, module in ((_SUM, sum_gradients), (_PARTIAL, SumPartial(mesh))):
-            if not hasattr(g, name):
-                g.add_module(name, module)
+        experts = f"tp_local_experts_{_op_name(first)}"
         x, offs = first.args[0], first.args[2]
         with g.graph.inserting_before(first):
-            summed = g.graph.call_module(_SUM, (x,))
+            summed = g.graph.call_module(_call_site(g, _SUM, type(sum_gradients)(mesh)),
+                                         (x,))
             w1 = g.graph.call_method("to_local", (first.args[1],))
-            rows = g.graph.call_module(holder, (summed, w1, offs))
+            rows = g.graph.call_module(_call_site(g, experts, LocalExperts(mesh, first.target)),
+                                       (summed, w1, offs))
         with g.graph.inserting_before(second):
             w2 = g.graph.call_method("to_local", (second.args[1],))
-            part = g.graph.call_module(holder, (second.args[0], w2, offs, x))
-            whole = g.graph.call_module(_PARTIAL, (part,))
+            part = g.graph.call_module(_call_site(g, experts, LocalExperts(mesh, first.target)),
+                                       (second.args[0], w2, offs, x))
+            whole = g.graph.call_module(_call_site(g, _PARTIAL, SumPartial(mesh)), (part,))
         rows.meta, whole.meta = dict(first.meta), dict(second.meta)
         first.replace_all_uses_with(rows)
         second.replace_all_uses_with(whole)
@@ -177,11 +212,9 @@ def _sliced_quantizers(g: GraphModule, plan: TensorParallelPlan, mesh: Any) -> N
         if n.op != "call_module" or str(n.target) not in dims:
             continue
         dim = dims[str(n.target)]
-        holder = f"tp_as_shard{-dim}"
-        if not hasattr(g, holder):
-            g.add_module(holder, AsShard(mesh, dim))
         with g.graph.inserting_before(n):
-            wrapped = g.graph.call_module(holder, (n.args[0],))
+            wrapped = g.graph.call_module(_call_site(g, f"tp_as_shard{-dim}", AsShard(mesh, dim)),
+                                          (n.args[0],))
         n.replace_input_with(n.args[0], wrapped)
         with g.graph.inserting_after(n):
             local = g.graph.call_method("to_local", (n,))

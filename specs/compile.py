@@ -62,7 +62,9 @@ class TensorParallelSpec(Frozen):
     reaches another Linear only through per-head or elementwise ops is ``colwise``, that one
     ``rowwise``), the LM head (``colwise``, logits gathered) and the embedding (``rowwise``,
     by vocabulary); or name them: ``{<name glob>: colwise | rowwise | sequence |
-    replicate}``, first match wins, unmatched layers replicated.
+    replicate}``, first match wins, unmatched layers replicated. ``sequence`` names norm
+    modules (``'*.input_layernorm'``): the norms and the residual stream between the blocks
+    then run on each rank's tokens (sequence parallelism, as torchtitan plans it).
 
     Example:
         >>> TensorParallelSpec(size=2, plan={"*.q_proj": "colwise", "*.o_proj": "rowwise"}).size

@@ -39,7 +39,7 @@ from torch.fx import GraphModule
 
 from qcompile.errors import QCompileError
 from qcompile.graph.meta import TP_SHARDED_KEY
-from qcompile.passes.plan_tensor_parallel import TP_PLAN_KEY, LayerPlan
+from qcompile.passes.plan_tensor_parallel import TP_PLAN_KEY, LayerPlan, SequencePlan
 from qcompile.passes.shard_tensor_parallel import shard_tensor_parallel
 from qcompile.runtime.sharded import (
     ShardedLinear,
@@ -64,6 +64,12 @@ def mesh_dims(spec: Any, world: int) -> dict[str, int]:
             raise QCompileError("tensor parallel with interleaved_1f1b is not supported",
                                 fix="use pipeline.schedule: 1f1b or gpipe")
         pp = spec.pipeline.num_stages
+        plan = spec.tensor_parallel.plan
+        if isinstance(plan, dict) and "sequence" in plan.values():
+            raise QCompileError("tensor_parallel.plan: sequence parallelism with pipeline "
+                                "stages (a stage would send each rank's tokens as the whole "
+                                "batch's)", fix="leave sequence out of the plan, or the "
+                                "pipeline section")
     if world % (pp * tp):
         what = f"{pp} stages x tensor_parallel.size {tp}" if pp > 1 else \
             f"groups of tensor_parallel.size {tp}"
@@ -130,9 +136,16 @@ def _partition(dim: int, name: str, module: nn.Module, mesh: Any) -> None:
                 distribute_tensor(t, mesh, [place]), requires_grad=t.requires_grad))
 
 
-def _style(p: LayerPlan) -> Any:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+def _style(p: LayerPlan, sequence: SequencePlan | None = None) -> Any:
+    """torch's style for a planned layer; under sequence parallelism the layers around the
+    norms take or give each rank's tokens (``Shard`` of the sequence), as torchtitan
+    plans them around ``SequenceParallel``."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+    )
 
     class Colwise(ColwiseParallel):
         def _partition_linear_fn(self, name, module, device_mesh):  # type: ignore[override]
@@ -142,11 +155,16 @@ def _style(p: LayerPlan) -> Any:
         def _partition_linear_fn(self, name, module, device_mesh):  # type: ignore[override]
             _partition(1, name, module, device_mesh)
 
+    if p.style == "gather":  # each rank's tokens, gathered once for the colwise layers
+        return PrepareModuleInput(input_layouts=(Shard(sequence.dim),),
+                                  desired_input_layouts=(Replicate(),))
     if p.style == "colwise":
         return Colwise(output_layouts=Replicate()) if p.gather else Colwise()
+    out = Shard(sequence.dim) if sequence is not None and p.layer in sequence.enter \
+        else Replicate()
     if p.kind == "embedding":
-        return RowwiseParallel(input_layouts=Replicate())
-    return Rowwise()
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
+    return Rowwise(output_layouts=out)
 
 
 def _plain_state(layer: nn.Module) -> None:
@@ -201,7 +219,7 @@ def parallelize(gm: nn.Module, tp_mesh: Any, within: str | None = None) -> nn.Mo
     gm.meta[TP_SHARDED_KEY] = plan.size
     experts = sorted(n for n, p in sharded.items() if p.style == "experts")
     sharded = {n: p for n, p in sharded.items() if p.style != "experts"}
-    styles = {name: _style(p) for name, p in sharded.items()}
+    styles = {name: _style(p, plan.sequence) for name, p in sharded.items()}
     # (in the plan's order: every rank makes the same collectives in the same order)
     adapters = [n for n in styles if n.rpartition(".")[2] in _ADAPTER_PARTS]
     if adapters:  # first: their layers' own sharding must not touch them (below)

@@ -110,12 +110,12 @@ def lm_loss(out: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def train(preset: str, build: Any = llama, batch_of: Any = lm_batch, loss_fn: Any = lm_loss,
-          steps: int = STEPS) -> dict[str, Any]:
+          steps: int = STEPS, plan: Any = "auto") -> dict[str, Any]:
     """``steps`` SGD steps on one global batch (the loss must fall): one process's graph on
     all of it, the ranks' sharded graph on their replica's rows."""
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = world // TP
-    spec = spec_of(preset, dp)
+    spec = spec_of(preset, dp, plan)
     batch = batch_of(ROWS * dp)
     rows = slice((rank // TP) * ROWS, (rank // TP + 1) * ROWS)
     mine = {k: v[rows] for k, v in batch.items()}
@@ -365,6 +365,42 @@ def case_saved_tensors() -> dict[str, Any]:
             (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
             for p in model.parameters())
     return out
+
+
+# torchtitan's Llama plan by layer name, the norms between the blocks sequence-parallel
+SEQUENCE_PLAN = {"*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise",
+                 "*.o_proj": "rowwise", "*.gate_proj": "colwise", "*.up_proj": "colwise",
+                 "*.down_proj": "rowwise", "model.embed_tokens": "rowwise",
+                 "lm_head": "colwise", "*.input_layernorm": "sequence",
+                 "*.post_attention_layernorm": "sequence", "model.norm": "sequence"}
+
+
+def sequence(preset: str) -> dict[str, Any]:
+    """Sequence parallelism: the norms and the residual stream on each rank's tokens. Five
+    steps against one process, and what a training forward keeps, next to the same plan
+    with the norms whole on every rank."""
+    out = train(preset, plan=SEQUENCE_PLAN)
+    dp = dist.get_world_size() // TP
+    batch = lm_batch(ROWS)
+    whole = {k: v for k, v in SEQUENCE_PLAN.items() if v != "sequence"}
+    for name, plan in (("saved_sequence", SEQUENCE_PLAN), ("saved_whole", whole)):
+        spec = spec_of(preset, dp, plan)
+        model = qc.distributed.wrap(qc.qcompile(llama(), spec, example_kwargs=batch), spec)
+        saved_bytes(model, batch)  # the first step observes; the second is the steady one
+        out[name] = saved_bytes(model, batch)
+    return out
+
+
+def case_sequence_int8_qat() -> dict[str, Any]:
+    return sequence("int8-qat")
+
+
+def case_sequence_8da4w_qat() -> dict[str, Any]:
+    return sequence("8da4w-qat")
+
+
+def case_sequence_nvfp4_qat() -> dict[str, Any]:
+    return sequence("nvfp4-qat")
 
 
 # -- adapters: LoRA on a frozen NF4 base (QLoRA) and on a QAT base -----------------------------

@@ -377,3 +377,153 @@ def test_golden_experts_not_divisible(golden) -> None:
     golden("shard_tensor_parallel_experts_whole", text)
     assert not any(isinstance(m, (LocalExperts, SumPartial)) for m in gm.modules())
     assert "not divisible" in text
+
+
+# -- sequence parallelism: the norms between the blocks on each rank's tokens ----------------
+LLAMA_PLAN = {"*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise",
+              "*.o_proj": "rowwise", "*.gate_proj": "colwise", "*.up_proj": "colwise",
+              "*.down_proj": "rowwise", "model.embed_tokens": "rowwise", "lm_head": "colwise"}
+NORMS = {"*.input_layernorm": "sequence", "*.post_attention_layernorm": "sequence",
+         "model.norm": "sequence"}
+
+
+def test_sequence_plan_on_llama() -> None:
+    """torchtitan's Llama plan with the norms ``sequence``: the rowwise layers and the
+    embedding hand over each rank's tokens, the colwise layers gather them, the norms'
+    weights get their gradients summed; wrap's rewrite gathers each normed value once for
+    all the colwise layers reading it (q, k and v share one gather)."""
+    gm = compiled(llama(), "int8-qat", plan={**LLAMA_PLAN, **NORMS})
+    s = styles(gm)
+    layer = "model.layers.0"
+    assert s[f"{layer}.input_layernorm"] == s["model.norm"] == ("sequence", False)
+    assert s[f"{layer}.self_attn.q_proj"] == ("colwise", False) and s["lm_head"] == (
+        "colwise", True)
+    seq = gm.meta[TP_PLAN_KEY].sequence
+    assert seq.dim == 1 and seq.norms == (f"{layer}.input_layernorm",
+                                          f"{layer}.post_attention_layernorm", "model.norm")
+    assert set(seq.enter) == {"model.embed_tokens", f"{layer}.self_attn.o_proj",
+                              f"{layer}.mlp.down_proj"}
+    assert "lm_head" in seq.leave and f"{layer}.mlp.up_proj" in seq.leave
+    reasons = {r.layer: r.reason for r in qc.report(gm).tensor_parallel}
+    assert "reduce-scattered" in reasons[f"{layer}.self_attn.o_proj"]
+    assert "all-gathered" in reasons[f"{layer}.self_attn.k_proj"]
+    plan = gm.meta[TP_PLAN_KEY]
+    params = dict(plan.region_params)
+    assert {f"{layer}.input_layernorm.weight", "model.norm.weight"} <= set(params)
+    # int8-qat's residual-stream quantizers read each rank's tokens: combined once a step
+    assert f"{layer}.output_fake_quant" in plan.region_quantizers
+    shard_tensor_parallel(gm, plan, SumGradients(None))
+    gathers = [n for n in gm.graph.nodes if str(n.target).startswith("tp_gather_tokens_")]
+    assert len(gathers) == 3  # attention's input, the MLP's, the LM head's
+    q, k = (next(n for n in gm.graph.nodes if n.target == f"{layer}.self_attn.{p}")
+            for p in ("q_proj", "k_proj"))
+    assert q.args[0] is k.args[0] and q.args[0] in gathers
+    sums = {n.args[0].target for n in gm.graph.nodes
+            if str(n.target).startswith("tp_sum_gradients_")}
+    assert "model.norm.weight" in sums and len(sums) == len(params)
+
+
+def qwen3() -> nn.Module:
+    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, use_cache=False,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("case, words, fix", [
+    ("a layer", ("q_proj", "sequence names the norms"), "norms' module names"),
+    ("no such norm", ("'*.nonorm' (sequence) matches no module",), "input_layernorm"),
+    ("per-head norm", ("q_norm", "whole on every rank"), "between the blocks"),
+    ("odd tokens", ("7 tokens", "not divisible"), "multiple of 2"),
+    ("mixture", ("view", "each token alone"), "replicate"),
+    ("adapters", ("adapters",), "leave sequence out"),
+])
+def test_sequence_plans_that_cannot_hold(case: str, words: tuple[str, ...], fix: str) -> None:
+    """Sequence parallelism only where each rank's tokens pass from rowwise layers through
+    per-token ops to colwise layers; anything else is one error naming the node or layer."""
+    plan, model, ids, spec = {**LLAMA_PLAN, **NORMS}, llama(), (2, 8), "int8-qat"
+    if case == "a layer":
+        plan = {"*q_proj": "sequence", **plan}
+    elif case == "no such norm":
+        plan["*.nonorm"] = "sequence"
+    elif case == "per-head norm":  # Qwen3's q/k norms run inside attention, on heads
+        model, plan["*.q_norm"] = qwen3(), "sequence"
+    elif case == "odd tokens":
+        ids = (2, 7)
+    elif case == "mixture":  # Mixtral's block merges the tokens for its router and experts
+        model = mixtral()
+        plan = {k: v for k, v in plan.items() if k not in ("*.gate_proj", "*.up_proj",
+                                                           "*.down_proj")}
+    elif case == "adapters":
+        spec = qc.load_spec("8da4w-qat").model_dump()
+        spec["adapters"] = [{"match": {"module": ["Linear"]}, "rank": 4, "alpha": 8,
+                             "base": "qat"}]
+    d = qc.load_spec(spec).model_dump() if isinstance(spec, str) else spec
+    d["tensor_parallel"] = {"size": 2, "plan": plan}
+    with pytest.raises(qc.QCompileError) as e:
+        qc.qcompile(model, qc.specs.as_spec(d),
+                    example_kwargs={"input_ids": torch.randint(0, 64, ids)})
+    for word in words:
+        assert word in e.value.message, e.value.message
+    assert fix in e.value.fix, e.value.fix
+
+
+def test_sequence_with_pipeline_stages_is_refused() -> None:
+    """From the spec alone, on every rank, before any communication."""
+    from qcompile.distributed.tensor_parallel import mesh_dims
+
+    spec = {"tensor_parallel": {"size": 2, "plan": {**LLAMA_PLAN, **NORMS}},
+            "pipeline": {"stages": 2}}
+    with pytest.raises(qc.QCompileError) as e:
+        mesh_dims(spec, 4)
+    assert "pipeline" in e.value.message and "sequence" in e.value.fix
+
+
+class TinyLM(nn.Module):
+    """Embedding, an RMS norm written as ops, an MLP pair with a residual, a final norm
+    and a head: the smallest graph sequence parallelism applies to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.norm1, self.norm2 = RMS(32), RMS(32)
+        self.up, self.down, self.head = nn.Linear(32, 64), nn.Linear(64, 32), nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + self.down(torch.relu(self.up(self.norm1(h))))
+        return self.head(self.norm2(h))
+
+
+class RMS(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+@pytest.mark.parametrize("norms", [["norm*"], []], ids=["sequence", "norms_whole"])
+def test_golden_sequence(golden, norms: list[str]) -> None:
+    """The same explicit plan with the norms named ``sequence`` and without: with, each
+    norm weight's read gets its gradient summed across tp and the colwise layers' input
+    goes through one token gather each; without, the graph is sharded as before."""
+    plan = {"up": "colwise", "down": "rowwise", "head": "colwise", "embed": "rowwise",
+            **dict.fromkeys(norms, "sequence")}
+    spec = qc.load_spec("int8-qat").model_dump()
+    spec["tensor_parallel"] = {"size": 2, "plan": plan}
+    torch.manual_seed(0)
+    gm = qc.qcompile(TinyLM(), qc.specs.as_spec(spec),
+                     example_inputs=(torch.randint(0, 64, (2, 8)),))
+    before = format_graph(gm)
+    lines = "\n".join(f"{r.layer}: {r.style} ({r.reason})"
+                      for r in qc.report(gm).tensor_parallel)
+    shard_tensor_parallel(gm, gm.meta[TP_PLAN_KEY], SumGradients(None))
+    golden(f"shard_tensor_parallel_{'sequence' if norms else 'norms_whole'}",
+           f"## before shard_tensor_parallel\n{before}\n## plan\n{lines}\n"
+           f"## after shard_tensor_parallel\n{format_graph(gm)}")
+    gathers = [n for n in gm.graph.nodes if str(n.target).startswith("tp_gather_tokens_")]
+    assert len(gathers) == (2 if norms else 0)
