@@ -556,6 +556,8 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
     tied = _tied(gm, layers)
     reasons: dict[str, str] = {}
     sequence_globs = [g for g, style in (explicit or {}).items() if style == "sequence"]
+    if explicit is not None and len(sequence_globs) == len(explicit):
+        explicit = None  # only norms named: the layers planned as auto plans them
     if explicit is not None:
         for name in by_name:
             if by_name[name].follows is not None:
@@ -714,6 +716,7 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
 # -- sequence parallelism: the activations between the blocks, by tokens --------------------
 # reductions over the features (a norm's mean of squares) keep each token's values whole
 _TOKEN_REDUCTIONS = frozenset({"mean", "sum", "amax", "amin", "var", "var_mean"})
+_TOKEN_NORMS = frozenset({"layer_norm", "rms_norm"})  # normalised over the last dims
 
 
 def _sequence_reason(p: LayerPlan, seq: SequencePlan) -> LayerPlan:
@@ -798,6 +801,10 @@ class _Sequence:
                                  "tokens; only colwise layers gather them back")
             if n.op == "output":
                 raise self._fail(n, "each rank's tokens are an output of the graph")
+            if n.op == "call_module" and isinstance(self.gm.get_submodule(str(n.target)),
+                                                    _ELEMENTWISE_MODULES):
+                self.state[n] = self.state[ins[0]]  # dropout, activations: each element
+                continue
             if n.op == "call_module" and isinstance(
                     fq := self.gm.get_submodule(str(n.target)), FakeQuantize):
                 own = self._own_input_quantizer(n)
@@ -865,6 +872,16 @@ class _Sequence:
             return dim
         dim = self.state[a0]
         args = n.args
+        if op in _TOKEN_NORMS and a0 is args[0]:  # over the last dims: each token alone
+            shape = args[1] if len(args) > 1 else n.kwargs.get("normalized_shape", ())
+            if dim >= len(src) - len(shape):
+                raise self._fail(n, f"{op} across the tokens")
+            for a in _tensor_args(n)[1:]:  # its weight and bias: read by every rank
+                if a in self.state:
+                    raise self._fail(n, f"{op}'s weight is each rank's tokens")
+                if a.op == "get_attr" and _is_param(self.gm, str(a.target)):
+                    self.params.setdefault(str(a.target), set()).add(n.name)
+            return dim
         if op in _TOKEN_REDUCTIONS:
             d = args[1] if len(args) > 1 else n.kwargs.get("dim")
             dims = [d] if isinstance(d, int) else list(d or [])

@@ -64,7 +64,8 @@ class TensorParallelSpec(Frozen):
     by vocabulary); or name them: ``{<name glob>: colwise | rowwise | sequence |
     replicate}``, first match wins, unmatched layers replicated. ``sequence`` names norm
     modules (``'*.input_layernorm'``): the norms and the residual stream between the blocks
-    then run on each rank's tokens (sequence parallelism, as torchtitan plans it).
+    then run on each rank's tokens (sequence parallelism, as torchtitan plans it); a plan
+    naming only norms plans the layers as ``auto`` does.
 
     Example:
         >>> TensorParallelSpec(size=2, plan={"*.q_proj": "colwise", "*.o_proj": "rowwise"}).size

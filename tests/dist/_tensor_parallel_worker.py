@@ -165,7 +165,7 @@ def train(preset: str, build: Any = llama, batch_of: Any = lm_batch, loss_fn: An
             "loaded_back": digest(state_of(model)) == digest(state_of(ref))}
 
 
-def family(name: str) -> dict[str, Any]:
+def family(name: str, plan: Any = "auto") -> dict[str, Any]:
     """A decoder family of the architecture table (tiny config), 8da4w-qat, three steps:
     whatever the plan shards, the ranks train as one process."""
     from qcompile.tools.architectures import ARCHITECTURES
@@ -174,7 +174,7 @@ def family(name: str) -> dict[str, Any]:
     # dropout off (GPT-2 drops 10% by default): one process and the ranks draw differently
     off = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if name == "gpt2" else {}
     return train("8da4w-qat", lambda: arch.build(seed=0, **off),
-                 lambda rows: arch.batch(seed=1, batch=rows), arch.loss, steps=3)
+                 lambda rows: arch.batch(seed=1, batch=rows), arch.loss, steps=3, plan=plan)
 
 
 def case_int8_qat() -> dict[str, Any]:
@@ -193,6 +193,12 @@ FAMILIES = ("mistral", "qwen2", "qwen3", "qwen2_moe", "olmoe", "gemma2", "phi3",
             "gpt_neox", "bloom", "gpt2", "deepseek_v3")
 for _name in FAMILIES:
     globals()[f"case_family_{_name}"] = lambda _name=_name: family(_name)
+# the layers as auto plans them, the norms named sequence (each family's norm names)
+SEQUENCE_NORMS = {"qwen2": ["*layernorm", "model.norm"],
+                  "gpt_neox": ["*layernorm", "gpt_neox.final_layer_norm"]}
+for _name, _norms in SEQUENCE_NORMS.items():
+    globals()[f"case_family_{_name}_sequence"] = lambda _name=_name, _norms=_norms: family(
+        _name, dict.fromkeys(_norms, "sequence"))
 
 
 def case_mixtral_8da4w_qat() -> dict[str, Any]:

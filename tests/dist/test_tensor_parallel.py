@@ -25,7 +25,9 @@ WORKER = Path(__file__).with_name("_tensor_parallel_worker.py")
 PRESETS = ("int8_qat", "8da4w_qat", "nvfp4_qat")
 # every other decoder family of the architecture table: tp 2, with QCOMPILE_SWEEP=1
 FAMILIES = ["mistral", "qwen2", "qwen3", "qwen2_moe", "olmoe", "gemma2", "phi3", "falcon",
-            "gpt_neox", "bloom", "gpt2", "deepseek_v3"]
+            "gpt_neox", "bloom", "gpt2", "deepseek_v3",
+            # the norms on each rank's tokens (plan: {<norm globs>: sequence}, layers auto)
+            "qwen2_sequence", "gpt_neox_sequence"]
 PIPELINED = ["pp_int8_qat", "pp_8da4w_qat", "pp_nvfp4_qat", "pp_mixtral_8da4w_qat"]
 # LoRA on a frozen NF4 base (QLoRA), and (with the sweep) on 8da4w-qat's QAT base
 ADAPTERS = ["qlora_nf4", *(["lora_8da4w_qat"] if os.environ.get("QCOMPILE_SWEEP") == "1"
@@ -234,6 +236,9 @@ def test_every_decoder_family_trains_as_one_process(dist_run: Any, case: str) ->
             assert worst[1] <= trained_tol, f"rank {rank}: {worst[0]} differs by {worst[1]:.2e}"
         assert got["replicas_equal"], rank
         assert got["local_parameters"] < got["parameters"], got["plan"]
+        if case.endswith("_sequence"):  # every norm on each rank's tokens
+            norms = [k for k, v in got["plan"].items() if "norm" in k]
+            assert norms and all(got["plan"][k] == "sequence" for k in norms), got["plan"]
 
 
 @pytest.mark.parametrize("case", PIPELINED if FULL else [])

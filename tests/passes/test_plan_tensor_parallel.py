@@ -527,3 +527,10 @@ def test_golden_sequence(golden, norms: list[str]) -> None:
            f"## after shard_tensor_parallel\n{format_graph(gm)}")
     gathers = [n for n in gm.graph.nodes if str(n.target).startswith("tp_gather_tokens_")]
     assert len(gathers) == (2 if norms else 0)
+
+
+def test_a_plan_naming_only_norms_plans_the_layers_as_auto() -> None:
+    only_norms = styles(compiled(llama(), "int8-qat", plan=NORMS))
+    auto = styles(compiled(llama(), "int8-qat"))
+    assert {k: v for k, v in only_norms.items() if v[0] != "sequence"} == auto
+    assert only_norms["model.norm"] == ("sequence", False)
