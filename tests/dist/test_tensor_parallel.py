@@ -61,6 +61,17 @@ TOLERANCE = {2: {"int8_qat": (1e-3, 1e-2), "8da4w_qat": (1e-4, 1e-3),
 FIRST = 1e-5
 
 
+def _as_one_process(rank: int, got: dict[str, Any], tol: float,
+                    trained_tol: float | None) -> None:
+    """The rank's losses within ``tol`` of one process's (relative), and every trained
+    tensor within ``trained_tol`` of its largest value (None: not compared)."""
+    for step, (a, b) in enumerate(zip(got["losses"], got["ref_losses"], strict=True)):
+        assert abs(a - b) <= tol * abs(b), f"rank {rank} step {step}: {a} vs {b}"
+    if trained_tol is not None:
+        worst = max(got["trained"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= trained_tol, f"rank {rank}: {worst[0]} differs by {worst[1]:.2e}"
+
+
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
 def dist_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
              dist_launcher: Any) -> Any:
@@ -98,15 +109,11 @@ def test_training_equals_one_process(dist_run: Any, case: str) -> None:
         else:  # norms replicated, every Linear and the embedding halved
             assert plan["model.layers.1.mlp.down_proj"] == "rowwise", plan
             assert got["local_parameters"] < 0.55 * got["parameters"], got
-        losses, ref = got["losses"], got["ref_losses"]
+        losses = got["losses"]
         assert all(math.isfinite(v) for v in losses), losses
         if dist_run.world == 2 or case != "nvfp4_qat":
             assert got["first"] <= FIRST, (rank, got["first_worst"], got["first"])
-        for step, (a, b) in enumerate(zip(losses, ref, strict=True)):
-            assert abs(a - b) <= tol * abs(b), f"rank {rank} step {step}: {a} vs {b}"
-        if trained_tol is not None:
-            worst = max(got["trained"].items(), key=lambda kv: kv[1])
-            assert worst[1] <= trained_tol, f"rank {rank}: {worst[0]} differs by {worst[1]:.2e}"
+        _as_one_process(rank, got, tol, trained_tol)
         assert got["replicas_equal"], f"rank {rank}: the ranks' whole states differ"
         assert losses[-1] < losses[0], losses
         # a colwise layer's per-row qparams are held for its rows only (NVFP4 has none)
@@ -136,11 +143,7 @@ def test_sequence_parallel_norms_train_as_one_process(dist_run: Any, case: str) 
         assert plan["model.layers.1.mlp.down_proj"] == "rowwise", plan
         if dist_run.world == 2 or preset != "nvfp4_qat":
             assert got["first"] <= FIRST, (rank, got["first_worst"], got["first"])
-        for step, (a, b) in enumerate(zip(got["losses"], got["ref_losses"], strict=True)):
-            assert abs(a - b) <= tol * abs(b), f"rank {rank} step {step}: {a} vs {b}"
-        if trained_tol is not None:
-            worst = max(got["trained"].items(), key=lambda kv: kv[1])
-            assert worst[1] <= trained_tol, f"rank {rank}: {worst[0]} differs by {worst[1]:.2e}"
+        _as_one_process(rank, got, tol, trained_tol)
         assert got["replicas_equal"] and got["loaded_back"], rank
         assert got["saved_sequence"] < got["saved_whole"], got
 
@@ -229,11 +232,7 @@ def test_every_decoder_family_trains_as_one_process(dist_run: Any, case: str) ->
     tol, trained_tol = TOLERANCE[dist_run.world]["8da4w_qat"]
     for rank, got in enumerate(dist_run.case(case)):
         assert got["first"] <= FIRST, (rank, got["first_worst"], got["first"])
-        for step, (a, b) in enumerate(zip(got["losses"], got["ref_losses"], strict=True)):
-            assert abs(a - b) <= tol * abs(b), f"rank {rank} step {step}: {a} vs {b}"
-        if trained_tol is not None:
-            worst = max(got["trained"].items(), key=lambda kv: kv[1])
-            assert worst[1] <= trained_tol, f"rank {rank}: {worst[0]} differs by {worst[1]:.2e}"
+        _as_one_process(rank, got, tol, trained_tol)
         assert got["replicas_equal"], rank
         assert got["local_parameters"] < got["parameters"], got["plan"]
         if case.endswith("_sequence"):  # every norm on each rank's tokens
@@ -258,11 +257,7 @@ def test_pipeline_stages_sharded_across_tp_train_as_one_process(dist_run: Any,
     assert [bool(r["losses"]) for r in results] == [False, False, True, True]
     for rank, got in enumerate(results):
         assert got["tp_equal"], rank
-        for step, (a, b) in enumerate(zip(got["losses"], got["ref_losses"], strict=True)):
-            assert abs(a - b) <= tol * abs(b), f"rank {rank} step {step}: {a} vs {b}"
-        if trained_tol is not None:
-            worst = max(got["trained"].items(), key=lambda kv: kv[1])
-            assert worst[1] <= trained_tol, f"rank {rank}: {worst[0]} differs by {worst[1]:.2e}"
+        _as_one_process(rank, got, tol, trained_tol)
 
 
 @uses("pp_cut_in_a_block")
