@@ -21,6 +21,12 @@ the reason. The plan, per layer with its
 reason, is in the report (``report.tensor_parallel``) and in ``gm.meta`` for
 ``qc.distributed.wrap``, which applies it with torch's ``parallelize_module``.
 
+Norm modules an explicit plan names ``sequence`` run on each rank's tokens
+(``SequencePlan``): the pass follows each rowwise layer's and the embedding's output
+through ops acting on each token alone (elementwise ops, reductions and layer norms over
+the features, quantizers) to the colwise layers reading it, and refuses anything else
+by node. A plan naming only norms plans the layers as ``auto`` does.
+
 Shapes written into the graph (``view(2, 8, 4, 16)`` as ``torch.export`` records it)
 count whole heads; the pass records where a region's shape argument counts the sliced
 dim, and ``shard_tensor_parallel`` divides it by the tp size at wrap time.
@@ -145,16 +151,25 @@ class SequencePlan:
     ops: between the blocks, the activations (the residual stream and the norms the plan
     names ``sequence``) hold each rank's tokens, ``Shard(dim)`` along the sequence. The
     layers in ``enter`` (rowwise, and the embedding) hand their partial sums over
-    reduce-scattered to each rank's tokens instead of all-reduced; the colwise layers in
-    ``leave`` all-gather the tokens back for their input (torch's styles'
-    ``output_layouts`` / ``input_layouts``). The same bytes cross as without it; the
-    norms, the residual adds and what autograd keeps of them are a rank's share."""
+    reduce-scattered to each rank's tokens instead of all-reduced (torch's styles'
+    ``output_layouts``); the colwise layers in ``leave`` read them all-gathered, once per
+    value (torch's ``PrepareModuleInput``). The same bytes cross as without it; the norms,
+    the residual adds and what autograd keeps of them are a rank's share."""
 
     dim: int
     norms: tuple[str, ...]
     enter: tuple[str, ...]
     leave: tuple[str, ...]
     nodes: frozenset[str] = frozenset()
+    # values whole on every rank that a named norm reads first (a tied embedding kept
+    # whole): each rank's tokens are cut from them (no communication)
+    scatter: tuple[str, ...] = ()
+    # layers kept whole that read each rank's tokens (a tied LM head): they read them
+    # all-gathered, and compute on every rank as one process does
+    whole_readers: tuple[str, ...] = ()
+    # values computed from parameters (Gemma's ``1 + weight``) that ops on each rank's
+    # tokens read, with those ops: their gradients are summed across tp
+    summed: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 @dataclass
@@ -741,6 +756,8 @@ class _Sequence:
         # activation quantizers on those values, and how (``_quantizer_dim``)
         self.quantizers: dict[str, int | str] = {}
         self.params: dict[str, set[str]] = {}  # the norms' weights, with their readers
+        self.whole_readers: list[str] = []  # replicated layers' nodes reading the tokens
+        self.summed: dict[str, set[str]] = {}  # see SequencePlan.summed
 
     def _style(self, layer: _Layer) -> str:
         p = self.styles.get(layer.name)
@@ -778,27 +795,46 @@ class _Sequence:
             self.state[layer.node] = dim
         dims = set(self.state.values())
         if len(dims) != 1:
-            raise self._fail(enter[0].node, "the rowwise layers' outputs differ in rank")
-        leave = self._propagate()
-        norms = self._norms(globs)
-        return SequencePlan(dims.pop(), tuple(norms), tuple(sorted(e.name for e in enter)),
-                            tuple(sorted(leave)), frozenset(n.name for n in self.state))
+            a, b = (next(e for e in enter if self.state[e.node] == d) for d in sorted(dims)[:2])
+            raise self._fail(b.node, f"{b.name}'s output is {list(_shape(b.node) or ())}, "
+                             f"{a.name}'s {list(_shape(a.node) or ())}: the tokens lie along "
+                             "different dims (a mixture's experts merge the batch and the "
+                             "tokens)")
+        dim = dims.pop()
+        leave, scatter = self._propagate(globs, dim)
+        norms = self._norms(globs, dim)
+        return SequencePlan(dim, tuple(norms), tuple(sorted(e.name for e in enter)),
+                            tuple(sorted(leave)), frozenset(n.name for n in self.state),
+                            tuple(scatter), tuple(self.whole_readers),
+                            tuple((k, tuple(sorted(v))) for k, v in self.summed.items()))
 
-    def _propagate(self) -> set[str]:
+    def _propagate(self, globs: list[str], dim: int) -> tuple[set[str], list[str]]:
         leave: set[str] = set()
+        scatter: list[str] = []
         for n in self.gm.graph.nodes:
             if n in self.state:
                 continue
             ins = [a for a in _tensor_args(n) if a in self.state]
             if not ins:
-                continue
+                whole = self._entering(n, globs, dim)
+                if whole is None:
+                    continue
+                self.state[whole] = dim  # cut to this rank's tokens where it is read
+                scatter.append(whole.name)
+                ins = [whole]
             layer = self.layers.get(n)
             if layer is not None:
                 if self._style(layer) == "colwise" and n.args[0] in self.state:
                     leave.add(layer.name)
                     continue
+                if self._style(layer) == "replicate" and layer.kind == "linear" and \
+                        layer.follows is None and n.args[0] in self.state and not any(
+                            a in self.state for a in _tensor_args(n)[1:]):
+                    self.whole_readers.append(n.name)  # reads them all-gathered
+                    continue
                 raise self._fail(n, f"{layer.name} ({self._style(layer)}) reads each rank's "
-                                 "tokens; only colwise layers gather them back")
+                                 "tokens; only colwise layers and layers kept whole gather "
+                                 "them back")
             if n.op == "output":
                 raise self._fail(n, "each rank's tokens are an output of the graph")
             if n.op == "call_module" and isinstance(self.gm.get_submodule(str(n.target)),
@@ -815,7 +851,41 @@ class _Sequence:
                 self.state[n] = self.state[ins[0]]
                 continue
             self.state[n] = self._through(n, ins)
-        return leave
+        return leave, scatter
+
+    def _from_param(self, a: Node, depth: int = 8) -> bool:
+        """Whether ``a`` (a value whole on every rank) is computed from a parameter within
+        a few ops: its gradient from this rank's tokens is then a part."""
+        todo, seen = [(a, 0)], set()
+        while todo:
+            n, d = todo.pop()
+            if n in seen or d > depth:
+                continue
+            seen.add(n)
+            if n.op == "get_attr" and _is_param(self.gm, str(n.target)):
+                return True
+            todo += [(b, d + 1) for b in _tensor_args(n)]
+        return False
+
+    def _entering(self, n: Node, globs: list[str], dim: int) -> Node | None:
+        """The value whole on every rank that ``n``, an op of a norm the plan names, reads
+        first (Gemma2's embedding, tied to its LM head and kept whole), or None."""
+        stack = n.meta.get("nn_module_stack")
+        x = n.args[0] if n.op == "call_function" and n.args else None
+        if not stack or not isinstance(x, Node) or x.op == "get_attr":
+            return None
+        path = str(list(stack.values())[-1][0])
+        shape = _shape(x)
+        if not any(fnmatch.fnmatchcase(path, g) for g in globs) or shape is None or \
+                len(shape) != dim + 2:
+            return None
+        if shape[dim] % self.size:
+            raise QCompileError(
+                f"tensor_parallel.plan: sequence parallelism splits {path}'s {shape[dim]} "
+                f"tokens {self.size} ways: not divisible",
+                fix=f"example inputs (and batches) with a multiple of {self.size} tokens, or "
+                "leave sequence out of the plan")
+        return x
 
     def _own_input_quantizer(self, n: Node) -> str | None:
         users = list(n.users)
@@ -869,6 +939,8 @@ class _Sequence:
                                      "rank")
                 elif a.op == "get_attr" and _is_param(self.gm, str(a.target)):
                     self.params.setdefault(str(a.target), set()).add(n.name)
+                elif self._from_param(a):
+                    self.summed.setdefault(a.name, set()).add(n.name)
             return dim
         dim = self.state[a0]
         args = n.args
@@ -900,9 +972,10 @@ class _Sequence:
             return dim
         raise self._fail(n, "this op is not known to act on each token alone")
 
-    def _norms(self, globs: list[str]) -> list[str]:
-        """The modules the globs name (from the ops' module stacks); each one's ops must
-        act on each rank's tokens."""
+    def _norms(self, globs: list[str], dim: int) -> list[str]:
+        """The modules the globs name (from the ops' module stacks); each one's ops on
+        activations (``[..., tokens, features]``) must act on each rank's tokens (ops on its
+        weight alone, Gemma's ``1 + weight``, are the same on every rank)."""
         found: dict[str, list[Node]] = {}
         for n in self.gm.graph.nodes:
             stack = n.meta.get("nn_module_stack")
@@ -919,7 +992,7 @@ class _Sequence:
                 "'*.input_layernorm', '*.post_attention_layernorm', 'model.norm'")
         for path, nodes in found.items():
             whole = next((n for n in nodes if n not in self.state and any(
-                isinstance(a, Node) and _shape(a) for a in n.args)), None)
+                len(_shape(a) or ()) >= dim + 2 for a in _tensor_args(n))), None)
             if whole is not None:
                 raise self._fail(whole, f"the norm {path} computes on values whole on every "
                                  "rank (not between a rowwise and a colwise layer)",

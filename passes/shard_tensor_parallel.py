@@ -9,7 +9,11 @@ this rewrite (in place, on the graph ``qcompile`` returned) and then torch's
   (torch's ``ColwiseParallel`` / ``RowwiseParallel`` shard ``nn.Linear`` modules and hook
   their calls); each sharded embedding a call of a ``ShardedEmbedding``;
 - shape arguments inside sharded regions that count heads or features (``view(2, 8, 4,
-  16)``) count this rank's (``view(2, 8, 2, 16)`` at size 2).
+  16)``) count this rank's (``view(2, 8, 2, 16)`` at size 2);
+- under sequence parallelism, each value of each rank's tokens that colwise layers read
+  goes through one ``tp_gather_tokens_<i>`` identity, which ``wrap`` gives torch's
+  ``PrepareModuleInput``; each helper (gradient sums, gathers, expert matmuls) is its
+  own module per call site.
 
 State names do not change: a ``state_dict`` of the rewritten graph has the keys of the
 compiled one.
@@ -94,8 +98,18 @@ def shard_tensor_parallel(gm: GraphModule, plan: TensorParallelPlan,
             done[f"{prefix}.{name}" if prefix else name] = LayerPlan(
                 name, "tokens", "gather", "each rank's tokens gathered for the colwise "
                 "layers reading them")
+        for name in _gather_whole(g, plan.sequence) if plan.sequence else ():
+            done[f"{prefix}.{name}" if prefix else name] = LayerPlan(
+                name, "tokens", "gather_whole", "each rank's tokens gathered for a layer "
+                "kept whole")
+        for name in _scatter_tokens(g, plan.sequence) if plan.sequence else ():
+            done[f"{prefix}.{name}" if prefix else name] = LayerPlan(
+                name, "tokens", "scatter", "each rank's tokens cut from a value whole on "
+                "every rank")
         if reduce_gradients is not None:
             _sum_gradients(g, plan, reduce_gradients)
+            if plan.sequence is not None:
+                _sum_computed(g, plan.sequence.summed, reduce_gradients)
             for e in _shard_experts(g, plan, reduce_gradients):
                 for param in e.params:
                     done[f"{prefix}.{param}" if prefix else param] = LayerPlan(
@@ -144,6 +158,45 @@ def _gather_tokens(g: GraphModule, leave: tuple[str, ...]) -> list[str]:
     return names
 
 
+def _gather_whole(g: GraphModule, seq: Any) -> list[str]:
+    """Each layer kept whole that reads each rank's tokens (a tied LM head) reads them
+    through a ``tp_gather_tokens_<i>`` identity that ``wrap`` gives torch's
+    ``PrepareModuleInput`` with local output: all-gathered, its input's gradient (the same
+    on every rank) cut back to this rank's tokens. Returns the identities added."""
+    names = []
+    for n in [n for n in g.graph.nodes if n.name in seq.whole_readers]:
+        x = n.args[0]
+        name = _call_site(g, _GATHER, nn.Identity())
+        with g.graph.inserting_before(n):
+            whole = g.graph.call_module(name, (x,))
+        whole.meta = dict(x.meta)
+        n.replace_input_with(x, whole)
+        names.append(name)
+    return names
+
+
+def _scatter_tokens(g: GraphModule, seq: Any) -> list[str]:
+    """Each value whole on every rank that a sequence-parallel norm reads first goes, for
+    the ops reading it there, through a ``tp_scatter_tokens_<i>`` identity that ``wrap``
+    gives torch's ``PrepareModuleInput`` from ``Replicate`` to ``Shard`` of the tokens:
+    each rank's tokens cut from it (its gradient all-gathered back). Returns the
+    identities added to ``g``."""
+    nodes = {n.name: n for n in g.graph.nodes}
+    names = []
+    for x in (nodes[name] for name in seq.scatter if name in nodes):
+        users = [u for u in x.users if u.name in seq.nodes]
+        if not users:
+            continue
+        name = _call_site(g, "tp_scatter_tokens", nn.Identity())
+        with g.graph.inserting_after(x):
+            part = g.graph.call_module(name, (x,))
+        part.meta = dict(x.meta)
+        for user in users:
+            user.replace_input_with(x, part)
+        names.append(name)
+    return names
+
+
 def _sum_gradients(g: GraphModule, plan: TensorParallelPlan, module: nn.Module) -> None:
     readers = dict(plan.region_params)
     nodes = {n.name: n for n in g.graph.nodes}
@@ -157,6 +210,22 @@ def _sum_gradients(g: GraphModule, plan: TensorParallelPlan, module: nn.Module) 
             summed = g.graph.call_module(_call_site(g, _SUM, type(module)(module.mesh)), (n,))
         for user in inside:
             user.replace_input_with(n, summed)
+
+
+def _sum_computed(g: GraphModule, summed: Any, module: nn.Module) -> None:
+    """A value computed from parameters that ops on each rank's tokens read (Gemma's
+    ``1 + weight``) reaches them through a ``tp_sum_gradients_<i>`` call: its gradient,
+    each rank's tokens' part, summed across tp."""
+    nodes = {n.name: n for n in g.graph.nodes}
+    for name, readers in summed:
+        x = nodes.get(name)
+        inside = [nodes[r] for r in readers if r in nodes]
+        if x is None or not inside:
+            continue
+        with g.graph.inserting_after(x):
+            total = g.graph.call_module(_call_site(g, _SUM, type(module)(module.mesh)), (x,))
+        for user in inside:
+            user.replace_input_with(x, total)
 
 
 def _shard_experts(g: GraphModule, plan: TensorParallelPlan, sum_gradients: nn.Module

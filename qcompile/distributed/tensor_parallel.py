@@ -158,6 +158,14 @@ def _style(p: LayerPlan, sequence: SequencePlan | None = None) -> Any:
     if p.style == "gather":  # each rank's tokens, gathered once for the colwise layers
         return PrepareModuleInput(input_layouts=(Shard(sequence.dim),),
                                   desired_input_layouts=(Replicate(),))
+    if p.style == "gather_whole":  # ... for a layer kept whole: the gathered tensor itself
+        return PrepareModuleInput(input_layouts=(Shard(sequence.dim),),
+                                  desired_input_layouts=(Replicate(),),
+                                  use_local_output=True)
+    if p.style == "scatter":  # each rank's tokens, cut from a value every rank holds
+        return PrepareModuleInput(input_layouts=(Replicate(),),
+                                  desired_input_layouts=(Shard(sequence.dim),),
+                                  use_local_output=True)
     if p.style == "colwise":
         return Colwise(output_layouts=Replicate()) if p.gather else Colwise()
     out = Shard(sequence.dim) if sequence is not None and p.layer in sequence.enter \

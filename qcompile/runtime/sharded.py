@@ -90,9 +90,11 @@ class ShardedLinear(nn.Linear):
         """The layer on this rank's values, as torch's styles hand them over and take them
         back: a colwise shard reads the whole input (``Replicate``) and gives its output
         features (``Shard(-1)``); a rowwise one reads its input features (``Shard(-1)``)
-        and gives its partial sums (``Partial``, which torch's style all-reduces). The
-        matmul runs on plain tensors, so each step pays DTensor's dispatch only at the
-        layer's edges, as the float layer pays it for its matmul once per direction."""
+        and gives its partial sums (``Partial``, which torch's style all-reduces, or
+        reduce-scatters to each rank's tokens under sequence parallelism). The matmul runs
+        on plain tensors: DTensor's dispatch runs at the layer's edges only, where a float
+        layer under torch's styles pays it for every op of its matmul, forward and
+        backward."""
         from torch.distributed.tensor import DTensor, Partial, Shard
 
         w = self.weight

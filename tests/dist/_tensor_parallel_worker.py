@@ -195,7 +195,10 @@ for _name in FAMILIES:
     globals()[f"case_family_{_name}"] = lambda _name=_name: family(_name)
 # the layers as auto plans them, the norms named sequence (each family's norm names)
 SEQUENCE_NORMS = {"qwen2": ["*layernorm", "model.norm"],
-                  "gpt_neox": ["*layernorm", "gpt_neox.final_layer_norm"]}
+                  "gpt_neox": ["*layernorm", "gpt_neox.final_layer_norm"],
+                  # its embedding tied to the LM head, both kept whole: the first norm's
+                  # tokens cut from it, the LM head reading them all-gathered
+                  "gemma2": ["*layernorm", "model.norm"]}
 for _name, _norms in SEQUENCE_NORMS.items():
     globals()[f"case_family_{_name}_sequence"] = lambda _name=_name, _norms=_norms: family(
         _name, dict.fromkeys(_norms, "sequence"))

@@ -27,7 +27,7 @@ PRESETS = ("int8_qat", "8da4w_qat", "nvfp4_qat")
 FAMILIES = ["mistral", "qwen2", "qwen3", "qwen2_moe", "olmoe", "gemma2", "phi3", "falcon",
             "gpt_neox", "bloom", "gpt2", "deepseek_v3",
             # the norms on each rank's tokens (plan: {<norm globs>: sequence}, layers auto)
-            "qwen2_sequence", "gpt_neox_sequence"]
+            "qwen2_sequence", "gpt_neox_sequence", "gemma2_sequence"]
 PIPELINED = ["pp_int8_qat", "pp_8da4w_qat", "pp_nvfp4_qat", "pp_mixtral_8da4w_qat"]
 # LoRA on a frozen NF4 base (QLoRA), and (with the sweep) on 8da4w-qat's QAT base
 ADAPTERS = ["qlora_nf4", *(["lora_8da4w_qat"] if os.environ.get("QCOMPILE_SWEEP") == "1"

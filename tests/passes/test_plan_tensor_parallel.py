@@ -534,3 +534,28 @@ def test_a_plan_naming_only_norms_plans_the_layers_as_auto() -> None:
     auto = styles(compiled(llama(), "int8-qat"))
     assert {k: v for k, v in only_norms.items() if v[0] != "sequence"} == auto
     assert only_norms["model.norm"] == ("sequence", False)
+
+
+def test_sequence_with_a_tied_embedding_kept_whole() -> None:
+    """Gemma2: the embedding is tied to the LM head, so both stay whole. The first norm's
+    tokens are cut from the embedding's output (a scatter, no communication), the LM head
+    reads them all-gathered, and the norms' ``1 + weight`` (computed from the weight
+    before it meets the tokens) gets its gradient summed across tp."""
+    from qcompile.tools.architectures import ARCHITECTURES
+
+    arch = ARCHITECTURES["gemma2"]
+    spec = qc.load_spec("8da4w-qat").model_dump()
+    spec["tensor_parallel"] = {"size": 2, "plan": {"*layernorm": "sequence",
+                                                   "model.norm": "sequence"}}
+    gm = qc.qcompile(arch.build(seed=0), qc.specs.as_spec(spec),
+                     example_kwargs=arch.batch(seed=1, batch=2))
+    seq = gm.meta[TP_PLAN_KEY].sequence
+    s = styles(gm)
+    assert s["lm_head"][0] == "replicate"  # (the embedding reads the same weight)
+    assert len(seq.scatter) == 1 and len(seq.whole_readers) == 1
+    assert "model.embed_tokens.weight" not in dict(gm.meta[TP_PLAN_KEY].region_params)
+    assert len(seq.summed) == len(seq.norms) == 9  # 4 norms a layer and the final one
+    shard_tensor_parallel(gm, gm.meta[TP_PLAN_KEY], SumGradients(None))
+    head = next(n for n in gm.graph.nodes if n.name in seq.whole_readers)
+    assert str(head.args[0].target).startswith("tp_gather_tokens_")
+    assert sum(str(n.target).startswith("tp_scatter_tokens_") for n in gm.graph.nodes) == 1
