@@ -786,12 +786,7 @@ class _Sequence:
             if shape is None or len(shape) < 2:
                 raise self._fail(layer.node, f"{layer.name}'s output has no sequence dim")
             dim = len(shape) - 2
-            if shape[dim] % self.size:
-                raise QCompileError(
-                    f"tensor_parallel.plan: sequence parallelism splits {layer.name}'s "
-                    f"{shape[dim]} tokens (dim {dim}) {self.size} ways: not divisible",
-                    fix=f"example inputs (and batches) with a multiple of {self.size} "
-                    "tokens, or leave sequence out of the plan")
+            self._divisible(layer.name, shape[dim])
             self.state[layer.node] = dim
         dims = set(self.state.values())
         if len(dims) != 1:
@@ -879,13 +874,16 @@ class _Sequence:
         if not any(fnmatch.fnmatchcase(path, g) for g in globs) or shape is None or \
                 len(shape) != dim + 2:
             return None
-        if shape[dim] % self.size:
+        self._divisible(path, shape[dim])
+        return x
+
+    def _divisible(self, where: str, tokens: int) -> None:
+        if tokens % self.size:
             raise QCompileError(
-                f"tensor_parallel.plan: sequence parallelism splits {path}'s {shape[dim]} "
+                f"tensor_parallel.plan: sequence parallelism splits {where}'s {tokens} "
                 f"tokens {self.size} ways: not divisible",
                 fix=f"example inputs (and batches) with a multiple of {self.size} tokens, or "
                 "leave sequence out of the plan")
-        return x
 
     def _own_input_quantizer(self, n: Node) -> str | None:
         users = list(n.users)

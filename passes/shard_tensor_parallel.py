@@ -146,16 +146,19 @@ def _gather_tokens(g: GraphModule, leave: tuple[str, ...]) -> list[str]:
     for n in g.graph.nodes:
         if n.op == "call_module" and str(n.target) in leave and n.args:
             readers.setdefault(n.args[0], []).append(n)
-    names = []
-    for x, users in readers.items():
-        name = _call_site(g, _GATHER, nn.Identity())
-        with g.graph.inserting_after(x):
-            whole = g.graph.call_module(name, (x,))
-        whole.meta = dict(x.meta)
-        for user in users:
-            user.replace_input_with(x, whole)
-        names.append(name)
-    return names
+    return [_identity_before(g, _GATHER, x, users) for x, users in readers.items()]
+
+
+def _identity_before(g: GraphModule, base: str, x: Node, users: list[Node]) -> str:
+    """A new identity module (``<base>_<i>``, its style set by ``wrap``) called on ``x``
+    right after it, read by ``users`` in ``x``'s place; returns its name."""
+    name = _call_site(g, base, nn.Identity())
+    with g.graph.inserting_after(x):
+        call = g.graph.call_module(name, (x,))
+    call.meta = dict(x.meta)
+    for user in users:
+        user.replace_input_with(x, call)
+    return name
 
 
 def _gather_whole(g: GraphModule, seq: Any) -> list[str]:
@@ -163,16 +166,8 @@ def _gather_whole(g: GraphModule, seq: Any) -> list[str]:
     through a ``tp_gather_tokens_<i>`` identity that ``wrap`` gives torch's
     ``PrepareModuleInput`` with local output: all-gathered, its input's gradient (the same
     on every rank) cut back to this rank's tokens. Returns the identities added."""
-    names = []
-    for n in [n for n in g.graph.nodes if n.name in seq.whole_readers]:
-        x = n.args[0]
-        name = _call_site(g, _GATHER, nn.Identity())
-        with g.graph.inserting_before(n):
-            whole = g.graph.call_module(name, (x,))
-        whole.meta = dict(x.meta)
-        n.replace_input_with(x, whole)
-        names.append(name)
-    return names
+    return [_identity_before(g, _GATHER, n.args[0], [n])
+            for n in [n for n in g.graph.nodes if n.name in seq.whole_readers]]
 
 
 def _scatter_tokens(g: GraphModule, seq: Any) -> list[str]:
@@ -185,15 +180,8 @@ def _scatter_tokens(g: GraphModule, seq: Any) -> list[str]:
     names = []
     for x in (nodes[name] for name in seq.scatter if name in nodes):
         users = [u for u in x.users if u.name in seq.nodes]
-        if not users:
-            continue
-        name = _call_site(g, "tp_scatter_tokens", nn.Identity())
-        with g.graph.inserting_after(x):
-            part = g.graph.call_module(name, (x,))
-        part.meta = dict(x.meta)
-        for user in users:
-            user.replace_input_with(x, part)
-        names.append(name)
+        if users:
+            names.append(_identity_before(g, "tp_scatter_tokens", x, users))
     return names
 
 
