@@ -705,7 +705,7 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
     params = {k: set(v) for k, v in prop.region_params.items()}
     sequence = None
     if sequence_globs:
-        seq = _Sequence(gm, layers, styles, size)
+        seq = _Sequence(gm, layers, styles, size, set(prop.state))
         sequence = seq.plan(sequence_globs)
         out = [_sequence_reason(p, sequence) for p in out] + [
             LayerPlan(norm, "norm", "sequence", f"runs on each rank's tokens (Shard("
@@ -750,8 +750,9 @@ class _Sequence:
     colwise layers reading them. Anything else reading them is an error naming the node."""
 
     def __init__(self, gm: GraphModule, layers: dict[Node, _Layer],
-                 styles: dict[str, LayerPlan], size: int) -> None:
+                 styles: dict[str, LayerPlan], size: int, sliced: set[Node]) -> None:
         self.gm, self.layers, self.styles, self.size = gm, layers, styles, size
+        self.sliced = sliced  # values of the colwise regions: each rank's features
         self.state: dict[Node, int] = {}  # value -> its sequence dim
         # activation quantizers on those values, and how (``_quantizer_dim``)
         self.quantizers: dict[str, int | str] = {}
@@ -867,7 +868,7 @@ class _Sequence:
         first (Gemma2's embedding, tied to its LM head and kept whole), or None."""
         stack = n.meta.get("nn_module_stack")
         x = n.args[0] if n.op == "call_function" and n.args else None
-        if not stack or not isinstance(x, Node) or x.op == "get_attr":
+        if not stack or not isinstance(x, Node) or x.op == "get_attr" or x in self.sliced:
             return None
         path = str(list(stack.values())[-1][0])
         shape = _shape(x)
