@@ -52,10 +52,13 @@ LAUNCH_DEADLINE = 240.0  # seconds for every case of one launch (about 40 s norm
 # feed; on the int4 grid (16 levels a group) one weight a rounding apart after FSDP2's
 # reduce-scatter moves a whole group's output, so under dp only the losses are compared.
 # Under dp each replica's NVFP4 activations take a tensor scale from its own rows (as
-# NVFP4 computes it per forward), one process the global batch's.
-TOLERANCE = {2: {"int8_qat": (1e-3, 1e-2), "8da4w_qat": (1e-4, 1e-3),
+# NVFP4 computes it per forward), one process the global batch's. On an AVX2-only CPU
+# (ATEN_CPU_CAPABILITY=avx2) an int8-qat activation one rounding apart at tp 2 moved
+# layer 1's o_proj weight by 2.9e-2 of its largest value in five steps (SGD, lr 0.1),
+# the losses staying within 1e-3; on AVX-512 nothing crossed.
+TOLERANCE = {2: {"int8_qat": (1e-3, 5e-2), "8da4w_qat": (1e-4, 1e-3),
                  "nvfp4_qat": (1e-4, 1e-3)},
-             4: {"int8_qat": (1e-3, 1e-2), "8da4w_qat": (1e-3, None),
+             4: {"int8_qat": (1e-3, 5e-2), "8da4w_qat": (1e-3, None),
                  "nvfp4_qat": (3e-2, None)}}
 # after the first step nothing has crossed a grid boundary yet: float reduction order
 FIRST = 1e-5
