@@ -25,7 +25,14 @@ from qcompile.distributed.agree import (
     collective_phase,
     unchanged_on_failure,
 )
-from qcompile.distributed.convert import shard_converted
+from qcompile.distributed.convert import (
+    data_parallel_layout,
+    on_tp_mesh,
+    shard_converted,
+    shard_over_dp,
+    store_sharded_layers,
+    tp_refusal,
+)
 from qcompile.distributed.data_parallel import (
     RankSync,
     apply_registered,
@@ -50,7 +57,7 @@ from qcompile.graph.records import Report, report
 from qcompile.graph.signature import graph_inputs
 from qcompile.passes import DATA_ALGORITHMS
 from qcompile.passes.convert import convert_graph, torch_deprecations_silenced
-from qcompile.passes.convert.sharded import local_rows_copy, refusal
+from qcompile.passes.convert.sharded import data_parallel_whole_copy, local_rows_copy, refusal
 from qcompile.runtime.calibration import (
     RankCombine,
     call_args,
@@ -68,6 +75,7 @@ from qcompile.runtime.calibration import (
 )
 from qcompile.runtime.calibration import freeze as freeze_observers
 from qcompile.runtime.fake_quant import FakeQuantize
+from qcompile.runtime.sharded import fsdp_units
 
 __all__ = ["Report", "calibrate", "convert", "freeze", "quantizers", "report",
            "weight_quantizers"]
@@ -80,7 +88,9 @@ def freeze(gm: nn.Module) -> nn.Module:
     first, across the data-parallel group ``qc.distributed.wrap`` registered (call it on
     every rank then); weight quantizers still tracking their weights (QAT) take the
     current weights' ranges, as their next forward would (torch.ao's convert likewise
-    observes the final weights).
+    observes the final weights). Under tensor parallelism each takes the whole weight's
+    range from the shards (a reduction across tp; under FSDP2 each block gathered over dp
+    while it is read): call it on every rank.
 
     Example:
         >>> import torch, qcompile as qc
@@ -302,6 +312,18 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
     the full state with ``get_model_state_dict(..., options=StateDictOptions(full_state_dict=True,
     cpu_offload=True))`` on every rank, then convert an unsharded compile on rank 0.
 
+    A graph ``qc.distributed.wrap`` sharded across tensor-parallel ranks converts per rank
+    too (call it on every rank): each sharded Linear stores this rank's shard of its weight
+    in its grid (integer codes with their scales, or a block format's codes and scales:
+    ``FrozenWeight`` storage whose tensors are DTensors sharded as the weight was) and
+    dequantizes it for its matmul at each forward, its input quantizer frozen; a mixture's
+    experts sharded by expert store each rank's experts the same way (``StoredRows``); the
+    rest of the graph converts as above. The sharded layers compute what they computed in
+    the trained graph, exactly. Under FSDP2 (dp x tp) each rank gathers its tp shards over
+    dp first, one block at a time, and the result is ``fully_shard``-ed over dp as the
+    graph was: each rank holds 1/(T x D) of the stored weights. Pipeline stages are
+    refused with the recipe.
+
     Example:
         >>> import torch, qcompile as qc
         >>> m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
@@ -316,11 +338,14 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
 
     refuse_adapters(gm, "convert")  # lowering the base alone would drop the adapters
     _refuse_ggml(gm)
-    if getattr(gm, "meta", {}).get(TP_SHARDED_KEY):
-        raise QCompileError("convert: this graph's layers are sharded across tensor-parallel "
-                            "ranks (rows and columns of their weights): no rank holds a "
-                            "layer whole", fix=_GATHER_RECIPE)
-    sharded = sharded_by(gm)
+    tp = bool(getattr(gm, "meta", {}).get(TP_SHARDED_KEY)) or on_tp_mesh(gm)
+    dp = None  # dp x tp under FSDP2: (the dp mesh, the modules it shards)
+    if tp:
+        why = tp_refusal(gm)
+        if why is not None:
+            raise QCompileError("convert: this graph's layers are sharded across "
+                                f"tensor-parallel ranks, and {why}", fix=_GATHER_RECIPE)
+    sharded = None if tp else sharded_by(gm)
     if sharded is not None:
         fsdp1 = any(c.__name__ == "FullyShardedDataParallel"
                     for m in gm.modules() for c in type(m).__mro__)
@@ -350,13 +375,19 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
         raise QCompileError(f"convert: {len(missing)} activation quantizer(s) have no "
                             f"ranges yet, e.g. {missing[0]}", fix=fix)
     rows = None
-    if sharded is not None:  # each rank converts its rows; the ranks shard the result
+    if sharded is not None or tp:  # every rank converts its part, collectively
         agree("convert", {"graph": str(getattr(gm, "code", "")),
                           "example_inputs": example_inputs is not None})
+    if sharded is not None:  # each rank converts its rows; the ranks shard the result
         rows = local_rows_copy(gm)
         weights = model_weights(rows.graph)
         refuse_nonfinite(weights, "convert")  # NaN weights make NaN integer weights
         out = rows.graph
+    elif tp and fsdp_units(gm):  # FSDP2 over dp: each dp rank's tp shards
+        dp = data_parallel_layout(gm)
+        out = data_parallel_whole_copy(gm)  # its parameters are its own already
+        refuse_nonfinite(model_weights(out), "convert")
+        weights = {}
     else:
         weights = model_weights(gm)
         refuse_nonfinite(weights, "convert")  # NaN weights make NaN integer weights
@@ -378,6 +409,7 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
                 f"{(str(e).strip().splitlines() or [''])[0]}",
                 fix="pass example inputs shaped like those the graph was compiled with, or "
                     "leave example_inputs out") from e
+    stored = store_sharded_layers(out) if tp else []  # each rank stores its shards
     # a pipeline-placed graph: each stage_<i> child is a graph of its own
     targets = [("", out)] if STAGE_NAMES_KEY not in out.meta else [
         (f"{n}.", m) for n, m in out.named_children() if n.startswith("stage_")]
@@ -393,9 +425,11 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
                                          rows_only=rows is not None)
             records += done
             new_report.passes += passes
-    new_report.conversions = records
+    new_report.conversions = stored + records
     if rows is not None:
         out = shard_converted(out, rows.mesh, rows.units, rows.rank, rows.world, rows.cut)
+    if dp is not None:  # the stored shards sharded over dp again, as the source's were
+        out = shard_over_dp(out, *dp)
     if ref is not None:
         with torch.no_grad(), torch_deprecations_silenced():  # torch's quantized kernels run
             got = _outputs(out(*example_inputs))

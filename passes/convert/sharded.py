@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,8 +41,9 @@ from torch import nn
 from qcompile.passes.convert.common import torch_deprecations_silenced
 from qcompile.runtime.calibration import weight_quantizer_sites
 from qcompile.runtime.fake_quant import FakeQuantize
+from qcompile.runtime.sharded import fsdp_units
 
-__all__ = ["LocalRows", "local_rows_copy", "refusal", "rows_of"]
+__all__ = ["LocalRows", "data_parallel_whole_copy", "local_rows_copy", "refusal", "rows_of"]
 
 _FSDP_KEYS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
 _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
@@ -64,10 +66,11 @@ def _is_dtensor(p: Any) -> bool:
     return any(c.__name__ == "DTensor" for c in type(p).__mro__)
 
 
-def _from_distributed(hook: Any) -> bool:
+def _from_fsdp(hook: Any) -> bool:
+    """A hook ``fully_shard`` registered (torch's tensor-parallel styles' hooks stay)."""
     owner = getattr(hook, "__self__", None)
     where = type(owner).__module__ if owner is not None else getattr(hook, "__module__", "")
-    return str(where).startswith("torch.distributed")
+    return str(where).startswith(("torch.distributed.fsdp", "torch.distributed._composable"))
 
 
 @dataclass
@@ -138,12 +141,46 @@ def _plain(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     for key in _HOOKS:
         if key in state:
             state[key] = OrderedDict((k, h) for k, h in state[key].items()
-                                     if not _from_distributed(h))
+                                     if not _from_fsdp(h))
     clone.__dict__.update(state)
     # what refers back to the module (its graph's owner) finds the plain one
     memo[id(module)] = clone
     with torch_deprecations_silenced():  # an exported graph's pytree LeafSpec (see there)
-        return copy.deepcopy(clone, memo)
+        out = copy.deepcopy(clone, memo)
+    # a hook registered with its module (a state-dict hook) holds a weak reference to it:
+    # to the copy, not to ``clone``, which is gone once the copy is made
+    for hooks in (getattr(out, key, {}) for key in _HOOKS):
+        for hook in hooks.values():
+            if getattr(hook, "with_module", False) and hook.module() is clone:
+                hook.module = weakref.ref(out)
+    return out
+
+
+def data_parallel_whole_copy(gm: nn.Module) -> nn.Module:
+    """A plain copy of ``gm`` sharded by FSDP2 over ``dp`` and by torch's tensor-parallel
+    styles over ``tp`` (parameters on the 2-D mesh): FSDP2's classes, state and hooks left
+    out, the styles' hooks kept, and each parameter its value gathered over ``dp`` (the
+    tensor-parallel DTensor FSDP2's unshard gives, copied), one ``fully_shard`` unit at a
+    time (collectives over dp: every rank calls it)."""
+    memo: dict[int, Any] = {}
+    units = fsdp_units(gm)
+    for _, unit in units:  # innermost first
+        before = dict(unit.named_parameters())
+        unit.unshard()
+        try:
+            for pname, p in unit.named_parameters():
+                held = before[pname]
+                if p is not held and id(held) not in memo:  # this unit's: gathered now
+                    memo[id(held)] = nn.Parameter(p.detach().clone(),
+                                                  requires_grad=held.requires_grad)
+        finally:
+            unit.reshard()
+    for _, module in units:
+        memo[id(module)] = _plain(module, memo)
+    if id(gm) not in memo:  # the root not sharded itself
+        with torch_deprecations_silenced():
+            return copy.deepcopy(gm, memo)
+    return memo[id(gm)]
 
 
 def local_rows_copy(gm: nn.Module) -> LocalRows:
@@ -157,8 +194,7 @@ def local_rows_copy(gm: nn.Module) -> LocalRows:
         memo[id(p)] = nn.Parameter(p.to_local(), requires_grad=p.requires_grad)
     assert mesh is not None, "a sharded graph has parameters"
     units = [n for n, m in gm.named_modules() if _is_fsdp(m)]
-    for name in sorted(units, key=lambda n: -n.count(".") if n else 1):  # innermost first
-        module = gm.get_submodule(name)
+    for _, module in fsdp_units(gm):  # innermost first
         memo[id(module)] = _plain(module, memo)
     local = memo[id(gm)]
     world, rank = mesh.size(), mesh.get_local_rank()

@@ -58,6 +58,10 @@ def _reads_size(node: Node) -> bool:
             and node.args[1:] in _SIZE_ATTRS)
 
 
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_pre_hooks or module._forward_hooks)
+
+
 def _transparent(gm: GraphModule, node: Node) -> bool:
     if node.op == "call_method":
         return node.target in _SHAPE_METHODS
@@ -72,7 +76,10 @@ def sink_dequantize(gm: GraphModule, ctx: Context) -> GraphModule:
     g = gm.graph
     sunk = dropped = 0
     for node in list(g.nodes):
-        if isinstance(module_at(gm, node), _DROP_MODULES):  # inference: identity
+        module = module_at(gm, node)
+        # inference: identity; one with hooks does something else (torch's tensor-parallel
+        # styles gather or scatter tokens through a hooked nn.Identity)
+        if isinstance(module, _DROP_MODULES) and not _hooked(module):
             node.replace_all_uses_with(node.args[0])
             g.erase_node(node)
             dropped += 1

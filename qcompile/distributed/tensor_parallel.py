@@ -38,16 +38,16 @@ from torch import nn
 from torch.fx import GraphModule
 
 from qcompile.errors import QCompileError
-from qcompile.graph.meta import TP_SHARDED_KEY
+from qcompile.graph.meta import TP_SHARDED_KEY, TP_STAGE_KEY
 from qcompile.passes.plan_tensor_parallel import TP_PLAN_KEY, LayerPlan, SequencePlan
 from qcompile.passes.shard_tensor_parallel import shard_tensor_parallel
 from qcompile.runtime.sharded import (
     ShardedLinear,
     SumGradients,
     WeightStatistics,
-    _global_minmax,
-    _placement,
     keep_local_rows,
+    observe_shard,
+    sharded_weights,
 )
 from qcompile.specs import as_spec
 
@@ -225,6 +225,8 @@ def parallelize(gm: nn.Module, tp_mesh: Any, within: str | None = None) -> nn.Mo
                             f"{tp_mesh.size()} ranks", fix="compile and wrap with one spec")
     sharded = shard_tensor_parallel(gm, plan, SumGradients(tp_mesh), within=within)
     gm.meta[TP_SHARDED_KEY] = plan.size
+    if within is not None:
+        gm.meta[TP_STAGE_KEY] = within
     experts = sorted(n for n, p in sharded.items() if p.style == "experts")
     sharded = {n: p for n, p in sharded.items() if p.style != "experts"}
     styles = {name: _style(p, plan.sequence) for name, p in sharded.items()}
@@ -324,19 +326,13 @@ def observe_sharded_weights(gm: nn.Module) -> None:
             return_freed_memory()
             unshard()
         try:  # the weights as the unsharded block holds them (read after the unshard)
-            pairs = [*weight_quantizers(owner),
-                     *((m.weight_fake_quant, m.weight) for m in owner.modules()
-                       if isinstance(m, ShardedLinear) and m.quantize_weight)]
+            pairs = [*weight_quantizers(owner), *sharded_weights(owner)]
             with torch.no_grad():
                 for fq, w in pairs:
                     if fq.observer is None:
                         continue
                     fq.observer.reset()
-                    if hasattr(w, "placements"):
-                        x, d = _placement(w)
-                        fq.observe_range(*_global_minmax(fq, x, x.to_local(), d))
-                    else:
-                        fq.observe_tensor(w.detach())
+                    observe_shard(fq, w)
         finally:
             reshard = getattr(owner, "reshard", None)
             if reshard is not None:

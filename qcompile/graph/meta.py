@@ -54,6 +54,9 @@ SHARDED_KEY = "qcompile.sharded"
 # qc.distributed.wrap sharded the graph's layers across tensor-parallel ranks (the plan's
 # size): its weights are DTensors split by rows (colwise) or columns (rowwise)
 TP_SHARDED_KEY = "qcompile.tp_sharded"
+# qc.distributed.pipeline x tensor parallel: the stage (child graph name) this rank sharded
+# and trains; the graph's other stages are other ranks'
+TP_STAGE_KEY = "qcompile.tp_stage"
 #: wrap / compile_once: the graph's data-parallel group (``distributed.agree.GroupCheck``);
 #: ``check(call, gm)`` has its ranks agree on the call and the model before a collective
 #: (how ``save_adapters`` checks before gathering a sharded graph); None once pickled

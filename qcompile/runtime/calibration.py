@@ -26,7 +26,8 @@ from torch import nn
 from torch.fx import GraphModule
 
 from qcompile.errors import QCompileError
-from qcompile.runtime import kernels
+from qcompile.graph.meta import TP_SHARDED_KEY
+from qcompile.runtime import kernels, sharded
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.runtime.observers import MovingAverageObserver
 
@@ -79,6 +80,15 @@ def freeze(gm: nn.Module) -> nn.Module:
     current weights' ranges, as their next forward would: after the last optimizer step
     the weights have moved since they were last observed (torch.ao's convert likewise
     observes the final weights)."""
+    if getattr(gm, "meta", {}).get(TP_SHARDED_KEY):
+        # tensor parallel: each weight's whole range from the shards (a reduction across
+        # tp; every rank freezes), under FSDP2 each block's while it is gathered over dp
+        sharded.observe_whole_weights(gm, lambda m: [
+            (fq, w) for fq, w in [*weight_quantizers(m), *sharded.sharded_weights(m)]
+            if fq.observe and fq.observer is not None and w.device.type != "meta"])
+        for q in quantizers(gm).values():
+            q.observe = False
+        return gm
     observed = [(fq, weight) for fq, weight in weight_quantizers(gm)
                 if fq.observe and weight.device.type != "meta"]
     # by identity (a transposed view by its base): reading a data pointer would make a

@@ -55,7 +55,7 @@ from qcompile.runtime.block_formats import (
 from qcompile.runtime.block_storage import pack_fp6, pack_nibbles, unpack_fp6, unpack_nibbles
 from qcompile.runtime.quant_math import FP8_DTYPES, symmetric_zero_point
 
-__all__ = ["FrozenWeight", "frozen_layout"]
+__all__ = ["FrozenWeight", "frozen_layout", "symmetric_offset"]
 
 _INT_DTYPES = ((torch.int8, -128, 127), (torch.uint8, 0, 255), (torch.int16, -2**15, 2**15 - 1))
 
@@ -144,7 +144,7 @@ class FrozenWeight(nn.Module):
                                 fix="use base: qat for this layer, or another weight scheme")
         storage, packed = cls.encode(fq, weight.detach())
         return cls(storage, shape=shape, dtype=weight.dtype, fmt=fq.block_format,
-                   block=fq.group_size, packed=packed, offset=_offset(fq, packed))
+                   block=fq.group_size, packed=packed, offset=symmetric_offset(fq, packed))
 
     @staticmethod
     @torch.no_grad()
@@ -213,7 +213,7 @@ class FrozenWeight(nn.Module):
         if not fq.symmetric:
             storage["zero_point"] = torch.empty(qshape, dtype=torch.float32, **kw)
         return cls(storage, shape=shape, dtype=dtype, block=fq.group_size, packed=packed,
-                   offset=_offset(fq, packed))
+                   offset=symmetric_offset(fq, packed))
 
     # -- reading -------------------------------------------------------------------------
     def integers(self) -> torch.Tensor:
@@ -379,7 +379,7 @@ def _scale_table(kind: str) -> torch.Tensor:
     return b.to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
-def _offset(fq: nn.Module, packed: bool) -> float:
+def symmetric_offset(fq: nn.Module, packed: bool) -> float:
     """The zero point a symmetric scheme fixes (0 for signed integers, the middle of the
     range for unsigned ones), moved like the codes for packed nibbles; decided by the
     scheme, never by the values (every rank of a sharded weight stores alike)."""

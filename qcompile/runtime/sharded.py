@@ -97,7 +97,6 @@ class ShardedLinear(nn.Linear):
         backward."""
         from torch.distributed.tensor import DTensor, Partial, Shard
 
-        w = self.weight
         if style == "colwise":
             # every rank holds the whole input: its quantizer sees what one process sees;
             # the input's gradient is this rank's output features' part (summed by torch)
@@ -109,11 +108,15 @@ class ShardedLinear(nn.Linear):
         else:  # a range over the input features is reduced across tp (fake_quant_dtensor)
             xl = self.input_fake_quant(x, local=True) if self.quantize_input else x.to_local()
             bias, out = None, [Partial()]
-        wl = self.weight_fake_quant(w, local=True) if self.quantize_weight else w.to_local()
-        y = F.linear(xl, wl, bias)
-        shape = torch.Size((*x.shape[:-1], w.shape[0]))
-        return DTensor.from_local(y, w.device_mesh, out, run_check=False, shape=shape,
+        y = F.linear(xl, self._local_weight(), bias)
+        shape = torch.Size((*x.shape[:-1], self.out_features))
+        return DTensor.from_local(y, x.device_mesh, out, run_check=False, shape=shape,
                                   stride=_contiguous(shape))
+
+    def _local_weight(self) -> torch.Tensor:
+        """This rank's shard of the weight the matmul reads (fake-quantized)."""
+        w = self.weight
+        return self.weight_fake_quant(w, local=True) if self.quantize_weight else w.to_local()
 
 
 def _local_style(x: Any, w: Any, bias: Any) -> str | None:
@@ -173,6 +176,163 @@ class ShardedFrozenLinear(ShardedLinear):
             # autograd keeps the stored integers, not this float shard (as FrozenWeight)
             recompute.tag(w, fw.codes.to_local(), _dequantize_again, fw, self.shard_dim)
         return F.linear(x, w, self.bias)
+
+
+class ShardedStoredLinear(ShardedFrozenLinear):
+    """``qc.convert``'s form of a sharded layer: its weight is this rank's shard as its
+    quantizer's grid stores it (``weight_frozen``: integer codes with their scales, or a
+    block format's codes and block scales, sharded as the weight was: ``store_shard``),
+    dequantized at each forward into the shard the matmul reads: the values its
+    fake-quantizer gave, exactly. Its input quantizer, frozen, runs as in training (a
+    range over a rowwise shard's input features reduced across tp)."""
+
+    @classmethod
+    def store(cls, layer: ShardedLinear, fw: nn.Module) -> ShardedStoredLinear:
+        """``layer`` (a ``ShardedLinear`` as torch's style sharded and hooked it) with
+        ``fw`` (``store_shard(layer)``) for its weight: the same bias, quantizers and
+        hooks; the float weight and its quantizer are left out."""
+        holder = nn.Module()
+        holder.register_parameter("bias", layer.bias)
+        holder._modules.update((k, m) for k, m in layer._modules.items()
+                               if k != "weight_fake_quant")  # graph nodes may call them
+        holder.weight_frozen = fw
+        dim = 0 if layer.weight.placements[0].is_shard(0) else 1
+        out = cls.adopt(holder, dim=dim)
+        out.quantize_input = layer.quantize_input
+        for key, value in layer.__dict__.items():  # torch's style: its input / output hooks
+            if key.startswith("_forward") and isinstance(value, dict):
+                out.__dict__[key] = type(value)(value)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        style = _local_style(x, self.weight_frozen.codes, self.bias)
+        if style is not None:
+            return self._local_forward(x, style)
+        if self.quantize_input:
+            x = self.input_fake_quant(x)
+        return super().forward(x)
+
+    def _local_weight(self) -> torch.Tensor:
+        return local_frozen(self.weight_frozen, self.shard_dim).dequantize()
+
+
+def store_shard(layer: ShardedLinear, name: str = "") -> nn.Module:
+    """``store_dtensor`` of ``layer``'s weight with its (frozen) weight quantizer."""
+    return store_dtensor(layer.weight_fake_quant, layer.weight, name)
+
+
+@torch.no_grad()
+def store_dtensor(fq: nn.Module, w: Any, name: str = "") -> nn.Module:
+    """A ``FrozenWeight`` holding the ``[out, in]`` weight ``w`` (a DTensor: this rank's
+    rows or columns) as its frozen quantizer ``fq`` stores it, each tensor a DTensor
+    sharded as the weight is: by rows (``Shard(0)``: codes and per-row scales), or by
+    columns (``Shard(1)``: codes and per-group or per-block scales); one value for many
+    rows or columns (a per-tensor scale, per-channel scales of column shards, NVFP4's
+    tensor scale) whole on every rank. Each rank encodes its own shard with the qparams
+    its fake-quant uses (``_local_rows``); NVFP4's tensor scale is the whole weight's (one
+    all-reduce)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from qcompile.runtime.block_formats import nvfp4_tensor_scale
+    from qcompile.runtime.frozen import FrozenWeight, frozen_layout, symmetric_offset
+
+    x, d = _placement(w)
+    local = x.to_local().detach()
+    why = frozen_layout(fq, tuple(x.shape))
+    if why is not None or d is None:
+        raise QCompileError(f"convert: the sharded weight {name!r} cannot be stored as "
+                            f"{why or 'a weight every rank holds whole'}",
+                            fix=f"plan it replicate (tensor_parallel.plan: {{{name!r}: "
+                            "replicate}), or gather the state and convert one process's "
+                            "graph")
+    tensor_scale = None
+    if fq.block_format == "nvfp4":
+        a = local.abs().amax().float().reshape(1)
+        tensor_scale = nvfp4_tensor_scale(_extremes(-a, a, x.device_mesh)[1])
+    qparams = {} if fq.block_format is not None else {
+        "scale": _local_rows(fq, fq.scale, x, d),
+        "zero_point": _local_rows(fq, fq.zero_point, x, d)}
+    storage, packed = FrozenWeight.encode(fq, local, tensor_scale=tensor_scale, **qparams)
+    by_block = fq.block_format is not None or fq.granularity == "per_group"
+    sharded = {}
+    for leaf, t in storage.items():
+        split = leaf == "codes" or (leaf != "tensor_scale" and (
+            by_block or (d == 0 and fq.granularity == "per_channel")))
+        sharded[leaf] = DTensor.from_local(t, x.device_mesh,
+                                           [Shard(d) if split else Replicate()],
+                                           run_check=False)
+    return FrozenWeight(sharded, shape=tuple(x.shape), dtype=local.dtype,
+                        fmt=fq.block_format, block=fq.group_size, packed=packed,
+                        offset=symmetric_offset(fq, packed))
+
+
+class StoredRows(nn.Module):
+    """A weight stored by rows on the tp mesh (``weight_frozen``: ``store_dtensor`` of a
+    ``Shard(0)`` weight, a mixture's experts as rows), called for the weight: this rank's
+    rows dequantized, as the ``Shard(0)`` DTensor the graph's fake-quantizer returned."""
+
+    def __init__(self, fw: nn.Module) -> None:
+        super().__init__()
+        self.weight_frozen = fw
+
+    def forward(self) -> Any:
+        from torch.distributed.tensor import DTensor, Shard
+
+        fw = self.weight_frozen
+        return DTensor.from_local(local_frozen(fw, 0).dequantize(), fw.codes.device_mesh,
+                                  [Shard(0)], run_check=False,
+                                  shape=torch.Size((fw.rows, fw.cols)), stride=(fw.cols, 1))
+
+
+def sharded_weights(gm: nn.Module) -> list[tuple[nn.Module, Any]]:
+    """(weight quantizer, weight) of every ``ShardedLinear`` in ``gm`` that quantizes its
+    weight, in module order (every rank's order: ``observe_shard`` communicates)."""
+    return [(m.weight_fake_quant, m.weight) for m in gm.modules()
+            if isinstance(m, ShardedLinear) and not isinstance(m, ShardedFrozenLinear)
+            and m.quantize_weight]
+
+
+@torch.no_grad()
+def observe_shard(fq: nn.Module, w: Any) -> None:
+    """``fq`` observes the whole weight ``w`` is a shard of (one reduction or gather across
+    tp; a colwise quantizer keeping its rows, its rows' own statistics)."""
+    if not hasattr(w, "placements"):
+        fq.observe_tensor(w.detach())
+        return
+    x, d = _placement(w)
+    fq.observe_range(*_global_minmax(fq, x, x.to_local(), d))
+
+
+def fsdp_units(gm: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules ``fully_shard`` grouped in ``gm``, innermost first, the root last."""
+    return sorted(((n, m) for n, m in gm.named_modules()
+                   if any(c.__name__ == "FSDPModule" for c in type(m).__mro__)),
+                  key=lambda nm: -nm[0].count(".") if nm[0] else 1)
+
+
+def observe_whole_weights(gm: nn.Module, pairs: Any) -> None:
+    """Every weight quantizer ``pairs(module)`` lists ((quantizer, weight) read now)
+    observes its whole weight once (``observe_shard``): under FSDP2 each ``fully_shard``
+    unit's, innermost first, while that unit is gathered over dp (its weights then hold
+    their tensor-parallel shards only). Collective: every rank calls it."""
+    units = fsdp_units(gm)
+    done: set[int] = set()
+
+    def observe(owner: nn.Module) -> None:
+        for fq, w in pairs(owner):
+            if id(fq) not in done and not (hasattr(w, "placements")
+                                           and len(w.placements) > 1):
+                observe_shard(fq, w)
+                done.add(id(fq))
+
+    if not units:
+        observe(gm)
+    for _, unit in units:
+        unit.unshard()
+        try:
+            observe(unit)
+        finally:
+            unit.reshard()
 
 
 def _dequantize_again(codes: torch.Tensor, fw: nn.Module, dim: int) -> torch.Tensor:
