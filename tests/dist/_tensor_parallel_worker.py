@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -227,17 +229,143 @@ def case_ddp_refused() -> dict[str, Any]:
     return error_of(lambda: qc.distributed.wrap(gm, spec))
 
 
-def case_convert_refused() -> dict[str, Any]:
-    """qc.convert and qc.export_onnx of the sharded graph: refused with the gather recipe
-    (no rank holds a layer whole)."""
+def case_onnx_refused() -> dict[str, Any]:
+    """qc.export_onnx of a sharded graph: refused with the gather recipe."""
     spec = spec_of("int8-qat", dist.get_world_size() // TP)
-    gm = qc.qcompile(llama(), spec, example_kwargs={"input_ids": torch.zeros(
-        ROWS, SEQ, dtype=torch.long)})
-    model = qc.distributed.wrap(gm, spec)
     ids = torch.zeros(ROWS, SEQ, dtype=torch.long)
-    return {"convert": error_of(lambda: qc.convert(model)),
-            "onnx": error_of(lambda: qc.export_onnx(
-                model, "never-written.onnx", example_kwargs={"input_ids": ids}))}
+    model = qc.distributed.wrap(qc.qcompile(llama(), spec, example_kwargs={"input_ids": ids}),
+                                spec)
+    return {"onnx": error_of(lambda: qc.export_onnx(
+        model, "never-written.onnx", example_kwargs={"input_ids": ids}))}
+
+
+CONVERT_STEPS = 3
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", out)
+
+
+def converted(preset: str, plan: Any = "auto", build: Any = llama) -> dict[str, Any]:
+    """Three QAT steps on the ranks, ``qc.freeze``, then ``qc.convert`` on every rank.
+    Against the trained graph (its outputs), and against one process's graph loaded with
+    the ranks' full state: each sharded layer's stored shards, gathered, dequantize to one
+    process's fake-quantized weight; the converted outputs equal one process's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from qcompile.runtime.frozen import FrozenWeight
+    from qcompile.runtime.sharded import ShardedStoredLinear, StoredRows
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = world // TP
+    spec = spec_of(preset, dp, plan)
+    batch = lm_batch(ROWS * dp)
+    mine = {k: v[(rank // TP) * ROWS:(rank // TP + 1) * ROWS] for k, v in batch.items()}
+    model = qc.distributed.wrap(qc.qcompile(build(), spec, example_kwargs=mine), spec)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(CONVERT_STEPS):
+        lm_loss(model(**mine), mine).backward()
+        opt.step()
+        opt.zero_grad()
+    qc.freeze(model).eval()
+    with torch.no_grad():
+        trained = logits_of(model(**mine))
+    out = qc.convert(model, (mine["input_ids"],))
+    with torch.no_grad():
+        got = logits_of(out(**mine))
+    # one process: the ranks' whole state (sharded weights and colwise qparams gathered)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    one = {**spec.model_dump(), "tensor_parallel": None, "data_parallel": {"kind": "none"}}
+    ref = qc.qcompile(build(), qc.specs.as_spec(one), example_kwargs=mine)
+    ref.load_state_dict(full)
+    qc.freeze(ref).eval()
+    with torch.no_grad():
+        ref_logits = logits_of(ref(**mine))
+    weights, stored, local, whole_bytes = {}, {}, 0, 0
+    for name, layer in out.named_modules():
+        if not isinstance(layer, (ShardedStoredLinear, StoredRows)):
+            continue
+        fw = layer.weight_frozen
+        parts = {k: t.full_tensor() for k, t in fw.named_parameters()}
+        local += sum(t.to_local().numel() * t.element_size() for t in fw.parameters())
+        whole_bytes += sum(t.numel() * t.element_size() for t in parts.values())
+        whole = FrozenWeight(parts, shape=(fw.rows, fw.cols), dtype=fw.out_dtype, fmt=fw.fmt,
+                             block=fw.block, packed=fw.packed, offset=fw.offset)
+        at = re.sub(r"^stage_\d+\.", "", name)  # (under FSDP2 the graph is in blocks)
+        if isinstance(layer, StoredRows):  # a mixture's experts, as rows
+            at = at.removesuffix("_stored")
+            w = ref.get_parameter(at).reshape(fw.rows, fw.cols)
+            quantizer, style = f"{at}_fake_quant", "rows"
+        else:
+            w = ref.get_parameter(f"{at}.weight")
+            quantizer = f"{at}.weight_fake_quant"
+            style = "colwise" if fw.codes.placements[-1].is_shard(0) else "rowwise"
+        with torch.no_grad():
+            expect = ref.get_submodule(quantizer)(w)
+        weights[at] = float((whole.dequantize() - expect).abs().max() / expect.abs().max())
+        stored[at] = style
+    reloaded = reload_stored(out, mine, got)
+    rep = qc.report(out)
+    scale = float(trained.abs().max())
+    return {"plan": {r.layer: r.style for r in qc.report(model).tensor_parallel},
+            "stored": stored, "weights": weights, "reloaded": reloaded,
+            "vs_trained": float((got - trained).abs().max()) / scale,
+            "vs_one_process": float((got - ref_logits).abs().max()) / scale,
+            "max_deviation": rep.max_deviation.get("output0"),
+            "records": sorted({r.op for r in rep.conversions if "shard" in r.op}),
+            "local_bytes": local, "whole_bytes": whole_bytes,
+            "float_bytes": sum(p.numel() * p.element_size() for n, p in ref.named_parameters()
+                               if n in stored or n.rpartition(".")[0] in stored)}
+
+
+def reload_stored(out: Any, batch: dict[str, torch.Tensor], want: torch.Tensor) -> bool:
+    """The converted graph saved with torch.distributed.checkpoint (each rank its shards),
+    its stored codes wiped, then loaded back: it computes ``want`` again."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    folder = [tempfile.mkdtemp(prefix="qc-tp-convert-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder)
+    dcp.save(out.state_dict(), checkpoint_id=folder[0])
+    with torch.no_grad():
+        for name, p in out.named_parameters():
+            if name.endswith("weight_frozen.codes"):
+                p.to_local().zero_()
+    state = out.state_dict()
+    dcp.load(state, checkpoint_id=folder[0])
+    out.load_state_dict(state)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder[0])
+    with torch.no_grad():
+        return bool(torch.equal(logits_of(out(**batch)), want))
+
+
+def case_convert_int8_qat() -> dict[str, Any]:
+    return converted("int8-qat")
+
+
+def case_convert_8da4w_qat() -> dict[str, Any]:
+    return converted("8da4w-qat")
+
+
+def case_convert_nvfp4_qat() -> dict[str, Any]:
+    return converted("nvfp4-qat")
+
+
+def case_convert_mixtral_int8_qat() -> dict[str, Any]:
+    """A mixture sharded by expert: each rank stores its experts' rows."""
+    return converted("int8-qat", build=mixtral)
+
+
+def case_convert_mixtral_8da4w_qat() -> dict[str, Any]:
+    return converted("8da4w-qat", build=mixtral)
+
+
+def case_convert_sequence() -> dict[str, Any]:
+    """Under sequence parallelism: the identities that gather each rank's tokens stay."""
+    return converted("8da4w-qat", SEQUENCE_PLAN)
 
 
 BLOCKS = [{"modules": ["model.embed_tokens", "model.rotary_emb", "model.layers.0",
@@ -278,7 +406,9 @@ def pipelined(preset: str, build: Any = llama) -> dict[str, Any]:
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest(mine))
     rank = dist.get_rank()
-    return {"losses": losses, "ref_losses": ref_losses if losses else [],
+    return {"convert": error_of(lambda: qc.convert(gm)),
+            "convert_stage": error_of(lambda: qc.convert(stage.submod)),
+            "losses": losses, "ref_losses": ref_losses if losses else [],
             "trained": differences(mine, {k: whole[k] for k in mine}),
             "tp_equal": digests[rank] == digests[rank ^ 1],  # the other tp rank of my stage
             "local": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()

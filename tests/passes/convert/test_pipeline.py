@@ -200,3 +200,19 @@ def test_compile_and_convert_dumps_share_a_folder(tmp_path) -> None:
     assert [n.split("_", 1)[1] for n in numbered] == [
         *(f"{p}.txt" for p in COMPILE), *(f"convert.{s}.txt" for s in STEPS)]
     assert [int(n.split("_", 1)[0]) for n in numbered] == list(range(1, len(numbered) + 1))
+
+
+def test_sink_dequantize_keeps_an_identity_with_hooks() -> None:
+    """An ``nn.Identity`` is dropped at inference, unless hooks make it something else
+    (torch's tensor-parallel styles gather or scatter tokens through hooked identities)."""
+    m = nn.Sequential(nn.Linear(8, 8), nn.Identity(), nn.Linear(8, 4), nn.Identity())
+    x = torch.randn(2, 8)
+    gm = qc.qcompile(m, "w8-weight-only", example_inputs=(x,))
+    gm.get_submodule("1").register_forward_hook(lambda mod, args, out: out * 2)
+    with torch.no_grad():
+        want = gm(x)
+    out = convert(gm)
+    step = next(p for p in qc.report(out).passes if p.name == "convert.sink_dequantize")
+    assert step.removed == ["_3"], step.removed  # the plain identity only
+    with torch.no_grad():
+        torch.testing.assert_close(out(x), want, rtol=0, atol=1e-6)
