@@ -18,6 +18,12 @@ norms and the residual stream run on each rank's tokens:
 
     torchrun --standalone --nproc_per_node=2 examples/tp_train.py --sequence
 
+Then integer weights for inference: ``qc.freeze`` and ``qc.convert`` on every rank, each
+storing its own shards in the grid's integers (int4 codes with their group scales here):
+
+    torchrun --standalone --nproc_per_node=4 examples/tp_train.py --convert          # dp 2 x tp 2
+    torchrun --standalone --nproc_per_node=2 examples/tp_train.py --moe --convert    # experts too
+
 Across two nodes, tp inside each node and dp across them (run the same command on both,
 ``--node_rank`` 0 and 1, the rendezvous on the first node's address):
 
@@ -78,6 +84,8 @@ def main() -> None:
                         help="a Mixtral-style mixture of experts (experts sharded by expert)")
     parser.add_argument("--sequence", action="store_true",
                         help="the norms on each rank's tokens (sequence parallelism)")
+    parser.add_argument("--convert", action="store_true",
+                        help="then qc.convert on every rank: each stores its shards")
     args = parser.parse_args()
     if args.sequence and args.moe:
         parser.error("--sequence shards a dense model's norms; a mixture's router reads "
@@ -141,7 +149,30 @@ def main() -> None:
     dist.all_gather_object(digests, h.hexdigest())
     if rank == 0:
         print(f"identical on every rank: {len(set(digests)) == 1}")
+    if args.convert:
+        convert(model, mine, rank)
     dist.destroy_process_group()
+
+
+def convert(model: torch.nn.Module, ids: torch.Tensor, rank: int) -> None:
+    """Integer storage of each rank's shards (every rank calls it), and what it computes
+    against the trained graph's logits."""
+    from qcompile.runtime.sharded import ShardedStoredLinear, StoredRows
+
+    qc.freeze(model).eval()  # the weight quantizers take the trained weights' ranges
+    stored_graph = qc.convert(model, (ids,))  # each rank stores its shards
+    stored = [m.weight_frozen for m in stored_graph.modules()  # Linears; experts by rows
+              if isinstance(m, (ShardedStoredLinear, StoredRows))]
+    held = sum(t.to_local().numel() * t.element_size() for fw in stored
+               for t in fw.parameters())
+    floats = sum(fw.rows * fw.cols * 4 for fw in stored)
+    with torch.no_grad():
+        got, want = stored_graph(input_ids=ids).logits, model(input_ids=ids).logits
+    if rank == 0:
+        print(f"converted: {len(stored)} sharded weights stored, rank 0 holds "
+              f"{held / 1024:.0f} KiB of them ({held / floats:.1%} of the whole "
+              f"float32 weights); logits within {float((got - want).abs().max()):.1e} of "
+              f"the trained graph's (largest {float(want.abs().max()):.2f})")
 
 
 if __name__ == "__main__":
