@@ -110,7 +110,8 @@ def on_tp_mesh(gm: nn.Module) -> bool:
 
 def tp_refusal(gm: nn.Module) -> str | None:
     """Why ``qc.convert`` cannot store a tensor-parallel graph's shards rank by rank, or
-    None (a graph ``qc.distributed.wrap`` sharded on a 1-D tp mesh)."""
+    None (a graph ``qc.distributed.wrap`` sharded on the tp mesh, under FSDP2 over dp too,
+    not placed in pipeline stages)."""
     from torch.distributed.tensor import Shard
 
     from qcompile.graph.meta import TP_SHARDED_KEY, TP_STAGE_KEY
