@@ -27,7 +27,6 @@ from qcompile.distributed.agree import (
 )
 from qcompile.distributed.convert import (
     data_parallel_layout,
-    on_tp_mesh,
     shard_converted,
     shard_over_dp,
     store_sharded_layers,
@@ -75,7 +74,7 @@ from qcompile.runtime.calibration import (
 )
 from qcompile.runtime.calibration import freeze as freeze_observers
 from qcompile.runtime.fake_quant import FakeQuantize
-from qcompile.runtime.sharded import fsdp_units
+from qcompile.runtime.sharded import fsdp_units, on_tp_mesh
 
 __all__ = ["Report", "calibrate", "convert", "freeze", "quantizers", "report",
            "weight_quantizers"]

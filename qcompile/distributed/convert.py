@@ -24,8 +24,8 @@ from torch import nn
 
 from qcompile.runtime.quantized import IntWeight
 
-__all__ = ["data_parallel_layout", "global_rows", "on_tp_mesh", "shard_converted",
-           "shard_over_dp", "store_sharded_layers", "tp_refusal"]
+__all__ = ["data_parallel_layout", "global_rows", "shard_converted", "shard_over_dp",
+           "store_sharded_layers", "tp_refusal"]
 
 
 def global_rows(per_rank: list[list[int]]) -> list[int]:
@@ -101,13 +101,6 @@ def shard_converted(out: nn.Module, mesh: Any, units: list[str], rank: int,
 
 
 # -- tensor parallelism: each rank stores its shards --------------------------------------
-def on_tp_mesh(gm: nn.Module) -> bool:
-    """Whether a parameter of ``gm`` is laid out on a mesh with a ``tp`` dim (torch's
-    tensor-parallel styles sharded it: ``qc.distributed.mesh`` names the dims)."""
-    return any("tp" in (getattr(p.device_mesh, "mesh_dim_names", None) or ())
-               for p in gm.parameters() if hasattr(p, "device_mesh"))
-
-
 def tp_refusal(gm: nn.Module) -> str | None:
     """Why ``qc.convert`` cannot store a tensor-parallel graph's shards rank by rank, or
     None (a graph ``qc.distributed.wrap`` sharded on the tp mesh, under FSDP2 over dp too,

@@ -26,7 +26,6 @@ from torch import nn
 from torch.fx import GraphModule
 
 from qcompile.errors import QCompileError
-from qcompile.graph.meta import TP_SHARDED_KEY
 from qcompile.runtime import kernels, sharded
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.runtime.observers import MovingAverageObserver
@@ -80,7 +79,7 @@ def freeze(gm: nn.Module) -> nn.Module:
     current weights' ranges, as their next forward would: after the last optimizer step
     the weights have moved since they were last observed (torch.ao's convert likewise
     observes the final weights)."""
-    if getattr(gm, "meta", {}).get(TP_SHARDED_KEY):
+    if sharded.on_tp_mesh(gm):
         # tensor parallel: each weight's whole range from the shards (a reduction across
         # tp; every rank freezes), under FSDP2 each block's while it is gathered over dp
         sharded.observe_whole_weights(gm, lambda m: [

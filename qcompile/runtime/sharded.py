@@ -303,6 +303,13 @@ def observe_shard(fq: nn.Module, w: Any) -> None:
     fq.observe_range(*_global_minmax(fq, x, x.to_local(), d))
 
 
+def on_tp_mesh(gm: nn.Module) -> bool:
+    """Whether a parameter of ``gm`` is laid out on a mesh with a ``tp`` dim (torch's
+    tensor-parallel styles sharded it: ``qc.distributed.mesh`` names the dims)."""
+    return any("tp" in (getattr(p.device_mesh, "mesh_dim_names", None) or ())
+               for p in gm.parameters() if hasattr(p, "device_mesh"))
+
+
 def fsdp_units(gm: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules ``fully_shard`` grouped in ``gm``, innermost first, the root last."""
     return sorted(((n, m) for n, m in gm.named_modules()
