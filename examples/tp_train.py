@@ -24,6 +24,14 @@ storing its own shards in the grid's integers (int4 codes with their group scale
     torchrun --standalone --nproc_per_node=4 examples/tp_train.py --convert          # dp 2 x tp 2
     torchrun --standalone --nproc_per_node=2 examples/tp_train.py --moe --convert    # experts too
 
+Two pipeline stages, each sharded across its tp ranks (pp 2 x tp 2), trained with GPipe;
+then every rank saves a Hugging Face checkpoint of the graph (each stage's trained state
+reaches rank 0, which writes it) and rank 0 loads it with transformers:
+
+    torchrun --standalone --nproc_per_node=4 examples/tp_train.py --pipeline         # pp 2 x tp 2
+    torchrun --standalone --nproc_per_node=4 examples/tp_train.py --pipeline --moe \
+        --preset w8-weight-only   # (8da4w's router input has no compressed-tensors scheme)
+
 Across two nodes, tp inside each node and dp across them (run the same command on both,
 ``--node_rank`` 0 and 1, the rendezvous on the first node's address):
 
@@ -62,15 +70,29 @@ SEQUENCE_PLAN = {"*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colw
                  "*.post_attention_layernorm": "sequence", "model.norm": "sequence"}
 
 
-def build(moe: bool = False) -> torch.nn.Module:
+# two pipeline stages of whole blocks (a stage boundary never cuts a sharded block)
+STAGES = [{"modules": ["model.embed_tokens", "model.rotary_emb", "model.layers.0",
+                       "model.layers.0.*"]},
+          {"modules": ["model.layers.1", "model.layers.1.*", "model.norm", "lm_head"]}]
+
+
+def config_of(moe: bool = False) -> transformers.PretrainedConfig:
     common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   use_cache=False, tie_word_embeddings=False)
-    torch.manual_seed(0)
     if moe:
-        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
-            **common, num_local_experts=4, num_experts_per_tok=2))
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+        return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    return transformers.LlamaConfig(**common)
+
+
+def build(moe: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config_of(moe))
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(),
+                                             ids[:, 1:].reshape(-1))
 
 
 def main() -> None:
@@ -86,13 +108,24 @@ def main() -> None:
                         help="the norms on each rank's tokens (sequence parallelism)")
     parser.add_argument("--convert", action="store_true",
                         help="then qc.convert on every rank: each stores its shards")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="two pipeline stages across --tp ranks each, then a checkpoint")
     args = parser.parse_args()
     if args.sequence and args.moe:
         parser.error("--sequence shards a dense model's norms; a mixture's router reads "
                      "every token")
+    if args.pipeline and (args.once or args.sequence or args.convert):
+        parser.error("--pipeline trains and saves a checkpoint; it takes --tp, --preset, "
+                     "--steps and --moe")
     make = functools.partial(build, args.moe)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.pipeline:
+        saved = pipelined(args, make, rank, world)
+        dist.destroy_process_group()  # (compressed-tensors' loader would use the group)
+        if rank == 0:
+            load_saved(*saved)
+        return
     dp = world // args.tp
 
     spec = qc.load_spec(args.preset).model_dump()
@@ -152,6 +185,54 @@ def main() -> None:
     if args.convert:
         convert(model, mine, rank)
     dist.destroy_process_group()
+
+
+def pipelined(args: argparse.Namespace, make: functools.partial, rank: int, world: int
+              ) -> tuple[str, torch.Tensor, float]:
+    """pp 2 x tp: each stage sharded across its tp ranks, GPipe with two micro-batches;
+    then every rank saves the graph as a Hugging Face checkpoint (rank 0 writes it).
+    Returns the checkpoint's folder, the batch and the trained pipeline's loss on it."""
+    if world != 2 * args.tp:
+        raise SystemExit(f"--pipeline runs 2 stages x tp {args.tp}: launch {2 * args.tp} "
+                         "processes")
+    spec = qc.load_spec(args.preset).model_dump()
+    spec["tensor_parallel"] = {"size": args.tp}
+    spec["pipeline"] = {"stages": STAGES, "microbatches": 2, "schedule": "gpipe"}
+    ids = torch.randint(0, VOCAB, (2 * ROWS, SEQ), generator=torch.Generator().manual_seed(1))
+    gm = qc.qcompile(make(), spec, example_kwargs={"input_ids": ids[:ROWS]})  # a micro-batch
+    stage, schedule = qc.distributed.pipeline(
+        gm, spec, loss_fn=lambda out, target: lm_loss(getattr(out, "logits", out), target))
+    opt = torch.optim.AdamW(stage.submod.parameters(), lr=3e-3)
+    last = world - args.tp  # the last stage's first rank: it computes the loss
+    for step in range(args.steps + 1):
+        losses: list[torch.Tensor] = []
+        schedule.step(input_ids=ids, target=ids, losses=losses)
+        if step == args.steps:  # the trained model's loss on the batch: no update
+            break
+        opt.step()
+        opt.zero_grad()
+        if rank == last and (step % 5 == 0 or step == args.steps - 1):
+            print(f"step {step}: loss {sum(float(v.detach()) for v in losses) / len(losses):.4f}",
+                  flush=True)
+    trained = [sum(float(v.detach()) for v in losses) / len(losses) if rank == last else None]
+    dist.broadcast_object_list(trained, src=last)
+    folder = [tempfile.mkdtemp(prefix="qc-pp-") if rank == 0 else None]
+    dist.broadcast_object_list(folder)  # one machine here; a shared folder across nodes
+    target = os.path.join(folder[0], "checkpoint")
+    # every rank: each stage's trained state reaches rank 0, which writes the checkpoint
+    qc.save_pretrained(gm, target, config=config_of(args.moe))
+    return target, ids, trained[0]
+
+
+def load_saved(target: str, ids: torch.Tensor, trained: float) -> None:
+    """The checkpoint loaded with transformers, its loss on the batch against the trained
+    pipeline's."""
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(target)
+    with torch.no_grad():
+        loss = float(lm_loss(loaded(input_ids=ids).logits, ids))
+    print(f"saved {', '.join(sorted(os.listdir(target)))}; transformers' loss on the batch "
+          f"{loss:.4f}, the trained pipeline's {trained:.4f}")
+    shutil.rmtree(os.path.dirname(target))
 
 
 def convert(model: torch.nn.Module, ids: torch.Tensor, rank: int) -> None:

@@ -31,11 +31,12 @@ weight scheme no GGUF type holds (int8 per channel, int4 groups, nvfp4, mxfp4, n
 the fix names the ``gguf-*`` preset of the same width); an activation quantizer other
 than the blocks llama.cpp's CPU matmul makes of a layer's input on the fly (``q8_0`` for
 ``q4_0`` / ``q4_1`` / ``q8_0`` weights, ``q8_k`` for the K types); an architecture other
-than ``llama``, ``mistral``, ``mixtral``, ``qwen2`` and ``qwen2_moe``; pipeline stages,
-weights sharded other than by ``qc.distributed.wrap`` / ``compile_once`` or on the meta
-device; unmerged LoRA adapters; a path that exists.
-The file is written atomically (``qcompile.files.atomic_path``); the graph is never
-modified.
+than ``llama``, ``mistral``, ``mixtral``, ``qwen2`` and ``qwen2_moe``; one pipeline
+stage's graph on its own, weights sharded other than by ``qc.distributed.wrap`` /
+``compile_once`` / ``qc.distributed.pipeline`` or on the meta device; unmerged LoRA
+adapters; a path that exists. The file is written atomically
+(``qcompile.files.atomic_path``); the graph is never modified (but for the stage copies
+of a pipeline, below).
 
 A graph ``qc.distributed.wrap`` (or ``compile_once``) sharded for tensor parallelism, FSDP2
 or both is exported by every rank together (FSDP2's blocks, a child graph each, read as
@@ -45,6 +46,13 @@ tokenizer's kind; a call made on some ranks only or with other arguments is one
 gathered whole (``full_tensor()``) when its turn comes, one at a time, and goes through
 what one process's export does with it; rank 0 writes the file (the same bytes as one
 process exporting the unsharded graph), the other ranks return its path.
+
+A graph placed in pipeline stages is read as one graph. Under ``qc.distributed.pipeline``
+(pp, pp x dp, pp x tp), where each rank trained its own stage and holds untrained copies
+of the others, every rank calls the export: after the agreement each stage's trained
+state goes from the rank that trained it to the others' copies, one tensor at a time
+(``whole_graph.share_stages``), and the pipeline's lowest rank writes what one process
+would write for the trained model.
 
 The vocabulary comes from ``tokenizer`` (a transformers tokenizer) as the converter
 reads it: a byte-level BPE as model ``gpt2`` with its merges, a SentencePiece-style BPE
@@ -94,6 +102,7 @@ from qcompile.deploy.whole_graph import (
     gathered,
     is_sharded,
     sharded_linear,
+    share_stages,
     view_paths,
     weight_reads,
     whole_graph,
@@ -807,14 +816,15 @@ def export_gguf(gm: nn.Module, path: str | Path, *, config: Any = None,
     (without one: a plain vocabulary of ``vocab_size`` tokens). See the module for what is
     written and what is refused; everything is checked before the file is created. A graph
     sharded by tensor parallelism is exported by every rank together (each weight
-    gathered in turn); rank 0 writes the file, the other ranks return its path."""
+    gathered in turn), as is one whose stages ``qc.distributed.pipeline`` spread over
+    ranks; rank 0 writes the file, the other ranks return its path."""
     _require_gguf()
     graph = whole_graph(gm, WHERE, holds="a GGUF file", preset="gguf-q4_0-qat",
                         verb="export")
     writes = writes_here(graph)
     if not is_sharded(graph):
         target = _target(path)
-    else:  # every rank exports a tensor-parallel graph together; rank 0 writes
+    else:  # every rank exports a sharded or pipelined graph together; rank 0 writes
         target, refusal = Path(path), None
         try:
             if writes:
@@ -824,6 +834,7 @@ def export_gguf(gm: nn.Module, path: str | Path, *, config: Any = None,
         agree_to_gather(graph, WHERE, {
             "path": str(path), "config": config_fingerprint(config),
             "tokenizer": None if tokenizer is None else type(tokenizer).__name__}, refusal)
+        share_stages(gm)
     hp = _hparams(config)
     _check_family(hp)
     family = FAMILIES[hp["model_type"]]

@@ -72,11 +72,12 @@ each tensor with formulas compressed-tensors does not share); static activations
 calibrated; what transformers' loader would not load right (fused experts float next to
 compressed layers, or other than symmetric integers without int8 inputs or fp8;
 asymmetric packed weights next to another scheme); unmerged
-LoRA adapters (``qc.merge_adapters`` first); pending algorithms; pipeline stages;
-weights sharded other than by ``qc.distributed.wrap`` / ``compile_once`` or on the meta
-device; a config that does not describe the graph; an output
-path that is a file or a non-empty directory. The directory is written atomically (a
-private temporary folder beside it, renamed into place); the graph is never modified.
+LoRA adapters (``qc.merge_adapters`` first); pending algorithms; one pipeline stage's
+graph on its own; weights sharded other than by ``qc.distributed.wrap`` /
+``compile_once`` / ``qc.distributed.pipeline`` or on the meta device; a config that does
+not describe the graph; an output path that is a file or a non-empty directory. The
+directory is written atomically (a private temporary folder beside it, renamed into
+place); the graph is never modified (but for the stage copies of a pipeline, below).
 
 A graph ``qc.distributed.wrap`` (or ``compile_once``) sharded for tensor parallelism, FSDP2
 or both is saved by every rank together (FSDP2's blocks, a child graph each, read as one
@@ -86,6 +87,12 @@ before any collective), then each sharded weight is gathered whole (``full_tenso
 when its layer's turn comes, one layer at a time, and compressed as one process would;
 rank 0 writes the directory (the same files as one process saving the unsharded graph),
 the other ranks return its path.
+
+A graph placed in pipeline stages is read as one graph. Under ``qc.distributed.pipeline``
+(pp, pp x dp, pp x tp), every rank saves it together: after the agreement each stage's
+trained state goes from the rank that trained it to the other ranks' (untrained) copies
+of that stage, one tensor at a time (``whole_graph.share_stages``), and the pipeline's
+lowest rank writes what one process would write for the trained model.
 
 Example:
     >>> import json, os, tempfile, torch, transformers, qcompile as qc
@@ -128,6 +135,7 @@ from qcompile.deploy.whole_graph import (
     gathered,
     is_sharded,
     sharded_linear,
+    share_stages,
     view_paths,
     weight_reads,
     weight_sites,
@@ -938,14 +946,14 @@ def save_pretrained(gm: nn.Module, directory: str | os.PathLike[str], *,
     transformers config (or its ``to_dict()``). See the module for what each scheme
     becomes and what is refused; everything is checked before anything is written. A
     graph sharded by tensor parallelism is saved by every rank together (each layer's
-    weight gathered in turn); rank 0 writes the directory, the other ranks return its
-    path."""
+    weight gathered in turn), as is one whose stages ``qc.distributed.pipeline`` spread
+    over ranks; rank 0 writes the directory, the other ranks return its path."""
     _require()
     graph = _graph(gm)
     writes = writes_here(graph)
     if not is_sharded(graph):
         target = _checked(graph, directory, writes=True)
-    else:  # every rank saves a tensor-parallel graph together; rank 0 writes
+    else:  # every rank saves a sharded or pipelined graph together; rank 0 writes
         target, refusal = Path(directory), None
         try:
             target = _checked(graph, directory, writes=writes)
@@ -953,6 +961,7 @@ def save_pretrained(gm: nn.Module, directory: str | os.PathLike[str], *,
             refusal = e
         agree_to_gather(graph, WHERE, {"directory": os.fspath(directory),
                                        "config": config_fingerprint(config)}, refusal)
+        share_stages(gm)
     cfg = _config(config)
     skeleton = _skeleton(cfg, graph)
     plan = _plan(graph, skeleton, keep=writes)

@@ -14,6 +14,12 @@ one whole (``DTensor.full_tensor()``, a collective over tp, dp or both) when the
 reaches it, so every rank exports together (``agree_to_gather`` first, then the same reads
 in the same order) and rank 0 alone writes (``writes_here``).
 
+A graph split into pipeline stages (``stage_<i>`` children) is read as one graph too. When
+``qc.distributed.pipeline`` spread the stages over ranks, each rank trained its own and
+holds untrained copies of the others: ``share_stages`` (after ``agree_to_gather``) hands
+each stage's trained state from the rank that trained it to every rank, one tensor at a
+time, into those copies, and the lowest rank of the pipeline writes.
+
 Example:
     >>> import torch, qcompile as qc
     >>> from qcompile.deploy.whole_graph import weight_reads, whole_graph
@@ -26,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from collections.abc import Iterator, Mapping
@@ -43,6 +50,7 @@ from qcompile.graph.inline import inline_children
 from qcompile.graph.meta import (
     BLOCKS_KEY,
     COLLECTIVES_KEY,
+    PIPELINE_KEY,
     REPORT_KEY,
     STAGE_NAMES_KEY,
     TP_SHARDED_KEY,
@@ -51,9 +59,24 @@ from qcompile.runtime.calibration import ViewSteps, weight_quantizer_sites
 from qcompile.runtime.fake_quant import FakeQuantize
 from qcompile.runtime.sharded import ShardedEmbedding, ShardedLinear, SumGradients
 
-__all__ = ["VIEWS", "WeightRead", "agree_to_gather", "call_name", "config_fingerprint",
-           "describe_scheme", "gathered", "is_dtensor", "is_sharded", "sharded_linear",
-           "view_paths", "weight_reads", "weight_sites", "whole_graph", "writes_here"]
+__all__ = [
+    "VIEWS",
+    "WeightRead",
+    "agree_to_gather",
+    "call_name",
+    "config_fingerprint",
+    "describe_scheme",
+    "gathered",
+    "is_dtensor",
+    "is_sharded",
+    "sharded_linear",
+    "share_stages",
+    "view_paths",
+    "weight_reads",
+    "weight_sites",
+    "whole_graph",
+    "writes_here",
+]
 
 #: ops that only reshape or relabel a tensor (a weight read through them is still the weight)
 VIEWS = frozenset({"reshape", "view", "_unsafe_view", "t", "transpose", "permute",
@@ -64,11 +87,12 @@ def whole_graph(gm: nn.Module, where: str, *, holds: str, preset: str,
                 verb: str) -> GraphModule:
     """The compiled graph of ``gm`` (inside a DDP wrapper too), refused for ``where`` (the
     caller's name) where ``holds`` (what it writes: "a GGUF file") cannot hold what it
-    computes: a model qcompile did not compile (the fix names ``preset``), pipeline stages,
-    adapters, pending algorithms, sharded weights other than those of a graph
-    ``qc.distributed.wrap`` or ``compile_once`` sharded (its shards are gathered as they
-    are read), meta-device weights; ``verb`` is what
-    the fixes tell the user to do with the gathered model ("export")."""
+    computes: a model qcompile did not compile (the fix names ``preset``), one pipeline
+    stage's graph on its own, adapters, pending algorithms, sharded weights other than
+    those of a graph ``qc.distributed.wrap``, ``compile_once`` or ``qc.distributed.pipeline``
+    sharded (its shards are gathered as they are read), meta-device weights; ``verb`` is
+    what the fixes tell the user to do with the gathered model ("export"). Child graphs
+    (FSDP2's blocks, pipeline stages) are read as one graph."""
     inner = unwrap(gm)
     meta = getattr(inner, "meta", None)
     if not isinstance(inner, GraphModule) or not isinstance(meta, dict) or REPORT_KEY not in meta:
@@ -80,12 +104,12 @@ def whole_graph(gm: nn.Module, where: str, *, holds: str, preset: str,
         inner = inline_children(inner, blocks, order=list(inner.state_dict(keep_vars=True)))
     stages = [n for n, c in inner.named_children()
               if n.startswith("stage_") and isinstance(c, GraphModule)]
-    if stages or (meta.get(STAGE_NAMES_KEY) and not blocks):
-        raise QCompileError(f"{where}: the graph is split into pipeline stages "
-                            f"({', '.join(stages) or 'placed'}); {holds} holds one whole "
-                            "model", fix="compile the model without a pipeline section (same "
-                            f"spec otherwise), load the trained weights into it and {verb} "
-                            "that")
+    if stages and not blocks:  # pipeline stages: read as one graph, the model's order
+        inner = inline_children(inner, stages, order=list(meta.get(STAGE_NAMES_KEY) or ()))
+    elif meta.get(STAGE_NAMES_KEY) and not blocks:
+        raise QCompileError(f"{where}: the graph is one pipeline stage; {holds} holds one "
+                            "whole model", fix=f"{verb} the graph qc.qcompile returned (its "
+                            "stage_<i> children), on every rank of the pipeline")
     refuse_adapters(inner, f"qc.{where}")
     refuse_pending(inner, where)
     for name, t in (*inner.named_parameters(), *inner.named_buffers()):
@@ -111,12 +135,24 @@ def _gatherable(meta: Mapping[str, Any], t: torch.Tensor) -> bool:
     ``qc.distributed.wrap`` (or ``compile_once``) sharded, for tensor parallelism, FSDP2 or
     both, whose ranks agree on each call first (``agree_to_gather``). A graph sharded by
     hand (``fully_shard`` alone) has no such agreement: a rank missing a gather would hang."""
-    return bool(meta.get(TP_SHARDED_KEY)) or meta.get(COLLECTIVES_KEY) is not None
+    return (bool(meta.get(TP_SHARDED_KEY)) or meta.get(COLLECTIVES_KEY) is not None
+            or meta.get(PIPELINE_KEY) is not None)
+
+
+def _spread(gm: GraphModule) -> Any:
+    """The ``StagePlacement`` of a graph whose stages ``qc.distributed.pipeline`` spread
+    over several ranks (under an initialised process group), else None."""
+    placement = getattr(gm, "meta", {}).get(PIPELINE_KEY)
+    dist = sys.modules.get("torch.distributed")
+    if placement is None or dist is None or not dist.is_initialized():
+        return None
+    return placement if len({r for ranks in placement.owners for r in ranks}) > 1 else None
 
 
 def is_sharded(gm: GraphModule) -> bool:
-    """Whether ``gm`` holds sharded (DTensor) parameters: exporting it is a collective."""
-    return any(is_dtensor(p) for p in gm.parameters())
+    """Whether ``gm`` holds sharded (DTensor) parameters or stages other ranks trained:
+    exporting it is a collective."""
+    return _spread(gm) is not None or any(is_dtensor(p) for p in gm.parameters())
 
 
 def gathered(t: torch.Tensor) -> torch.Tensor:
@@ -137,7 +173,66 @@ def writes_here(gm: GraphModule) -> bool:
     if not is_sharded(gm):
         return True
     dist = sys.modules.get("torch.distributed")
-    return dist is None or not dist.is_initialized() or int(dist.get_rank()) == 0
+    if dist is None or not dist.is_initialized():
+        return True
+    placement = _spread(gm)
+    return int(dist.get_rank()) == (0 if placement is None else placement.writer)
+
+
+def share_stages(gm: nn.Module) -> None:
+    """For a graph whose stages ``qc.distributed.pipeline`` spread over ranks (a no-op for
+    any other): every rank's copy of each stage it did not train takes that stage's trained
+    state, tensor by tensor. For each stage in order, its lowest owner broadcasts each
+    state tensor over the pipeline's group (a tensor-parallel or FSDP2 shard first
+    gathered whole by the stage's owners, ``DTensor.full_tensor()``); the others copy it
+    into their own. Every rank then converts the same values, so a refusal is every
+    rank's. A rank's own stages are left as they are (the exporter gathers their shards as
+    it reads them); the copies it updates are ones no rank trains or runs there. Call it
+    on every rank, after ``agree_to_gather``: a collective."""
+    inner = unwrap(gm)
+    placement = _spread(inner)
+    if placement is None:
+        return
+    dist = sys.modules["torch.distributed"]
+    me = int(dist.get_rank())
+    # a tensor a stage of this rank holds too (a tied embedding) is this rank's trained one
+    trained = {id(t) for s, owners in enumerate(placement.owners) if me in owners
+               for t in inner.get_submodule(f"stage_{s}").state_dict(keep_vars=True).values()
+               if isinstance(t, torch.Tensor)}
+    for s, owners in enumerate(placement.owners):
+        stage = inner.get_submodule(f"stage_{s}")
+        mine = me in owners
+        src = placement.owner_of(s)
+        state = stage.state_dict(keep_vars=True)
+        # what the owner holds, once per stage: names, dtypes and whole shapes
+        listing = [[(k, str(v.dtype).removeprefix("torch."), tuple(v.shape))
+                    for k, v in state.items() if isinstance(v, torch.Tensor)]]
+        dist.broadcast_object_list(listing, src=src, group=placement.group)
+        extra = {}
+        for key, dtype, shape in listing[0]:
+            value = state.get(key) if mine else None
+            if mine and is_dtensor(value):
+                value = value.detach().full_tensor()  # the stage's owners, together
+            if me == src:
+                payload = value.detach().contiguous().reshape(-1).view(torch.uint8)
+            else:
+                count = math.prod(shape) * getattr(torch, dtype).itemsize
+                payload = torch.empty(count, dtype=torch.uint8)
+            dist.broadcast(payload, src=src, group=placement.group)
+            if mine:
+                continue
+            received = payload.view(getattr(torch, dtype)).reshape(shape)
+            target = state.get(key)
+            if id(target) in trained:
+                continue
+            if key.endswith("_extra_state") or not isinstance(target, torch.Tensor) or (
+                    target.shape != received.shape or target.dtype != received.dtype):
+                extra[key] = received  # loaded by the module (its own checks)
+                continue
+            with torch.no_grad():
+                target.copy_(received)
+        if extra:
+            stage.load_state_dict(extra, strict=False)
 
 
 def config_fingerprint(config: Any) -> Any:
@@ -163,9 +258,11 @@ def agree_to_gather(gm: GraphModule, where: str, fingerprint: Mapping[str, Any],
     refused it on its own (``refusal``: what this rank's local checks raised, such as rank
     0's check of the output path), else every rank raises, within seconds and before any
     collective: the refusing rank its own error, the others one naming it. The meetings go
-    through the group ``qc.distributed.wrap`` recorded (``meta[COLLECTIVES_KEY]``:
-    ``qcompile.distributed.agree``); a graph without one is not checked."""
-    check = gm.meta.get(COLLECTIVES_KEY)
+    through the group ``qc.distributed.pipeline`` recorded (``meta[PIPELINE_KEY]``: every
+    rank of the pipeline), else the one ``qc.distributed.wrap`` recorded
+    (``meta[COLLECTIVES_KEY]``: ``qcompile.distributed.agree``); a graph without either is
+    not checked."""
+    check = gm.meta.get(PIPELINE_KEY) or gm.meta.get(COLLECTIVES_KEY)
     if check is None:
         if refusal is not None:
             raise refusal

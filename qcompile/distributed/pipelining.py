@@ -26,7 +26,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from torch import nn
 
 from qcompile.distributed.agree import agree, collective_phase, digest, tensors_of
 from qcompile.errors import QCompileError
-from qcompile.graph.meta import TIED_KEY
+from qcompile.graph.meta import PIPELINE_KEY, TIED_KEY
 from qcompile.passes.partition import stage_devices
 from qcompile.specs import as_spec
 
@@ -155,6 +156,65 @@ class PipelineSchedule:
         if self.sync is not None:  # one fused collective per reduction kind per step
             self.last_sync = self.sync()
         return out
+
+
+def _forgotten() -> None:
+    return None
+
+
+@dataclass(frozen=True, eq=False)
+class StagePlacement:
+    """Where ``qc.distributed.pipeline`` put a graph's stages (``meta[PIPELINE_KEY]``):
+    ``owners[s]``, the global ranks that train stage ``s`` (its pp index; every dp and tp
+    index of it), and ``group``, the ranks that step together (the world with a mesh).
+    Every other stage a rank's graph holds is an untrained copy. ``check(what, gm,
+    fingerprint)`` has the group agree on a call over the pipeline, by the spec and graph
+    every rank had before its stage was sharded (tensor parallelism rewrites a rank's own
+    stage only): how an exporter (``qcompile.deploy``, which does not import this package)
+    checks before it brings the stages together. Copies of the graph share it; a pickled
+    graph forgets it (a process group does not pickle).
+
+    Example:
+        >>> placement = StagePlacement(None, ((0, 1), (2, 3)), {"graph": "..."})
+        >>> placement.owner_of(1), placement.writer
+        (2, 0)
+    """
+
+    group: Any
+    owners: tuple[tuple[int, ...], ...]
+    fingerprint: Mapping[str, Any]
+
+    @property
+    def writer(self) -> int:
+        """The global rank that writes an export: the lowest of the pipeline's."""
+        return min(r for ranks in self.owners for r in ranks)
+
+    def owner_of(self, stage: int) -> int:
+        """The global rank that hands stage ``stage``'s state on: its lowest owner."""
+        return min(self.owners[stage])
+
+    def __call__(self, what: str, gm: nn.Module,
+                 fingerprint: Mapping[str, Any] | None = None) -> None:
+        agree(what, {"pipeline": dict(self.fingerprint), **(fingerprint or {})}, self.group,
+              fixes={"pipeline": "give every rank the same spec and graph, then launch again"})
+
+    def __deepcopy__(self, memo: dict) -> StagePlacement:
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (_forgotten, ())
+
+
+def _owners(k: int, world: int, group: Any, columns: list[list[int]] | None
+            ) -> tuple[tuple[int, ...], ...]:
+    """The global ranks training each of the ``k`` stages: stage ``s`` on pp rank
+    ``s % world``, that is every (dp, tp) index's rank of it (``columns``: the global ranks
+    of each pp group) or, without a mesh, that rank of ``group``."""
+    dist = torch.distributed
+    if columns is not None:
+        return tuple(tuple(sorted(col[s % world] for col in columns)) for s in range(k))
+    return tuple((dist.get_global_rank(group, s % world) if group is not None
+                  else s % world,) for s in range(k))
 
 
 @contextlib.contextmanager
@@ -388,6 +448,8 @@ def pipeline(gm: nn.Module, spec: Any, loss_fn: Any = None, *, group: Any = None
                                                   scale_grads=False)
     params = list({id(p): p for st in stages for p in st.submod.parameters()}.values())
     inputs = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
+    gm.meta[PIPELINE_KEY] = StagePlacement(step_group, _owners(k, world, group, columns), {
+        "spec": digest(json.dumps(dumped, sort_keys=True)), "graph": code})
     tied = _tied_groups(gm, stage_rank, mine, group, columns)
     from qcompile.distributed.data_parallel import apply_pending, reduce_observers
 

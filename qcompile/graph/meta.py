@@ -61,6 +61,10 @@ TP_STAGE_KEY = "qcompile.tp_stage"
 #: ``check(call, gm)`` has its ranks agree on the call and the model before a collective
 #: (how ``save_adapters`` checks before gathering a sharded graph); None once pickled
 COLLECTIVES_KEY = "qcompile.collectives"
+#: qc.distributed.pipeline: which ranks train each stage and the group they step in
+#: (``distributed.pipelining.StagePlacement``): how an exporter brings every stage's
+#: trained state to the rank that writes; None once pickled
+PIPELINE_KEY = "qcompile.pipeline"
 #: fold_bn: for each folded weight (and bias), the model tensors and BatchNorm it was
 #: computed from (``passes.fold_bn.Fold``): how a checkpoint's tensors become the graph's
 FOLDS_KEY = "qcompile.folds"

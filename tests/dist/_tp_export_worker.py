@@ -10,8 +10,10 @@ in the environment. Every rank compiles the same tiny Llama (same seed) with a
 embedding sharded across the tp ranks, and at 4 ranks every block's weights across dp too);
 every rank calls the export on the sharded graph (one path, shared by the ranks) and rank
 0 also exports, in this one process, the same graph compiled again and never sharded,
-then compares the files byte for byte. Each rank writes ``OUTDIR/rank<r>.json`` after
-every case.
+then compares the files byte for byte. The ``*_pp*`` cases train two pipeline stages
+instead (``qc.distributed.pipeline``: pp 2, pp 2 x tp 2, pp 2 x dp 2) and export the graph
+``qc.qcompile`` returned, against one process's export of the stages' gathered state.
+Each rank writes ``OUTDIR/rank<r>.json`` after every case.
 """
 
 from __future__ import annotations
@@ -188,6 +190,105 @@ def case_hf_moe() -> dict[str, Any]:
 
 def case_gguf_once() -> dict[str, Any]:
     return compare("gguf-q4_0-qat", gguf_export, "gguf_once", tp=False, once=True)
+
+
+def staged_spec(preset: str, layout: str) -> Any:
+    """``preset`` in two pipeline stages (GPipe, 2 micro-batches); ``layout``: ``pp`` (one
+    stage a rank), ``pp_tp`` (each stage across two tp ranks), ``pp_dp`` (each stage
+    FSDP2-sharded over two dp ranks)."""
+    d = qc.load_spec(preset).model_dump()
+    d["pipeline"] = {"stages": 2, "microbatches": 2, "schedule": "gpipe"}
+    if layout == "pp_tp":
+        d["tensor_parallel"] = {"size": TP, "plan": "auto"}
+    elif layout == "pp_dp":
+        d["data_parallel"] = {"kind": "fsdp2"}
+    return qc.specs.as_spec(d)
+
+
+def staged(preset: str, export: Callable[..., Path], kind: str, layout: str,
+           moe: bool = False) -> dict[str, Any]:
+    """Every rank trains its stage for two GPipe steps, then every rank calls the export
+    on the graph ``qc.qcompile`` returned (each rank's own stage trained, the others
+    untrained copies); rank 0 writes. The reference: each rank's trained stage state,
+    gathered whole (``full_tensor``) and shared with ``all_gather_object``, loaded into
+    one process's graph compiled without the pipeline section, exported there."""
+    build, conf = (mixtral, mixtral_config()) if moe else (llama, config())
+    export = functools.partial(export, conf=conf)
+    spec = staged_spec(preset, layout)
+    ids = lm_batch(2 * ROWS)["input_ids"]
+    gm = qc.qcompile(build(), spec, example_kwargs={"input_ids": ids[:ROWS]})
+    stage, schedule = qc.distributed.pipeline(gm, spec, loss_fn=lambda out, y: lm_loss(
+        out, {"input_ids": y}))
+    opt = torch.optim.SGD(stage.submod.parameters(), lr=LR)
+    for _ in range(2):
+        schedule.step(input_ids=ids, target=ids)
+        opt.step()
+        opt.zero_grad()
+    own = getattr(stage.submod, "module", stage.submod)  # (pp x dp with DDP: its module)
+    mine = {k: whole(v).detach() for k, v in own.state_dict().items()}
+    shares: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, mine)
+    kept = {k: whole(v).detach().clone() for k, v in own.state_dict().items()}
+    target = OUTDIR / f"{kind}_staged"
+    got = export(gm, target)
+    out: dict[str, Any] = {"returned": str(got) == str(target),
+                           "own_stage_kept": all(torch.equal(whole(v), kept[k]) for k, v in
+                                                 own.state_dict().items())}
+    dist.barrier()  # rank 0 has written by now
+    if dist.get_rank() == 0:
+        trained = qc.qcompile(build(), qc.load_spec(preset), example_kwargs={"input_ids": ids})
+        fresh = {k: v.clone() for k, v in trained.state_dict().items()}
+        merged = {k: v for share in shares for k, v in share.items()}
+        out["missing"] = trained.load_state_dict(merged, strict=False).missing_keys
+        out["stages_trained"] = sum(not torch.equal(merged[k], fresh[k]) for k in merged
+                                    if k.endswith(".weight"))
+        reference = OUTDIR / f"{kind}_one_process"
+        export(trained, reference)
+        out.update(same_files(target, reference))
+        out["leftovers"] = sorted(p.name for p in OUTDIR.iterdir()
+                                  if p.name.startswith(f".{kind}") or ".tmp" in p.name)
+    return out
+
+
+def case_gguf_pp() -> dict[str, Any]:
+    return staged("gguf-q4_0-qat", gguf_export, "gguf_pp", "pp")
+
+
+def case_hf_pp() -> dict[str, Any]:
+    return staged("8da4w-qat", hf_export, "hf_pp", "pp")
+
+
+def case_gguf_pp_tp() -> dict[str, Any]:
+    return staged("gguf-q4_0-qat", gguf_export, "gguf_pp_tp", "pp_tp")
+
+
+def case_hf_pp_tp_moe() -> dict[str, Any]:
+    return staged("w8-weight-only", hf_export, "hf_pp_tp_moe", "pp_tp", moe=True)
+
+
+def case_hf_pp_dp() -> dict[str, Any]:
+    return staged("8da4w-qat", hf_export, "hf_pp_dp", "pp_dp")
+
+
+def case_mistakes_pp() -> dict[str, Any]:
+    """Exports of a pipeline the ranks do not make alike: one QCompileError on every rank,
+    before any stage's state moves, and the group still works."""
+    rank = dist.get_rank()
+    spec = staged_spec("gguf-q4_0-qat", "pp")
+    ids = lm_batch(2 * ROWS)["input_ids"]
+    gm = qc.qcompile(llama(), spec, example_kwargs={"input_ids": ids[:ROWS]})
+    qc.distributed.pipeline(gm, spec, loss_fn=lambda out, y: lm_loss(out, {"input_ids": y}))
+    out: dict[str, Any] = {}
+    mistake(out, "path_differs", lambda: gguf_export(gm, OUTDIR / f"pp{rank}.gguf"))
+    exists = OUTDIR / "pp_exists.gguf"
+    if rank == 0:
+        exists.write_bytes(b"mine")
+    dist.barrier()
+    mistake(out, "exists", lambda: gguf_export(gm, exists))
+    out["exists"]["kept"] = exists.read_bytes() == b"mine"
+    out["unwritten"] = sorted(p.name for p in OUTDIR.iterdir() if p.name.startswith("pp") and
+                              p.name != "pp_exists.gguf")
+    return out
 
 
 def group_works() -> bool:

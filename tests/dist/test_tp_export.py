@@ -4,7 +4,9 @@ GQA: every Linear and the embedding sharded), and across four (dp 2 x tp 2: FSDP
 every block's weights over dp as well). Every rank calls the export, each sharded weight
 is gathered in turn, rank 0 writes; the file (GGUF, ``gguf-q4_0-qat``) and the checkpoint
 (``8da4w-qat``) are byte-identical to one process's export of the same graph, freshly
-compiled and after one training step on the ranks. Calls the ranks do not make
+compiled and after one training step on the ranks. A graph whose pipeline stages were
+trained on different ranks (pp 2; pp 2 x tp 2, pp 2 x dp 2 on four) exports what one
+process writes for the trained stages. Calls the ranks do not make
 together are one ``QCompileError`` on every rank, before any gather (the messages say which
 meeting refused it; a rank left in a gather would fail the launch's deadline).
 
@@ -32,7 +34,10 @@ pytestmark = [pytest.mark.dist, pytest.mark.skipif(
     reason="a 2-rank launch of exports: .ci/run runs it (QCOMPILE_SWEEP=1)")]
 
 WORKER = Path(__file__).with_name("_tp_export_worker.py")
-ORDER = ["gguf", "hf", "gguf_fsdp2", "hf_fsdp2", "gguf_once", "gguf_moe", "hf_moe", "mistakes"]
+ORDER = ["gguf", "hf", "gguf_fsdp2", "hf_fsdp2", "gguf_once", "gguf_moe", "hf_moe", "mistakes",
+         "gguf_pp", "hf_pp", "mistakes_pp"]
+# 4 ranks: dp 2 x tp 2, and two pipeline stages each across 2 ranks
+ORDER4 = ["gguf", "hf", "gguf_pp_tp", "hf_pp_tp_moe", "hf_pp_dp"]
 LAUNCH_DEADLINE = 120.0  # seconds for every case of the launch (about 15 s normally)
 # every linear layer's weight and the embedding are sharded (norms stay whole)
 SHARDED = {f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
@@ -49,8 +54,9 @@ def dist_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 
 @pytest.fixture(scope="module")
-def dist_run4(tmp_path_factory: pytest.TempPathFactory, dist_launcher: Any) -> Any:
-    return dist_launcher(WORKER, ["gguf", "hf"], tmp_path_factory.mktemp("tpx4"),
+def dist_run4(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+              dist_launcher: Any) -> Any:
+    return dist_launcher(WORKER, wanted_cases(request, ORDER4), tmp_path_factory.mktemp("tpx4"),
                          LAUNCH_DEADLINE, world=4)
 
 
@@ -203,3 +209,45 @@ def test_an_export_rank1_never_makes_is_named_and_the_ranks_meet_again(dist_run:
     for rank, r in enumerate(results):
         assert r["good"]["raised"] is None and r["good"]["written"], (rank, r["good"])
         assert r["unwritten"] == [], (rank, r["unwritten"])
+
+
+@pytest.mark.parametrize("case, files, world", [
+    ("gguf_pp", [""], 2), ("hf_pp", ["config.json", "model.safetensors"], 2),
+    ("gguf_pp_tp", [""], 4), ("hf_pp_tp_moe", ["config.json", "model.safetensors"], 4),
+    ("hf_pp_dp", ["config.json", "model.safetensors"], 4)])
+def test_pipeline_stages_export_what_one_process_writes(request: pytest.FixtureRequest,
+                                                        case: str, files: list[str],
+                                                        world: int) -> None:
+    """Two pipeline stages, each trained on its own rank(s) for two GPipe steps (pp 2; pp 2
+    x tp 2, the Mixtral's experts by expert; pp 2 x dp 2 with FSDP2): every rank calls the
+    export on the graph ``qc.qcompile`` returned, where each rank trained only its own
+    stage; rank 0's file(s) equal, byte for byte, those one process writes for the trained
+    stages' state gathered by torch (``full_tensor``) and loaded into an unsplit compile.
+    Every rank's own stage is left as it was."""
+    run = request.getfixturevalue("dist_run" if world == 2 else "dist_run4")
+    ranks = run.case(case)
+    for got in ranks:
+        assert got["returned"] and got["own_stage_kept"], got
+    r0 = ranks[0]
+    assert r0["missing"] == [], r0["missing"]
+    assert r0["stages_trained"] > 0, r0  # both stages' weights moved in training
+    assert r0["files"] == files and r0["bytes"] > 0, r0
+    assert r0["identical"], f"{case}: {r0['differ']} differ from one process's"
+    assert r0["leftovers"] == [], r0
+
+
+@uses("mistakes_pp")
+def test_pipeline_exports_the_ranks_do_not_make_alike_are_one_error(dist_run: Any) -> None:
+    """Exports of a pipeline-placed graph with another path on rank 1, or to a path that
+    exists on rank 0 (the writer): a QCompileError on both ranks before any stage's state
+    moves; nothing written, the file kept, the group still works."""
+    results = dist_run.case("mistakes_pp")
+    for rank, r in enumerate(results):
+        got = r["path_differs"]
+        assert got["raised"] == "QCompileError", (rank, got)
+        assert "the ranks disagree on path" in got["message"], (rank, got)
+        assert got["group_works"] and r["exists"]["group_works"], (rank, r)
+        assert r["exists"]["raised"] == "QCompileError" and r["exists"]["kept"], (rank, r)
+        assert r["unwritten"] == [], (rank, r["unwritten"])
+    assert "pp_exists.gguf' exists" in results[0]["exists"]["message"], results[0]
+    assert "another rank refused the call" in results[1]["exists"]["message"], results[1]

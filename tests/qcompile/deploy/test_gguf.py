@@ -408,10 +408,33 @@ def test_refuses_without_config(tmp_path, small) -> None:
     refused(tmp_path, small.float, "config", fix="config=model.config")
 
 
-def test_refuses_pipeline_stages(tmp_path, small) -> None:
+def test_pipeline_stages_export_as_one_graph(tmp_path) -> None:
+    """A graph placed in pipeline stages (one process, a child graph per stage) is read as
+    one graph: after a training step its file is, byte for byte, that of the same model
+    compiled without the pipeline section holding the same state."""
+    arch = ARCHITECTURES["llama"]
+    model, batch = arch.build(num_hidden_layers=2), arch.batch()
+    spec = {**qc.load_spec("gguf-q4_0-qat").model_dump(),
+            "pipeline": {"stages": 2, "devices": ["cpu", "cpu"]}}
+    staged = qc.qcompile(model, spec, example_kwargs=batch)
+    assert [n for n, _ in staged.named_children() if n.startswith("stage_")] == [
+        "stage_0", "stage_1"]
+    arch.loss(staged(**batch), batch).backward()
+    torch.optim.SGD(staged.parameters(), lr=0.1).step()
+    whole = qc.qcompile(model, "gguf-q4_0-qat", example_kwargs=batch)
+    whole.load_state_dict(staged.state_dict())
+    a = qc.export_gguf(staged, tmp_path / "staged.gguf", config=model.config)
+    b = qc.export_gguf(whole, tmp_path / "whole.gguf", config=model.config)
+    assert a.read_bytes() == b.read_bytes()
+    fresh = qc.qcompile(model, "gguf-q4_0-qat", example_kwargs=batch)
+    c = qc.export_gguf(fresh, tmp_path / "fresh.gguf", config=model.config)
+    assert c.read_bytes() != a.read_bytes()  # the step changed what is written
+
+
+def test_refuses_one_pipeline_stage(tmp_path, small) -> None:
     gm = small.compile({"quant": {"mode": "none"},
                         "pipeline": {"stages": 2, "devices": ["cpu", "cpu"]}})
-    refused(tmp_path, gm, "pipeline stages", "stage_0", fix="without a pipeline",
+    refused(tmp_path, gm.stage_0, "not compiled by qcompile", fix="qc.qcompile",
             config=small.config)
 
 

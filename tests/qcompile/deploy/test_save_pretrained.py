@@ -448,7 +448,8 @@ def test_refuses_a_graph_it_cannot_save(tmp_path, llama) -> None:
     staged = compiled(build("llama", num_hidden_layers=2),
                       {"quant": {"mode": "none"}, "pipeline": {"stages": 2,
                                                                "devices": ["cpu", "cpu"]}})
-    refused(tmp_path, staged, "pipeline stages", fix="without a pipeline", config=llama.config)
+    refused(tmp_path, staged.stage_1, "not compiled by qcompile", fix="qc.qcompile",
+            config=llama.config)
 
 
 def test_refuses_sharded_weights(tmp_path, llama) -> None:
@@ -489,6 +490,24 @@ def test_refuses_an_existing_file_or_non_empty_directory(tmp_path, llama) -> Non
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
     torch.testing.assert_close(logits(load(folder), llama.batch), logits(gm, llama.batch),
                                rtol=0, atol=1e-5)
+
+
+def test_pipeline_stages_save_as_one_graph(tmp_path) -> None:
+    """A graph placed in pipeline stages (one process) is read as one graph: after a
+    training step its checkpoint is, byte for byte, that of the same model compiled
+    without the pipeline section holding the same state."""
+    m = build("llama", num_hidden_layers=2)
+    spec = {**qc.load_spec("8da4w-qat").model_dump(),
+            "pipeline": {"stages": 2, "devices": ["cpu", "cpu"]}}
+    staged = compiled(m, spec)
+    ARCHITECTURES["llama"].loss(staged(**m.batch), m.batch).backward()
+    torch.optim.SGD(staged.parameters(), lr=0.1).step()
+    whole = compiled(m, "8da4w-qat")
+    whole.load_state_dict(staged.state_dict())
+    a = saved(tmp_path / "staged", staged, m.config)
+    b = saved(tmp_path / "whole", whole, m.config)
+    for name in ("config.json", "model.safetensors"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
 def test_fsdp2_blocks_save_as_one_graph(tmp_path) -> None:
