@@ -72,6 +72,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from qcompile.deploy.stages import share_stages, spread
 from qcompile.errors import QCompileError
 from qcompile.files import atomic_paths
 from qcompile.graph.matching import WeightUse
@@ -358,11 +359,15 @@ def save_adapters(gm: nn.Module, directory: str | os.PathLike[str]) -> Path:
     are written whole as peft's ``modules_to_save``: their float values (a weight the graph
     reads through a fake-quantizer is written as the float weight it trains). ``gm`` may be
     wrapped in DDP. Under FSDP2 every rank must call it (the sharded weights are gathered,
-    a collective); only rank 0 writes. The ranks first agree on the call and the graph
-    (over the group ``qc.distributed.wrap`` or ``compile_once`` sharded it on), so a call
-    made on some ranks only is the same ``QCompileError`` on every rank within seconds,
-    not a hang. A graph without adapters is refused, and so is one
-    where peft's ``modules_to_save`` rule would also select an adapted layer.
+    a collective); only rank 0 writes. So it is for a graph whose stages
+    ``qc.distributed.pipeline`` spread over ranks: each stage's trained state reaches the
+    other ranks' copies first (``qcompile.deploy.stages.share_stages``), and the
+    pipeline's lowest rank writes every stage's adapters. The ranks first agree on the call
+    and the graph (over the pipeline's ranks, or the group ``qc.distributed.wrap`` or
+    ``compile_once`` sharded it on), so a call made on some ranks only is the same
+    ``QCompileError`` on every rank within seconds, not a hang. A graph without adapters
+    is refused, and so is one where peft's ``modules_to_save`` rule would also select an
+    adapted layer.
 
     Example:
         >>> import json, os, tempfile, torch, qcompile as qc
@@ -375,10 +380,13 @@ def save_adapters(gm: nn.Module, directory: str | os.PathLike[str]) -> Path:
         ('LORA', 2, ['0', '2'])
     """
     graph = _graph(gm, "save_adapters")
-    check = graph.meta.get(COLLECTIVES_KEY)
-    if check is not None and any(_dtensor(p) for p in graph.parameters()):
+    placement = spread(graph)  # stages trained on other ranks: theirs are read
+    check = placement or graph.meta.get(COLLECTIVES_KEY)
+    if placement is not None or (check is not None and any(
+            _dtensor(p) for p in graph.parameters())):
         check("save_adapters", graph)  # the gathers below are collectives: all ranks here?
     layers = _layers(graph, "save_adapters")
+    share_stages(graph)
     training = graph.meta.get(TRAINING_KEY)
     full = list(training.full) if training is not None else []
     whole = sorted([*full, *_caught(training, layers)], key=lambda m: m.name)
@@ -396,7 +404,7 @@ def save_adapters(gm: nn.Module, directory: str | os.PathLike[str]) -> Path:
             for key in m.tensors:
                 tensors[_PREFIX + f"{m.name}.{key}"] = _full(
                     _tensor_of(module, m, key), f"{m.name}.{key}")
-    if _rank() != 0:
+    if _rank() != (0 if placement is None else placement.writer):
         return target
     if target.exists() and not target.is_dir():
         raise QCompileError(f"save_adapters: {str(target)!r} is a file",

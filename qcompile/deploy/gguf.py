@@ -51,7 +51,7 @@ A graph placed in pipeline stages is read as one graph. Under ``qc.distributed.p
 (pp, pp x dp, pp x tp), where each rank trained its own stage and holds untrained copies
 of the others, every rank calls the export: after the agreement each stage's trained
 state goes from the rank that trained it to the others' copies, one tensor at a time
-(``whole_graph.share_stages``), and the pipeline's lowest rank writes what one process
+(``qcompile.deploy.stages.share_stages``), and the pipeline's lowest rank writes what one process
 would write for the trained model.
 
 The vocabulary comes from ``tokenizer`` (a transformers tokenizer) as the converter
@@ -91,7 +91,9 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from qcompile.deploy.adapters import unwrap
 from qcompile.deploy.encodings import quantizer_bits
+from qcompile.deploy.stages import share_stages
 from qcompile.deploy.whole_graph import (
     VIEWS,
     WeightRead,
@@ -102,7 +104,6 @@ from qcompile.deploy.whole_graph import (
     gathered,
     is_sharded,
     sharded_linear,
-    share_stages,
     view_paths,
     weight_reads,
     whole_graph,
@@ -834,7 +835,7 @@ def export_gguf(gm: nn.Module, path: str | Path, *, config: Any = None,
         agree_to_gather(graph, WHERE, {
             "path": str(path), "config": config_fingerprint(config),
             "tokenizer": None if tokenizer is None else type(tokenizer).__name__}, refusal)
-        share_stages(gm)
+        share_stages(unwrap(gm))
     hp = _hparams(config)
     _check_family(hp)
     family = FAMILIES[hp["model_type"]]

@@ -91,7 +91,7 @@ the other ranks return its path.
 A graph placed in pipeline stages is read as one graph. Under ``qc.distributed.pipeline``
 (pp, pp x dp, pp x tp), every rank saves it together: after the agreement each stage's
 trained state goes from the rank that trained it to the other ranks' (untrained) copies
-of that stage, one tensor at a time (``whole_graph.share_stages``), and the pipeline's
+of that stage, one tensor at a time (``qcompile.deploy.stages.share_stages``), and the pipeline's
 lowest rank writes what one process would write for the trained model.
 
 Example:
@@ -126,6 +126,8 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from qcompile.deploy.adapters import unwrap
+from qcompile.deploy.stages import share_stages
 from qcompile.deploy.whole_graph import (
     VIEWS,
     agree_to_gather,
@@ -135,7 +137,6 @@ from qcompile.deploy.whole_graph import (
     gathered,
     is_sharded,
     sharded_linear,
-    share_stages,
     view_paths,
     weight_reads,
     weight_sites,
@@ -961,7 +962,7 @@ def save_pretrained(gm: nn.Module, directory: str | os.PathLike[str], *,
             refusal = e
         agree_to_gather(graph, WHERE, {"directory": os.fspath(directory),
                                        "config": config_fingerprint(config)}, refusal)
-        share_stages(gm)
+        share_stages(unwrap(gm))
     cfg = _config(config)
     skeleton = _skeleton(cfg, graph)
     plan = _plan(graph, skeleton, keep=writes)

@@ -16,9 +16,10 @@ in the same order) and rank 0 alone writes (``writes_here``).
 
 A graph split into pipeline stages (``stage_<i>`` children) is read as one graph too. When
 ``qc.distributed.pipeline`` spread the stages over ranks, each rank trained its own and
-holds untrained copies of the others: ``share_stages`` (after ``agree_to_gather``) hands
-each stage's trained state from the rank that trained it to every rank, one tensor at a
-time, into those copies, and the lowest rank of the pipeline writes.
+holds untrained copies of the others: ``qcompile.deploy.stages.share_stages`` (after
+``agree_to_gather``) hands each stage's trained state from the rank that trained it to
+every rank, one tensor at a time, into those copies, and the lowest rank of the pipeline
+writes.
 
 Example:
     >>> import torch, qcompile as qc
@@ -32,7 +33,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import re
 import sys
 from collections.abc import Iterator, Mapping
@@ -44,6 +44,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from qcompile.deploy.adapters import refuse_adapters, unwrap
+from qcompile.deploy.stages import spread
 from qcompile.errors import QCompileError
 from qcompile.graph.algorithms import refuse_pending
 from qcompile.graph.inline import inline_children
@@ -70,7 +71,6 @@ __all__ = [
     "is_dtensor",
     "is_sharded",
     "sharded_linear",
-    "share_stages",
     "view_paths",
     "weight_reads",
     "weight_sites",
@@ -139,20 +139,10 @@ def _gatherable(meta: Mapping[str, Any], t: torch.Tensor) -> bool:
             or meta.get(PIPELINE_KEY) is not None)
 
 
-def _spread(gm: GraphModule) -> Any:
-    """The ``StagePlacement`` of a graph whose stages ``qc.distributed.pipeline`` spread
-    over several ranks (under an initialised process group), else None."""
-    placement = getattr(gm, "meta", {}).get(PIPELINE_KEY)
-    dist = sys.modules.get("torch.distributed")
-    if placement is None or dist is None or not dist.is_initialized():
-        return None
-    return placement if len({r for ranks in placement.owners for r in ranks}) > 1 else None
-
-
 def is_sharded(gm: GraphModule) -> bool:
     """Whether ``gm`` holds sharded (DTensor) parameters or stages other ranks trained:
     exporting it is a collective."""
-    return _spread(gm) is not None or any(is_dtensor(p) for p in gm.parameters())
+    return spread(gm) is not None or any(is_dtensor(p) for p in gm.parameters())
 
 
 def gathered(t: torch.Tensor) -> torch.Tensor:
@@ -175,64 +165,8 @@ def writes_here(gm: GraphModule) -> bool:
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_initialized():
         return True
-    placement = _spread(gm)
+    placement = spread(gm)
     return int(dist.get_rank()) == (0 if placement is None else placement.writer)
-
-
-def share_stages(gm: nn.Module) -> None:
-    """For a graph whose stages ``qc.distributed.pipeline`` spread over ranks (a no-op for
-    any other): every rank's copy of each stage it did not train takes that stage's trained
-    state, tensor by tensor. For each stage in order, its lowest owner broadcasts each
-    state tensor over the pipeline's group (a tensor-parallel or FSDP2 shard first
-    gathered whole by the stage's owners, ``DTensor.full_tensor()``); the others copy it
-    into their own. Every rank then converts the same values, so a refusal is every
-    rank's. A rank's own stages are left as they are (the exporter gathers their shards as
-    it reads them); the copies it updates are ones no rank trains or runs there. Call it
-    on every rank, after ``agree_to_gather``: a collective."""
-    inner = unwrap(gm)
-    placement = _spread(inner)
-    if placement is None:
-        return
-    dist = sys.modules["torch.distributed"]
-    me = int(dist.get_rank())
-    # a tensor a stage of this rank holds too (a tied embedding) is this rank's trained one
-    trained = {id(t) for s, owners in enumerate(placement.owners) if me in owners
-               for t in inner.get_submodule(f"stage_{s}").state_dict(keep_vars=True).values()
-               if isinstance(t, torch.Tensor)}
-    for s, owners in enumerate(placement.owners):
-        stage = inner.get_submodule(f"stage_{s}")
-        mine = me in owners
-        src = placement.owner_of(s)
-        state = stage.state_dict(keep_vars=True)
-        # what the owner holds, once per stage: names, dtypes and whole shapes
-        listing = [[(k, str(v.dtype).removeprefix("torch."), tuple(v.shape))
-                    for k, v in state.items() if isinstance(v, torch.Tensor)]]
-        dist.broadcast_object_list(listing, src=src, group=placement.group)
-        extra = {}
-        for key, dtype, shape in listing[0]:
-            value = state.get(key) if mine else None
-            if mine and is_dtensor(value):
-                value = value.detach().full_tensor()  # the stage's owners, together
-            if me == src:
-                payload = value.detach().contiguous().reshape(-1).view(torch.uint8)
-            else:
-                count = math.prod(shape) * getattr(torch, dtype).itemsize
-                payload = torch.empty(count, dtype=torch.uint8)
-            dist.broadcast(payload, src=src, group=placement.group)
-            if mine:
-                continue
-            received = payload.view(getattr(torch, dtype)).reshape(shape)
-            target = state.get(key)
-            if id(target) in trained:
-                continue
-            if key.endswith("_extra_state") or not isinstance(target, torch.Tensor) or (
-                    target.shape != received.shape or target.dtype != received.dtype):
-                extra[key] = received  # loaded by the module (its own checks)
-                continue
-            with torch.no_grad():
-                target.copy_(received)
-        if extra:
-            stage.load_state_dict(extra, strict=False)
 
 
 def config_fingerprint(config: Any) -> Any:

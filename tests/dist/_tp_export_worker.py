@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import transformers
-from _tensor_parallel_worker import lm_batch, lm_loss
+from _tensor_parallel_worker import llama_wide, lm_batch, lm_loss
 from _worker_main import cases_in, error_of, run_cases
 
 import qcompile as qc
@@ -268,6 +268,53 @@ def case_hf_pp_tp_moe() -> dict[str, Any]:
 
 def case_hf_pp_dp() -> dict[str, Any]:
     return staged("8da4w-qat", hf_export, "hf_pp_dp", "pp_dp")
+
+
+def adapters_staged(layout: str) -> dict[str, Any]:
+    """``qlora-nf4`` on a Llama with 128 features (at tp 2 each rank's share of a layer's
+    input features holds whole NF4 blocks of 64) in two pipeline stages (``layout`` as
+    ``staged_spec``), two GPipe steps
+    of the adapters (SGD, lr 0.5), then every rank saves the adapters of the graph
+    ``qc.qcompile`` returned; rank 0's file against every stage's trained adapters as its
+    ranks hold them (gathered whole with ``full_tensor``)."""
+    spec = staged_spec("qlora-nf4", layout)
+    ids = lm_batch(2 * ROWS)["input_ids"]
+    gm = qc.qcompile(llama_wide(), spec, example_kwargs={"input_ids": ids[:ROWS]})
+    stage, schedule = qc.distributed.pipeline(gm, spec, loss_fn=lambda out, y: lm_loss(
+        out, {"input_ids": y}))
+    opt = torch.optim.SGD([p for p in stage.submod.parameters() if p.requires_grad], lr=0.5)
+    for _ in range(2):
+        schedule.step(input_ids=ids, target=ids)
+        opt.step()
+        opt.zero_grad()
+    own = getattr(stage.submod, "module", stage.submod)
+    mine = {k: whole(v).detach() for k, v in own.state_dict().items() if ".lora_" in k}
+    shares: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, mine)
+    folder = qc.save_adapters(gm, OUTDIR / f"adapters_{layout}")
+    out: dict[str, Any] = {"returned": folder == OUTDIR / f"adapters_{layout}"}
+    dist.barrier()
+    if dist.get_rank() == 0:
+        from safetensors.torch import load_file
+
+        saved = {k.removeprefix("base_model.model."): v for k, v in load_file(
+            folder / "adapter_model.safetensors").items() if ".lora_" in k}
+        trained = {k: v for share in shares for k, v in share.items()}
+        out["saved"] = sorted(saved)
+        out["trained"] = sorted(trained)
+        out["equal"] = sorted(k for k, v in trained.items() if k in saved
+                              and torch.equal(saved[k], v))
+        out["moved"] = sum(float(v.abs().sum()) > 0 for k, v in trained.items()
+                           if ".lora_B." in k)
+    return out
+
+
+def case_adapters_pp() -> dict[str, Any]:
+    return adapters_staged("pp")
+
+
+def case_adapters_pp_tp() -> dict[str, Any]:
+    return adapters_staged("pp_tp")
 
 
 def case_mistakes_pp() -> dict[str, Any]:

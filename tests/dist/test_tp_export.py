@@ -35,9 +35,9 @@ pytestmark = [pytest.mark.dist, pytest.mark.skipif(
 
 WORKER = Path(__file__).with_name("_tp_export_worker.py")
 ORDER = ["gguf", "hf", "gguf_fsdp2", "hf_fsdp2", "gguf_once", "gguf_moe", "hf_moe", "mistakes",
-         "gguf_pp", "hf_pp", "mistakes_pp"]
+         "gguf_pp", "hf_pp", "adapters_pp", "mistakes_pp"]
 # 4 ranks: dp 2 x tp 2, and two pipeline stages each across 2 ranks
-ORDER4 = ["gguf", "hf", "gguf_pp_tp", "hf_pp_tp_moe", "hf_pp_dp"]
+ORDER4 = ["gguf", "hf", "gguf_pp_tp", "hf_pp_tp_moe", "hf_pp_dp", "adapters_pp_tp"]
 LAUNCH_DEADLINE = 120.0  # seconds for every case of the launch (about 15 s normally)
 # every linear layer's weight and the embedding are sharded (norms stay whole)
 SHARDED = {f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
@@ -234,6 +234,21 @@ def test_pipeline_stages_export_what_one_process_writes(request: pytest.FixtureR
     assert r0["files"] == files and r0["bytes"] > 0, r0
     assert r0["identical"], f"{case}: {r0['differ']} differ from one process's"
     assert r0["leftovers"] == [], r0
+
+
+@pytest.mark.parametrize("case, world", [("adapters_pp", 2), ("adapters_pp_tp", 4)])
+def test_pipeline_stages_save_every_stages_trained_adapters(request: pytest.FixtureRequest,
+                                                            case: str, world: int) -> None:
+    """``qlora-nf4`` trained in two pipeline stages (pp 2; pp 2 x tp 2, the adapters
+    sharded as their bases): every rank calls ``qc.save_adapters`` on the graph
+    ``qc.qcompile`` returned; rank 0's file holds every adapter of both stages as the
+    ranks that trained it hold it (not rank 0's untrained copies of the other stage)."""
+    ranks = request.getfixturevalue("dist_run" if world == 2 else "dist_run4").case(case)
+    assert all(got["returned"] for got in ranks), ranks
+    r0 = ranks[0]
+    assert r0["saved"] == r0["trained"] and r0["trained"], (r0["saved"], r0["trained"])
+    assert r0["equal"] == r0["trained"], sorted(set(r0["trained"]) - set(r0["equal"]))
+    assert r0["moved"] == len([k for k in r0["trained"] if ".lora_B." in k]), r0["moved"]
 
 
 @uses("mistakes_pp")
