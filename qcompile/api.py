@@ -45,6 +45,7 @@ from qcompile.graph.algorithms import pending, refuse_pending, run_pending
 from qcompile.graph.layerwise import BatchFailed
 from qcompile.graph.meta import (
     FIXED_GRID_KEY,
+    PIPELINE_KEY,
     REPORT_KEY,
     SPEC_KEY,
     STAGE_NAMES_KEY,
@@ -320,8 +321,13 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
     rest of the graph converts as above. The sharded layers compute what they computed in
     the trained graph, exactly. Under FSDP2 (dp x tp) each rank gathers its tp shards over
     dp first, one block at a time, and the result is ``fully_shard``-ed over dp as the
-    graph was: each rank holds 1/(T x D) of the stored weights. Pipeline stages are
-    refused with the recipe.
+    graph was: each rank holds 1/(T x D) of the stored weights. Pipeline stages sharded
+    that way are refused with the recipe.
+
+    A graph whose stages ``qc.distributed.pipeline`` spread over ranks (pp, pp x dp with
+    DDP) converts on every rank (call it on every rank): each stage's trained state first
+    reaches the other ranks' copies of that stage (``qcompile.deploy.stages.share_stages``),
+    and every rank returns the whole converted model.
 
     Example:
         >>> import torch, qcompile as qc
@@ -334,6 +340,8 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
     """
 
     from qcompile.deploy.adapters import refuse_adapters
+    from qcompile.deploy.stages import refuse_sharded_stage, share_stages, spread
+    from qcompile.deploy.whole_graph import agree_to_gather
 
     refuse_adapters(gm, "convert")  # lowering the base alone would drop the adapters
     _refuse_ggml(gm)
@@ -344,6 +352,14 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
         if why is not None:
             raise QCompileError("convert: this graph's layers are sharded across "
                                 f"tensor-parallel ranks, and {why}", fix=_GATHER_RECIPE)
+    # a pipeline's stages trained on different ranks: every rank converts the whole model,
+    # once each stage's trained state reached the others' copies (one sharded within each
+    # rank's stage, tp or FSDP2, is refused with the recipe)
+    refuse_sharded_stage(gm, "convert")
+    staged = spread(gm) is not None
+    if staged:
+        agree_to_gather(gm, "convert", {"example_inputs": example_inputs is not None}, None)
+        share_stages(gm)
     sharded = None if tp else sharded_by(gm)
     if sharded is not None:
         fsdp1 = any(c.__name__ == "FullyShardedDataParallel"
@@ -441,6 +457,8 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
                 new_report.max_deviation[f"output{i}_steps"] = dev / steps[i]
     if rows is None:
         _own_parameters(out, weights)
+    if staged:  # the result is one whole model on every rank
+        out.meta.pop(PIPELINE_KEY, None)
     out.meta[REPORT_KEY] = new_report
     for inst in instruments:
         inst.finish(new_report, out)

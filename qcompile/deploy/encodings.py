@@ -70,6 +70,8 @@ import torch
 from torch import nn
 
 from qcompile.deploy.adapters import refuse_adapters
+from qcompile.deploy.stages import refuse_sharded_stage, share_stages, spread
+from qcompile.deploy.whole_graph import agree_to_gather, writes_here
 from qcompile.errors import QCompileError
 from qcompile.files import write_atomically
 from qcompile.graph.algorithms import refuse_pending
@@ -130,15 +132,19 @@ def _block_entry(fq: FakeQuantize) -> dict[str, Any]:
 
 
 def _names(gm: nn.Module) -> dict[str, tuple[str, str]]:
-    """quantizer qualified name -> (section, key) in the encodings file."""
+    """quantizer qualified name -> (section, key) in the encodings file. A quantizer inside
+    a ``stage_<i>`` child graph (pipeline stages, FSDP2 blocks) is keyed by the model's
+    name, without the child's prefix: the file is the one of the model compiled whole."""
     weights = {q.name: q.node for q in report(gm).quantizers if q.role == "weight"}
     names = {}
     for name, m in gm.named_modules():
         if isinstance(m, FakeQuantize):
-            if name in weights:
-                names[name] = ("param_encodings", weights[name])
+            head, _, rest = name.partition(".")
+            model = rest if head.startswith("stage_") and rest else name
+            if model in weights:
+                names[name] = ("param_encodings", weights[model])
             else:
-                names[name] = ("activation_encodings", name.removesuffix("_fake_quant"))
+                names[name] = ("activation_encodings", model.removesuffix("_fake_quant"))
     return names
 
 
@@ -160,9 +166,22 @@ def export_encodings(gm: nn.Module, path: str | Path) -> None:
     """Write every quantizer's encoding to ``path`` (JSON), atomically.
 
     Refuses (``QCompileError``, no file written) a graph whose activation quantizers never
-    observed data: a static graph before ``qc.calibrate``, a QAT graph before training."""
+    observed data: a static graph before ``qc.calibrate``, a QAT graph before training.
+    For a graph whose stages ``qc.distributed.pipeline`` spread over ranks every rank calls
+    it: each stage's trained state reaches the others' copies first
+    (``qcompile.deploy.stages.share_stages``), and the pipeline's lowest rank writes."""
     refuse_adapters(gm, "export_encodings")
     _refuse_sharded(gm, "export_encodings")
+    refuse_sharded_stage(gm, "export_encodings")
+    if spread(gm) is not None:  # every rank: the stages' trained state first
+        refusal = None
+        try:
+            if writes_here(gm):
+                _target(path)
+        except QCompileError as e:
+            refusal = e
+        agree_to_gather(gm, "export_encodings", {"path": str(path)}, refusal)
+        share_stages(gm)
     mode = report(gm).mode
     refuse_pending(gm, "export_encodings")
     missing = uncalibrated(gm, mode)
@@ -200,6 +219,15 @@ def export_encodings(gm: nn.Module, path: str | Path) -> None:
                                    "granularity": fq.granularity}]
         else:
             data[section][key] = _entries(fq)
+    if not writes_here(gm):  # a pipeline's other ranks: the lowest one writes
+        return
+    target = _target(path)
+    # allow_nan=False: a NaN/inf scale that slipped through must not become a file that
+    # only Python's json reads back.
+    write_atomically(target, json.dumps(data, indent=1, allow_nan=False) + "\n")
+
+
+def _target(path: str | Path) -> Path:
     target = Path(path)
     if target.is_dir():
         raise QCompileError(f"export_encodings: {str(path)!r} is a directory",
@@ -207,9 +235,7 @@ def export_encodings(gm: nn.Module, path: str | Path) -> None:
     if not target.parent.is_dir():
         raise QCompileError(f"export_encodings: directory {str(target.parent)!r} does not "
                             "exist", fix="create it first or write somewhere else")
-    # allow_nan=False: a NaN/inf scale that slipped through must not become a file that
-    # only Python's json reads back.
-    write_atomically(target, json.dumps(data, indent=1, allow_nan=False) + "\n")
+    return target
 
 
 def _number(value: object) -> float | None:

@@ -92,6 +92,8 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from qcompile.deploy.adapters import refuse_adapters, unwrap
+from qcompile.deploy.stages import refuse_sharded_stage, share_stages, spread
+from qcompile.deploy.whole_graph import agree_to_gather, writes_here
 from qcompile.errors import QCompileError
 from qcompile.files import atomic_paths, write_atomically
 from qcompile.graph.algorithms import refuse_pending
@@ -989,7 +991,10 @@ def export_onnx(
     more ``input_names`` / ``output_names`` than the graph has inputs / outputs.
     The file is written atomically: an interrupted export leaves the previous one.
     Quantizers that still observe (QAT before ``qc.freeze``) are written with their
-    current qparams, with a warning."""
+    current qparams, with a warning. For a graph whose stages ``qc.distributed.pipeline``
+    spread over ranks every rank calls it: each stage's trained state reaches the others'
+    copies first (``qcompile.deploy.stages.share_stages``), every rank makes the checks,
+    and the pipeline's lowest rank traces and writes."""
     graph = _compiled(gm)
     if getattr(graph, "meta", {}).get(TP_SHARDED_KEY):
         raise QCompileError(
@@ -1000,15 +1005,46 @@ def export_onnx(
             "(torch.distributed.checkpoint.state_dict); on rank 0 load sd into the graph "
             "qc.qcompile returns for the same spec and export that")
     refuse_adapters(graph, "export_onnx")
+    refuse_sharded_stage(graph, "export_onnx")
+    path = _check_path(path)
+    if spread(graph) is not None:  # every rank: the stages' trained state first
+        refusal = None
+        try:
+            if writes_here(graph):
+                _check_target(path)
+        except QCompileError as e:
+            refusal = e
+        agree_to_gather(graph, "export_onnx", {"path": str(path)}, refusal)
+        share_stages(graph)
     refuse_pending(graph, "export_onnx")
     onnxscript, ir = _require_onnx()
     args, kwargs = _example(example_inputs, example_kwargs)
-    path = _check_path(path)
-    _check_target(path)
+    if writes_here(graph):
+        _check_target(path)
     _refuse_uncalibrated(graph)
     _refuse_cast(graph)
     twin = _twin(graph)
     _check_fit(twin, graph, args, kwargs)
+    if spread(graph) is None:
+        return _export(twin, path, args, kwargs, dynamic_batch=dynamic_batch,
+                       names=(input_names, output_names), libs=(onnxscript, ir))
+    # a pipeline's lowest rank traces and writes; then every rank learns how that went
+    refusal = None
+    if writes_here(graph):
+        try:
+            _export(twin, path, args, kwargs, dynamic_batch=dynamic_batch,
+                    names=(input_names, output_names), libs=(onnxscript, ir))
+        except QCompileError as e:
+            refusal = e
+    agree_to_gather(graph, "export_onnx", {"written": True}, refusal)
+    return path
+
+
+def _export(twin: nn.Module, path: Path, args: tuple, kwargs: dict[str, Any], *,
+            dynamic_batch: bool, names: tuple[Any, Any], libs: tuple[Any, Any]) -> Path:
+    """Trace ``twin`` with torch.onnx (dynamo) and write the model to ``path``."""
+    onnxscript, ir = libs
+    input_names, output_names = names
     args, kwargs, shapes = _batch_inputs(twin, args, kwargs, dynamic_batch)
     table = _translations(onnxscript, ir)
     try:

@@ -1,5 +1,6 @@
 """The stages of a graph ``qc.distributed.pipeline`` spread over ranks, brought together for
-the writers (``qc.export_gguf``, ``qc.save_pretrained``, ``qc.save_adapters``).
+the calls that read the whole model (``qc.export_gguf``, ``qc.save_pretrained``,
+``qc.save_adapters``, ``qc.export_onnx``, ``qc.export_encodings``, ``qc.convert``).
 
 Under ``qc.distributed.pipeline`` every rank holds the whole graph ``qc.qcompile`` returned
 (a ``stage_<i>`` child per stage) but trains only its own stage; the other stages are the
@@ -27,9 +28,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from qcompile.errors import QCompileError
 from qcompile.graph.meta import PIPELINE_KEY
 
-__all__ = ["share_stages", "spread"]
+__all__ = ["GATHER_FIX", "refuse_sharded_stage", "share_stages", "spread"]
+
+#: how to get one whole graph from a pipeline whose stages are sharded within (tp, FSDP2)
+GATHER_FIX = ("gather it: on every rank sd = get_model_state_dict(stage.submod, "
+              "options=StateDictOptions(full_state_dict=True)) "
+              "(torch.distributed.checkpoint.state_dict), all_gather_object the stages' sd, "
+              "and on rank 0 load them into the graph qc.qcompile returns for the spec "
+              "without its pipeline section; or write the trained model with "
+              "qc.export_gguf / qc.save_pretrained, which take the sharded stages")
 
 
 def spread(gm: nn.Module) -> Any:
@@ -44,6 +54,21 @@ def spread(gm: nn.Module) -> Any:
 
 def _dtensor(t: Any) -> bool:
     return any(c.__name__ == "DTensor" for c in type(t).__mro__)
+
+
+def refuse_sharded_stage(gm: nn.Module, where: str) -> None:
+    """A call that reads one whole model on each rank (``qc.convert``,
+    ``qc.export_onnx``, ``qc.export_encodings``) on a graph whose stages were spread over
+    ranks: refused where this rank's stage is sharded within (tensor parallel, FSDP2), as
+    it is on every rank of such a pipeline (no rank holds its own stage whole)."""
+    if spread(gm) is None:
+        return
+    name = next((n for n, p in gm.named_parameters() if _dtensor(p)), None)
+    if name is not None:
+        raise QCompileError(f"{where}: the graph's pipeline stages were trained on different "
+                            f"ranks and this rank's stage is sharded within ({name} is a "
+                            "DTensor: tensor parallel or FSDP2), while this call reads one "
+                            "whole model", fix=GATHER_FIX)
 
 
 def share_stages(gm: nn.Module) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import json
 import os
 import sys
 import warnings
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import transformers
-from _tensor_parallel_worker import llama_wide, lm_batch, lm_loss
+from _tensor_parallel_worker import llama_wide, lm_batch, lm_loss, logits_of
 from _worker_main import cases_in, error_of, run_cases
 
 import qcompile as qc
@@ -230,8 +231,15 @@ def staged(preset: str, export: Callable[..., Path], kind: str, layout: str,
     dist.all_gather_object(shares, mine)
     kept = {k: whole(v).detach().clone() for k, v in own.state_dict().items()}
     target = OUTDIR / f"{kind}_staged"
+    refused = {}
+    if layout != "pp":  # each rank's stage sharded within: one whole model nowhere
+        refused = {"convert": error_of(lambda: qc.convert(gm)),
+                   "onnx": error_of(lambda: qc.export_onnx(
+                       gm, OUTDIR / f"{kind}.onnx", example_kwargs={"input_ids": ids[:ROWS]})),
+                   "encodings": error_of(lambda: qc.export_encodings(
+                       gm, OUTDIR / f"{kind}.json"))}
     got = export(gm, target)
-    out: dict[str, Any] = {"returned": str(got) == str(target),
+    out: dict[str, Any] = {"returned": str(got) == str(target), "refused": refused,
                            "own_stage_kept": all(torch.equal(whole(v), kept[k]) for k, v in
                                                  own.state_dict().items())}
     dist.barrier()  # rank 0 has written by now
@@ -406,6 +414,56 @@ def case_mistakes() -> dict[str, Any]:
     return out
 
 
+def case_local_pp() -> dict[str, Any]:
+    """``int8-qat`` in two pipeline stages (pp 2), two GPipe steps, then on every rank the
+    calls that read one whole model: ``qc.convert`` (every rank gets the whole converted
+    model), ``qc.export_encodings`` and ``qc.export_onnx`` (rank 0 writes). Against one
+    process: the stages' trained state (gathered with ``all_gather_object``) loaded into
+    an unsplit compile, converted and exported there."""
+    spec = staged_spec("int8-qat", "pp")
+    ids = lm_batch(2 * ROWS)["input_ids"]
+    gm = qc.qcompile(llama(), spec, example_kwargs={"input_ids": ids[:ROWS]})
+    stage, schedule = qc.distributed.pipeline(gm, spec, loss_fn=lambda out, y: lm_loss(
+        out, {"input_ids": y}))
+    opt = torch.optim.SGD(stage.submod.parameters(), lr=LR)
+    for _ in range(2):
+        schedule.step(input_ids=ids, target=ids)
+        opt.step()
+        opt.zero_grad()
+    shares: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, {k: v.detach() for k, v in stage.submod.state_dict().items()})
+    x = ids[:ROWS]  # the graph's shapes are a micro-batch's
+    ref = qc.qcompile(llama(), qc.load_spec("int8-qat"), example_kwargs={"input_ids": x})
+    ref.load_state_dict({k: v for share in shares for k, v in share.items()}, strict=False)
+    qc.freeze(ref)
+    qc.freeze(gm)
+    out: dict[str, Any] = {}
+    converted = qc.convert(gm, (x,))
+    want = qc.convert(ref, (x,))
+    with torch.no_grad():
+        got_logits = logits_of(converted(input_ids=x))
+        want_logits = logits_of(want(input_ids=x))
+    out["convert_equal"] = torch.equal(got_logits, want_logits)
+    out["convert_gap"] = float((got_logits - want_logits).abs().max())
+    qc.export_encodings(gm, OUTDIR / "local_encodings.json")
+    qc.export_onnx(gm, OUTDIR / "local.onnx", example_kwargs={"input_ids": x},
+                   dynamic_batch=False)  # (the graph's shapes are fixed)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        qc.export_encodings(ref, OUTDIR / "ref_encodings.json")
+        out["encodings_equal"] = json.loads((OUTDIR / "local_encodings.json").read_text()) == (
+            json.loads((OUTDIR / "ref_encodings.json").read_text()))  # (as JSON: key order)
+        qc.export_onnx(ref, OUTDIR / "ref.onnx", example_kwargs={"input_ids": x},
+                       dynamic_batch=False)
+        import onnxruntime as ort
+
+        feed = {"input_ids": x.numpy()}
+        a = ort.InferenceSession(str(OUTDIR / "local.onnx")).run(None, feed)[0]
+        b = ort.InferenceSession(str(OUTDIR / "ref.onnx")).run(None, feed)[0]
+        out["onnx_gap"] = float(abs(a - b).max())
+    return out
+
+
 CASES = cases_in(globals())
 
 
@@ -417,3 +475,4 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+

@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.skipif(
 
 WORKER = Path(__file__).with_name("_tp_export_worker.py")
 ORDER = ["gguf", "hf", "gguf_fsdp2", "hf_fsdp2", "gguf_once", "gguf_moe", "hf_moe", "mistakes",
-         "gguf_pp", "hf_pp", "adapters_pp", "mistakes_pp"]
+         "gguf_pp", "hf_pp", "adapters_pp", "local_pp", "mistakes_pp"]
 # 4 ranks: dp 2 x tp 2, and two pipeline stages each across 2 ranks
 ORDER4 = ["gguf", "hf", "gguf_pp_tp", "hf_pp_tp_moe", "hf_pp_dp", "adapters_pp_tp"]
 LAUNCH_DEADLINE = 120.0  # seconds for every case of the launch (about 15 s normally)
@@ -228,6 +228,11 @@ def test_pipeline_stages_export_what_one_process_writes(request: pytest.FixtureR
     ranks = run.case(case)
     for got in ranks:
         assert got["returned"] and got["own_stage_kept"], got
+        # what reads one whole model on a rank is refused where each stage is sharded
+        # (qc.convert may refuse the preset's grid first)
+        for what, error in got["refused"].items():
+            assert error["raised"] == "QCompileError", (what, error)
+            assert what == "convert" or "sharded" in error["message"], (what, error)
     r0 = ranks[0]
     assert r0["missing"] == [], r0["missing"]
     assert r0["stages_trained"] > 0, r0  # both stages' weights moved in training
@@ -249,6 +254,20 @@ def test_pipeline_stages_save_every_stages_trained_adapters(request: pytest.Fixt
     assert r0["saved"] == r0["trained"] and r0["trained"], (r0["saved"], r0["trained"])
     assert r0["equal"] == r0["trained"], sorted(set(r0["trained"]) - set(r0["equal"]))
     assert r0["moved"] == len([k for k in r0["trained"] if ".lora_B." in k]), r0["moved"]
+
+
+@uses("local_pp")
+def test_pipeline_stages_convert_and_export_onnx_and_encodings_whole(dist_run: Any) -> None:
+    """``int8-qat`` trained in two pipeline stages (pp 2): every rank calls ``qc.convert``
+    (each gets the whole converted model, equal to one process's conversion of the
+    stages' gathered state), ``qc.export_encodings`` and ``qc.export_onnx`` (rank 0 writes
+    what one process writes: the same encodings, an ONNX model computing the same
+    logits)."""
+    ranks = dist_run.case("local_pp")
+    for rank, got in enumerate(ranks):
+        assert got["convert_equal"], (rank, got["convert_gap"])
+    assert ranks[0]["encodings_equal"], ranks[0]
+    assert ranks[0]["onnx_gap"] <= 1e-5, ranks[0]
 
 
 @uses("mistakes_pp")

@@ -76,6 +76,28 @@ def test_round_trip_reproduces_qparams_and_outputs(tmp_path: Path) -> None:
     assert torch.equal(a(X), b(X))
 
 
+def test_stage_children_are_keyed_by_the_model_names(tmp_path: Path) -> None:
+    """A graph placed in pipeline stages (a ``stage_<i>`` child graph each) writes the file
+    of the model compiled whole (no stage prefix, weights as params), and loads it back."""
+    staged = qc.qcompile(model(), {**qc.load_spec("int8-static").model_dump(),
+                                   "pipeline": {"stages": 2, "devices": ["cpu", "cpu"]}},
+                         (X,))
+    assert [n for n, _ in staged.named_children() if n.startswith("stage_")] == [
+        "stage_0", "stage_1"]
+    qc.calibrate(staged, BATCHES)
+    whole = qc.qcompile(model(), "int8-static", (X,))
+    whole.load_state_dict(staged.state_dict())
+    qc.export_encodings(staged, tmp_path / "staged.json")
+    qc.export_encodings(whole, tmp_path / "whole.json")
+    staged_data = json.loads((tmp_path / "staged.json").read_text())
+    assert staged_data == json.loads((tmp_path / "whole.json").read_text())
+    assert sorted(staged_data["param_encodings"]) == ["conv.weight", "fc.weight"]
+    fresh = qc.qcompile(model(), {**qc.load_spec("int8-static").model_dump(),
+                                  "pipeline": {"stages": 2, "devices": ["cpu", "cpu"]}}, (X,))
+    qc.load_encodings(fresh, tmp_path / "whole.json")
+    torch.testing.assert_close(fresh(X), staged(X), rtol=0, atol=0)
+
+
 def test_encodings_of_another_graph_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "a.encodings"
     qc.export_encodings(calibrated(), path)
