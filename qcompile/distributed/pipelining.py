@@ -158,10 +158,6 @@ class PipelineSchedule:
         return out
 
 
-def _forgotten() -> None:
-    return None
-
-
 @dataclass(frozen=True, eq=False)
 class StagePlacement:
     """Where ``qc.distributed.pipeline`` put a graph's stages (``meta[PIPELINE_KEY]``):
@@ -202,7 +198,7 @@ class StagePlacement:
         return self
 
     def __reduce__(self) -> tuple:
-        return (_forgotten, ())
+        return (type(None), ())  # unpickled as None
 
 
 def _owners(k: int, world: int, group: Any, columns: list[list[int]] | None
