@@ -340,8 +340,8 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
     """
 
     from qcompile.deploy.adapters import refuse_adapters
-    from qcompile.deploy.stages import refuse_sharded_stage, share_stages, spread
-    from qcompile.deploy.whole_graph import agree_to_gather
+    from qcompile.deploy.stages import refuse_sharded_stage, spread
+    from qcompile.deploy.whole_graph import agree_and_share
 
     refuse_adapters(gm, "convert")  # lowering the base alone would drop the adapters
     _refuse_ggml(gm)
@@ -358,8 +358,8 @@ def convert(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None, *,
     refuse_sharded_stage(gm, "convert")
     staged = spread(gm) is not None
     if staged:
-        agree_to_gather(gm, "convert", {"example_inputs": example_inputs is not None}, None)
-        share_stages(gm)
+        agree_and_share(gm, gm, "convert", {"example_inputs": example_inputs is not None},
+                        lambda: None)
     sharded = None if tp else sharded_by(gm)
     if sharded is not None:
         fsdp1 = any(c.__name__ == "FullyShardedDataParallel"

@@ -70,8 +70,8 @@ import torch
 from torch import nn
 
 from qcompile.deploy.adapters import refuse_adapters
-from qcompile.deploy.stages import refuse_sharded_stage, share_stages, spread
-from qcompile.deploy.whole_graph import agree_to_gather, writes_here
+from qcompile.deploy.stages import refuse_sharded_stage, spread
+from qcompile.deploy.whole_graph import agree_and_share, writes_here
 from qcompile.errors import QCompileError
 from qcompile.files import write_atomically
 from qcompile.graph.algorithms import refuse_pending
@@ -174,14 +174,8 @@ def export_encodings(gm: nn.Module, path: str | Path) -> None:
     _refuse_sharded(gm, "export_encodings")
     refuse_sharded_stage(gm, "export_encodings")
     if spread(gm) is not None:  # every rank: the stages' trained state first
-        refusal = None
-        try:
-            if writes_here(gm):
-                _target(path)
-        except QCompileError as e:
-            refusal = e
-        agree_to_gather(gm, "export_encodings", {"path": str(path)}, refusal)
-        share_stages(gm)
+        agree_and_share(gm, gm, "export_encodings", {"path": str(path)},
+                        lambda: _target(path) if writes_here(gm) else None)
     mode = report(gm).mode
     refuse_pending(gm, "export_encodings")
     missing = uncalibrated(gm, mode)

@@ -93,11 +93,10 @@ from torch.fx import GraphModule, Node
 
 from qcompile.deploy.adapters import unwrap
 from qcompile.deploy.encodings import quantizer_bits
-from qcompile.deploy.stages import share_stages
 from qcompile.deploy.whole_graph import (
     VIEWS,
     WeightRead,
-    agree_to_gather,
+    agree_and_share,
     call_name,
     config_fingerprint,
     describe_scheme,
@@ -826,16 +825,10 @@ def export_gguf(gm: nn.Module, path: str | Path, *, config: Any = None,
     if not is_sharded(graph):
         target = _target(path)
     else:  # every rank exports a sharded or pipelined graph together; rank 0 writes
-        target, refusal = Path(path), None
-        try:
-            if writes:
-                target = _target(path)
-        except QCompileError as e:
-            refusal = e
-        agree_to_gather(graph, WHERE, {
+        target = agree_and_share(graph, unwrap(gm), WHERE, {
             "path": str(path), "config": config_fingerprint(config),
-            "tokenizer": None if tokenizer is None else type(tokenizer).__name__}, refusal)
-        share_stages(unwrap(gm))
+            "tokenizer": None if tokenizer is None else type(tokenizer).__name__},
+            lambda: _target(path) if writes else Path(path))
     hp = _hparams(config)
     _check_family(hp)
     family = FAMILIES[hp["model_type"]]

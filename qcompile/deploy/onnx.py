@@ -92,8 +92,8 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from qcompile.deploy.adapters import refuse_adapters, unwrap
-from qcompile.deploy.stages import refuse_sharded_stage, share_stages, spread
-from qcompile.deploy.whole_graph import agree_to_gather, writes_here
+from qcompile.deploy.stages import refuse_sharded_stage, spread
+from qcompile.deploy.whole_graph import agree_and_share, agree_to_gather, writes_here
 from qcompile.errors import QCompileError
 from qcompile.files import atomic_paths, write_atomically
 from qcompile.graph.algorithms import refuse_pending
@@ -1008,14 +1008,8 @@ def export_onnx(
     refuse_sharded_stage(graph, "export_onnx")
     path = _check_path(path)
     if spread(graph) is not None:  # every rank: the stages' trained state first
-        refusal = None
-        try:
-            if writes_here(graph):
-                _check_target(path)
-        except QCompileError as e:
-            refusal = e
-        agree_to_gather(graph, "export_onnx", {"path": str(path)}, refusal)
-        share_stages(graph)
+        agree_and_share(graph, graph, "export_onnx", {"path": str(path)},
+                        lambda: _check_target(path) if writes_here(graph) else None)
     refuse_pending(graph, "export_onnx")
     onnxscript, ir = _require_onnx()
     args, kwargs = _example(example_inputs, example_kwargs)

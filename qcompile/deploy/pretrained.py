@@ -127,10 +127,9 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from qcompile.deploy.adapters import unwrap
-from qcompile.deploy.stages import share_stages
 from qcompile.deploy.whole_graph import (
     VIEWS,
-    agree_to_gather,
+    agree_and_share,
     call_name,
     config_fingerprint,
     describe_scheme,
@@ -955,14 +954,9 @@ def save_pretrained(gm: nn.Module, directory: str | os.PathLike[str], *,
     if not is_sharded(graph):
         target = _checked(graph, directory, writes=True)
     else:  # every rank saves a sharded or pipelined graph together; rank 0 writes
-        target, refusal = Path(directory), None
-        try:
-            target = _checked(graph, directory, writes=writes)
-        except QCompileError as e:
-            refusal = e
-        agree_to_gather(graph, WHERE, {"directory": os.fspath(directory),
-                                       "config": config_fingerprint(config)}, refusal)
-        share_stages(unwrap(gm))
+        target = agree_and_share(graph, unwrap(gm), WHERE, {
+            "directory": os.fspath(directory), "config": config_fingerprint(config)},
+            lambda: _checked(graph, directory, writes=writes))
     cfg = _config(config)
     skeleton = _skeleton(cfg, graph)
     plan = _plan(graph, skeleton, keep=writes)

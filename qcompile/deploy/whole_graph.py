@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +44,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from qcompile.deploy.adapters import refuse_adapters, unwrap
-from qcompile.deploy.stages import spread
+from qcompile.deploy.stages import share_stages, spread
 from qcompile.errors import QCompileError
 from qcompile.graph.algorithms import refuse_pending
 from qcompile.graph.inline import inline_children
@@ -63,6 +63,7 @@ from qcompile.runtime.sharded import ShardedEmbedding, ShardedLinear, SumGradien
 __all__ = [
     "VIEWS",
     "WeightRead",
+    "agree_and_share",
     "agree_to_gather",
     "call_name",
     "config_fingerprint",
@@ -218,6 +219,25 @@ def agree_to_gather(gm: GraphModule, where: str, fingerprint: Mapping[str, Any],
                             fix=_REFUSAL_FIX) from None
     if refusal is not None:  # no process group to tell: this rank's own error
         raise refusal
+
+
+def agree_and_share(graph: GraphModule, stages: nn.Module, where: str,
+                    fingerprint: Mapping[str, Any], check: Callable[[], Any]) -> Any:
+    """What every rank of a graph written together (sharded, or with stages
+    ``qc.distributed.pipeline`` spread over ranks) does before it reads a weight:
+    ``check()`` (this rank's checks, the writer's of its target; a ``QCompileError`` it
+    raises is this rank's refusal), the agreement on the call (``agree_to_gather``: a
+    refusal stops every rank), then the stages' trained state
+    (``qcompile.deploy.stages.share_stages`` of ``stages``, the graph holding the
+    ``stage_<i>`` children). Returns what ``check`` returned."""
+    refusal, result = None, None
+    try:
+        result = check()
+    except QCompileError as e:
+        refusal = e
+    agree_to_gather(graph, where, fingerprint, refusal)
+    share_stages(stages)
+    return result
 
 
 def call_name(node: Node) -> str:

@@ -206,6 +206,27 @@ def staged_spec(preset: str, layout: str) -> Any:
     return qc.specs.as_spec(d)
 
 
+def trained_stages(spec: Any, build: Callable[[], torch.nn.Module], lr: float = LR
+                   ) -> tuple[Any, torch.nn.Module, torch.Tensor, list[dict[str, Any]]]:
+    """The graph compiled for ``spec`` (two pipeline stages), this rank's stage trained
+    for two GPipe steps (SGD on what trains), and every rank's trained stage state
+    gathered whole (``full_tensor``) and shared (``all_gather_object``): ``(gm, this
+    rank's stage module, the batch, [each rank's stage state])``."""
+    ids = lm_batch(2 * ROWS)["input_ids"]
+    gm = qc.qcompile(build(), spec, example_kwargs={"input_ids": ids[:ROWS]})
+    stage, schedule = qc.distributed.pipeline(gm, spec, loss_fn=lambda out, y: lm_loss(
+        out, {"input_ids": y}))
+    opt = torch.optim.SGD([p for p in stage.submod.parameters() if p.requires_grad], lr=lr)
+    for _ in range(2):
+        schedule.step(input_ids=ids, target=ids)
+        opt.step()
+        opt.zero_grad()
+    own = getattr(stage.submod, "module", stage.submod)  # (pp x dp with DDP: its module)
+    shares: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, {k: whole(v).detach() for k, v in own.state_dict().items()})
+    return gm, own, ids, shares
+
+
 def staged(preset: str, export: Callable[..., Path], kind: str, layout: str,
            moe: bool = False) -> dict[str, Any]:
     """Every rank trains its stage for two GPipe steps, then every rank calls the export
@@ -215,22 +236,8 @@ def staged(preset: str, export: Callable[..., Path], kind: str, layout: str,
     one process's graph compiled without the pipeline section, exported there."""
     build, conf = (mixtral, mixtral_config()) if moe else (llama, config())
     export = functools.partial(export, conf=conf)
-    spec = staged_spec(preset, layout)
-    ids = lm_batch(2 * ROWS)["input_ids"]
-    gm = qc.qcompile(build(), spec, example_kwargs={"input_ids": ids[:ROWS]})
-    stage, schedule = qc.distributed.pipeline(gm, spec, loss_fn=lambda out, y: lm_loss(
-        out, {"input_ids": y}))
-    opt = torch.optim.SGD(stage.submod.parameters(), lr=LR)
-    for _ in range(2):
-        schedule.step(input_ids=ids, target=ids)
-        opt.step()
-        opt.zero_grad()
-    own = getattr(stage.submod, "module", stage.submod)  # (pp x dp with DDP: its module)
-    mine = {k: whole(v).detach() for k, v in own.state_dict().items()}
-    shares: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(shares, mine)
+    gm, own, ids, shares = trained_stages(staged_spec(preset, layout), build)
     kept = {k: whole(v).detach().clone() for k, v in own.state_dict().items()}
-    target = OUTDIR / f"{kind}_staged"
     refused = {}
     if layout != "pp":  # each rank's stage sharded within: one whole model nowhere
         refused = {"convert": error_of(lambda: qc.convert(gm)),
@@ -238,23 +245,15 @@ def staged(preset: str, export: Callable[..., Path], kind: str, layout: str,
                        gm, OUTDIR / f"{kind}.onnx", example_kwargs={"input_ids": ids[:ROWS]})),
                    "encodings": error_of(lambda: qc.export_encodings(
                        gm, OUTDIR / f"{kind}.json"))}
-    got = export(gm, target)
-    out: dict[str, Any] = {"returned": str(got) == str(target), "refused": refused,
-                           "own_stage_kept": all(torch.equal(whole(v), kept[k]) for k, v in
-                                                 own.state_dict().items())}
-    dist.barrier()  # rank 0 has written by now
-    if dist.get_rank() == 0:
-        trained = qc.qcompile(build(), qc.load_spec(preset), example_kwargs={"input_ids": ids})
-        fresh = {k: v.clone() for k, v in trained.state_dict().items()}
-        merged = {k: v for share in shares for k, v in share.items()}
-        out["missing"] = trained.load_state_dict(merged, strict=False).missing_keys
-        out["stages_trained"] = sum(not torch.equal(merged[k], fresh[k]) for k in merged
-                                    if k.endswith(".weight"))
-        reference = OUTDIR / f"{kind}_one_process"
-        export(trained, reference)
-        out.update(same_files(target, reference))
-        out["leftovers"] = sorted(p.name for p in OUTDIR.iterdir()
-                                  if p.name.startswith(f".{kind}") or ".tmp" in p.name)
+    trained = qc.qcompile(build(), qc.load_spec(preset), example_kwargs={"input_ids": ids})
+    fresh = {k: v.clone() for k, v in trained.state_dict().items()}
+    merged = {k: v for share in shares for k, v in share.items()}
+    missing = trained.load_state_dict(merged, strict=False).missing_keys
+    out = exported(export, gm, trained, kind)
+    out.update(refused=refused, missing=missing, own_stage_kept=all(
+        torch.equal(whole(v), kept[k]) for k, v in own.state_dict().items()),
+        stages_trained=sum(not torch.equal(merged[k], fresh[k]) for k in merged
+                           if k.endswith(".weight")))
     return out
 
 
@@ -285,20 +284,7 @@ def adapters_staged(layout: str) -> dict[str, Any]:
     of the adapters (SGD, lr 0.5), then every rank saves the adapters of the graph
     ``qc.qcompile`` returned; rank 0's file against every stage's trained adapters as its
     ranks hold them (gathered whole with ``full_tensor``)."""
-    spec = staged_spec("qlora-nf4", layout)
-    ids = lm_batch(2 * ROWS)["input_ids"]
-    gm = qc.qcompile(llama_wide(), spec, example_kwargs={"input_ids": ids[:ROWS]})
-    stage, schedule = qc.distributed.pipeline(gm, spec, loss_fn=lambda out, y: lm_loss(
-        out, {"input_ids": y}))
-    opt = torch.optim.SGD([p for p in stage.submod.parameters() if p.requires_grad], lr=0.5)
-    for _ in range(2):
-        schedule.step(input_ids=ids, target=ids)
-        opt.step()
-        opt.zero_grad()
-    own = getattr(stage.submod, "module", stage.submod)
-    mine = {k: whole(v).detach() for k, v in own.state_dict().items() if ".lora_" in k}
-    shares: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(shares, mine)
+    gm, _, _, shares = trained_stages(staged_spec("qlora-nf4", layout), llama_wide, lr=0.5)
     folder = qc.save_adapters(gm, OUTDIR / f"adapters_{layout}")
     out: dict[str, Any] = {"returned": folder == OUTDIR / f"adapters_{layout}"}
     dist.barrier()
@@ -307,7 +293,7 @@ def adapters_staged(layout: str) -> dict[str, Any]:
 
         saved = {k.removeprefix("base_model.model."): v for k, v in load_file(
             folder / "adapter_model.safetensors").items() if ".lora_" in k}
-        trained = {k: v for share in shares for k, v in share.items()}
+        trained = {k: v for share in shares for k, v in share.items() if ".lora_" in k}
         out["saved"] = sorted(saved)
         out["trained"] = sorted(trained)
         out["equal"] = sorted(k for k, v in trained.items() if k in saved
@@ -335,12 +321,7 @@ def case_mistakes_pp() -> dict[str, Any]:
     qc.distributed.pipeline(gm, spec, loss_fn=lambda out, y: lm_loss(out, {"input_ids": y}))
     out: dict[str, Any] = {}
     mistake(out, "path_differs", lambda: gguf_export(gm, OUTDIR / f"pp{rank}.gguf"))
-    exists = OUTDIR / "pp_exists.gguf"
-    if rank == 0:
-        exists.write_bytes(b"mine")
-    dist.barrier()
-    mistake(out, "exists", lambda: gguf_export(gm, exists))
-    out["exists"]["kept"] = exists.read_bytes() == b"mine"
+    exists_on_rank0(out, gm, "pp_exists.gguf")
     out["unwritten"] = sorted(p.name for p in OUTDIR.iterdir() if p.name.startswith("pp") and
                               p.name != "pp_exists.gguf")
     return out
@@ -360,6 +341,17 @@ def mistake(out: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
     out[name]["group_works"] = group_works()
 
 
+def exists_on_rank0(out: dict[str, Any], model: Any, name: str) -> None:
+    """An export to ``name``, a file rank 0 (the writer) has: ``out["exists"]``, what each
+    rank raised, and whether the file was kept."""
+    exists = OUTDIR / name
+    if dist.get_rank() == 0:
+        exists.write_bytes(b"mine")
+    dist.barrier()
+    mistake(out, "exists", lambda: gguf_export(model, exists))
+    out["exists"]["kept"] = exists.read_bytes() == b"mine"
+
+
 def case_mistakes() -> dict[str, Any]:
     """Calls the ranks do not make together: each is a QCompileError on both ranks, before
     any gather, and the group and the agreement still work afterwards."""
@@ -377,12 +369,7 @@ def case_mistakes() -> dict[str, Any]:
     mistake(out, "config_differs", lambda: qc.export_gguf(model, OUTDIR / "cfg.gguf",
                                                           config=other))
     # the path exists: rank 0 (the writer) refuses; rank 1 must not gather alone
-    exists = OUTDIR / "exists.gguf"
-    if rank == 0:
-        exists.write_bytes(b"mine")
-    dist.barrier()
-    mistake(out, "exists", lambda: gguf_export(model, exists))
-    out["exists"]["kept"] = exists.read_bytes() == b"mine"
+    exists_on_rank0(out, model, "exists.gguf")
     # rank 0 alone, rank 1 making no qcompile call: rank 0 gives up after the timeout
     os.environ["QCOMPILE_AGREE_TIMEOUT"] = "2"
     try:
@@ -420,18 +407,7 @@ def case_local_pp() -> dict[str, Any]:
     model), ``qc.export_encodings`` and ``qc.export_onnx`` (rank 0 writes). Against one
     process: the stages' trained state (gathered with ``all_gather_object``) loaded into
     an unsplit compile, converted and exported there."""
-    spec = staged_spec("int8-qat", "pp")
-    ids = lm_batch(2 * ROWS)["input_ids"]
-    gm = qc.qcompile(llama(), spec, example_kwargs={"input_ids": ids[:ROWS]})
-    stage, schedule = qc.distributed.pipeline(gm, spec, loss_fn=lambda out, y: lm_loss(
-        out, {"input_ids": y}))
-    opt = torch.optim.SGD(stage.submod.parameters(), lr=LR)
-    for _ in range(2):
-        schedule.step(input_ids=ids, target=ids)
-        opt.step()
-        opt.zero_grad()
-    shares: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(shares, {k: v.detach() for k, v in stage.submod.state_dict().items()})
+    gm, _, ids, shares = trained_stages(staged_spec("int8-qat", "pp"), llama)
     x = ids[:ROWS]  # the graph's shapes are a micro-batch's
     ref = qc.qcompile(llama(), qc.load_spec("int8-qat"), example_kwargs={"input_ids": x})
     ref.load_state_dict({k: v for share in shares for k, v in share.items()}, strict=False)
