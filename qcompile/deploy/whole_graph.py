@@ -159,8 +159,10 @@ def gathered(t: torch.Tensor) -> torch.Tensor:
 
 def writes_here(gm: GraphModule) -> bool:
     """Whether this process writes ``gm``'s export: always for a whole graph; for a
-    sharded one (every rank exports it together) only the default group's rank 0. Read
-    through ``sys.modules``: this layer never imports ``torch.distributed`` itself."""
+    sharded one (every rank exports it together) only the default group's rank 0, and for
+    one whose stages ``qc.distributed.pipeline`` spread over ranks the pipeline's lowest
+    rank. Read through ``sys.modules``: this layer never imports ``torch.distributed``
+    itself."""
     if not is_sharded(gm):
         return True
     dist = sys.modules.get("torch.distributed")
