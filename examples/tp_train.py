@@ -13,6 +13,12 @@ each layer's experts, and computes the tokens routed to them:
 
     torchrun --standalone --nproc_per_node=2 examples/tp_train.py --moe
 
+Three experts do not split over 2 ranks: each rank then holds every expert's share of
+its gate and up rows and of its down input features (sliced within each expert), and
+computes every routed token on it:
+
+    torchrun --standalone --nproc_per_node=2 examples/tp_train.py --moe --experts 3
+
 Sequence parallelism: an explicit plan, torchtitan's, naming the norms ``sequence``, so the
 norms and the residual stream run on each rank's tokens:
 
@@ -76,18 +82,19 @@ STAGES = [{"modules": ["model.embed_tokens", "model.rotary_emb", "model.layers.0
           {"modules": ["model.layers.1", "model.layers.1.*", "model.norm", "lm_head"]}]
 
 
-def config_of(moe: bool = False) -> transformers.PretrainedConfig:
+def config_of(moe: bool = False, experts: int = 4) -> transformers.PretrainedConfig:
     common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   use_cache=False, tie_word_embeddings=False)
     if moe:
-        return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+        return transformers.MixtralConfig(**common, num_local_experts=experts,
+                                          num_experts_per_tok=2)
     return transformers.LlamaConfig(**common)
 
 
-def build(moe: bool = False) -> torch.nn.Module:
+def build(moe: bool = False, experts: int = 4) -> torch.nn.Module:
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config_of(moe))
+    return transformers.AutoModelForCausalLM.from_config(config_of(moe, experts))
 
 
 def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -104,6 +111,9 @@ def main() -> None:
                         help="qc.distributed.compile_once from a safetensors checkpoint")
     parser.add_argument("--moe", action="store_true",
                         help="a Mixtral-style mixture of experts (experts sharded by expert)")
+    parser.add_argument("--experts", type=int, default=4,
+                        help="--moe's experts per layer (not a multiple of --tp: each "
+                        "expert sliced)")
     parser.add_argument("--sequence", action="store_true",
                         help="the norms on each rank's tokens (sequence parallelism)")
     parser.add_argument("--convert", action="store_true",
@@ -117,7 +127,7 @@ def main() -> None:
     if args.pipeline and (args.once or args.sequence or args.convert):
         parser.error("--pipeline trains and saves a checkpoint; it takes --tp, --preset, "
                      "--steps and --moe")
-    make = functools.partial(build, args.moe)
+    make = functools.partial(build, args.moe, args.experts)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.pipeline:
@@ -153,10 +163,12 @@ def main() -> None:
     if rank == 0:
         plan = qc.report(gm).tensor_parallel
         layers = sum(r.style in ("colwise", "rowwise") for r in plan)
-        experts = sum(r.style == "experts" for r in plan)
+        experts = [r for r in plan if r.style == "experts"]
+        how = "within each expert" if any("within" in r.reason for r in experts) \
+            else "by expert"
         norms = sum(r.style == "sequence" for r in plan)
         print(f"{layers} layers sharded {args.tp} ways"
-              + (f", {experts} expert weights by expert" if experts else "")
+              + (f", {len(experts)} expert weights {how}" if experts else "")
               + (f", {norms} norms on each rank's tokens" if norms else "") + f", dp {dp}")
     model = qc.distributed.wrap(gm, spec)  # parallelize_module on tp, fully_shard on dp
     if rank == 0:
@@ -220,7 +232,7 @@ def pipelined(args: argparse.Namespace, make: functools.partial, rank: int, worl
     dist.broadcast_object_list(folder)  # one machine here; a shared folder across nodes
     target = os.path.join(folder[0], "checkpoint")
     # every rank: each stage's trained state reaches rank 0, which writes the checkpoint
-    qc.save_pretrained(gm, target, config=config_of(args.moe))
+    qc.save_pretrained(gm, target, config=config_of(args.moe, args.experts))
     return target, ids, trained[0]
 
 

@@ -130,11 +130,24 @@ class TensorParallelPlan:
 @dataclass(frozen=True)
 class ExpertsPlan:
     """A mixture of experts whose weights are one ``[experts, ...]`` parameter per matmul
-    (transformers' ``grouped_mm``), sharded by expert: each rank holds ``experts / size``
-    of them (``Shard(0)``). ``first`` (the gate/up matmul) reads every token and computes
-    the rows routed to this rank's experts; ``second`` (down) computes those rows' outputs,
-    put back among the others' zeros and summed across tp. ``region``: the quantizers
-    between them, which see this rank's rows (their ranges reduced across tp)."""
+    (transformers' ``grouped_mm``), sharded across tp.
+
+    By expert (``split == 0``): each rank holds ``experts / size`` of them (``Shard(0)``).
+    ``first`` (the gate/up matmul) reads every token and computes the rows routed to this
+    rank's experts; ``second`` (down) computes those rows' outputs, put back among the
+    others' zeros and summed across tp. ``region``: the quantizers between them, which see
+    this rank's rows (their ranges reduced across tp).
+
+    Within each expert (``split >= 1``): every rank holds every expert's slice of the
+    intermediate features, as a colwise / rowwise MLP pair: ``first``'s ``[experts, out,
+    in]`` weight by its output rows (``_StridedShard(1, split)``: the first ``1/split`` of
+    the rows (gate) and each next one (up) sliced alike, so ``chunk(split)`` of the
+    product still cuts gate from up), ``second``'s by its input features (``Shard(2)``).
+    Every rank computes every routed row on its features; the down products are partial
+    sums, summed across tp. ``region``: quantizers on the sliced features (their ranges
+    over the features reduced across tp). ``reshapes``: the gate/up weight's reshape
+    after its quantizer, which reads this rank's rows (node, argument path, global
+    size), as a ``shape_args`` entry."""
 
     params: tuple[str, str]
     first: str
@@ -143,6 +156,12 @@ class ExpertsPlan:
     region: tuple[str, ...] = ()
     # the nodes holding this rank's rows only (a pipeline cut must not cross one)
     rows: tuple[str, ...] = ()
+    split: int = 0
+    reshapes: tuple[tuple[str, tuple[int, ...], int], ...] = ()
+
+    @property
+    def within(self) -> bool:
+        return self.split > 0
 
 
 @dataclass(frozen=True)
@@ -585,9 +604,11 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
                     fix="give sequence to the norms' module names (e.g. "
                     "'*.input_layernorm', '*.post_attention_layernorm', 'model.norm') and "
                     "colwise, rowwise or replicate to layers")
+        experts = _expert_params(gm)
         unknown = [g for g in explicit if explicit[g] != "sequence"
                    and not any(fnmatch.fnmatchcase(n, g) for n in by_name
-                               if by_name[n].follows is None)]
+                               if by_name[n].follows is None)
+                   and not any(fnmatch.fnmatchcase(n, g) for n in experts)]
         if unknown:
             raise QCompileError(
                 f"tensor_parallel.plan: {unknown[0]!r} matches no Linear or embedding layer "
@@ -683,12 +704,10 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
                  if q.layer == layer.follows or q.layer.startswith(f"{layer.follows}."))
         out.insert(at + 1, LayerPlan(layer.name, layer.kind, style, why,  # after its layer
                                      gather=style == "colwise" and base.gather))
-    experts, kept = _experts(gm, size) if explicit is None else ([], {})
+    experts, kept = _experts(gm, size, explicit)
     for e in experts:
-        for param in e.params:
-            out.append(LayerPlan(param, "experts", "experts", (
-                f"{e.experts} experts, {e.experts // size} per rank (Shard(0)); each rank "
-                "computes the tokens routed to its experts, outputs summed across tp")))
+        for i, param in enumerate(e.params):
+            out.append(LayerPlan(param, "experts", "experts", _experts_reason(e, i, size)))
     planned = {layer.weight for layer in layers.values()} | {
         p for e in experts for p in e.params}
     out += _other_weights(gm, planned, kept)
@@ -700,7 +719,8 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
             _check_region_quantizer(gm, q)
     # an expert region's quantizers read this rank's rows: as Shard of the rows, their
     # ranges reduced across tp (per-token ones stay each row's own)
-    sliced += [(q, -2) for e in experts for q in e.region]
+    # (within each expert: a slice of the features, their ranges over them reduced)
+    sliced += [(q, -1 if e.within else -2) for e in experts for q in e.region]
     quantizers = set(prop.quantizers)
     params = {k: set(v) for k, v in prop.region_params.items()}
     sequence = None
@@ -719,13 +739,27 @@ def build_plan(gm: GraphModule, size: int, plan: Any) -> TensorParallelPlan:
                 sliced.append((q, how))
         for k, v in seq.params.items():
             params.setdefault(k, set()).update(v)
-    return TensorParallelPlan(size, tuple(out), tuple(prop.shape_args),
+    shape_args = (*prop.shape_args, *(r for e in experts for r in e.reshapes))
+    return TensorParallelPlan(size, tuple(out), shape_args,
                               tuple(q for q in sorted(quantizers) if q not in dict(sliced)),
                               tuple((k, tuple(sorted(v))) for k, v in sorted(params.items())),
                               frozenset(n.name for n in prop.state).union(
                                   *(e.rows for e in experts),
                                   sequence.nodes if sequence else ()),
                               tuple(sliced), tuple(experts), sequence)
+
+
+def _experts_reason(e: ExpertsPlan, i: int, size: int) -> str:
+    if not e.within:
+        return (f"{e.experts} experts, {e.experts // size} per rank (Shard(0)); each rank "
+                "computes the tokens routed to its experts, outputs summed across tp")
+    if i == 0:
+        pieces = f", each of its {e.split} pieces (gate, up)" if e.split > 1 else ""
+        return (f"within each of {e.experts} experts: output rows sliced{pieces} "
+                f"(_StridedShard(1, split_factor={e.split}))" if e.split > 1 else
+                f"within each of {e.experts} experts: output rows sliced (Shard(1))")
+    return (f"within each of {e.experts} experts: input features sliced (Shard(2)); every "
+            "rank computes every routed token, partial sums reduced across tp")
 
 
 # -- sequence parallelism: the activations between the blocks, by tokens --------------------
@@ -1008,23 +1042,69 @@ _WEIGHT_PATH = frozenset({"reshape", "view", "_unsafe_view", "transpose", "t", "
 _ROW_OPS = (_ELEMENTWISE - {"where", "masked_fill"}) | {"getitem", "chunk", "split"}
 
 
-def _expert_weight(gm: GraphModule, n: Any) -> tuple[str, str | None] | None:
-    """``(parameter, its quantizer)`` where ``n`` (a grouped matmul's weight) reads one
-    ``[experts, ...]`` parameter through views and its own quantizer, nothing else."""
-    fq = None
+def _expert_weight(gm: GraphModule, n: Any) -> tuple[str, str | None, list[Node]] | None:
+    """``(parameter, its quantizer, the path's ops from the parameter on)`` where ``n`` (a
+    grouped matmul's weight) reads one ``[experts, ...]`` parameter through views and its
+    own quantizer, nothing else."""
+    fq, path = None, []
     while isinstance(n, Node) and len(n.users) == 1:
         if n.op == "get_attr":
             name = str(n.target)
             if _is_param(gm, name) and gm.get_parameter(name).dim() == 3:
-                return name, fq
+                return name, fq, path[::-1]
             return None
         if n.op == "call_module" and fq is None and isinstance(
                 gm.get_submodule(str(n.target)), FakeQuantize):
             fq = str(n.target)
         elif _op(n) not in _WEIGHT_PATH:
             return None
+        else:
+            path.append(n)
         n = n.args[0] if n.args else None
     return None
+
+
+def _read_transposed(gm: GraphModule, param: str, path: list[Node], first: bool
+                     ) -> list[tuple[str, tuple[int, ...], int]] | None:
+    """Whether ``param`` (``[experts, a, b]``) reaches its grouped matmul as transformers
+    has it read: reshaped to ``[experts * a, b]`` for its quantizer and back, then
+    ``transpose(-2, -1)`` (the matmul reads ``[experts, b, a]``), or transposed alone.
+    Returns, for the gate/up weight (``first``; sliced along ``a``), the shape argument of
+    the reshape back, which ``wrap`` counts in this rank's rows (that reshape reads the
+    local rows: torch's DTensor cannot reshape the strided rows back); None for any other
+    way."""
+    e, a, b = gm.get_parameter(param).shape
+    flat, transposed, out = False, False, []
+    for n in path:
+        op = _op(n)
+        if op in ("to", "_to_copy", "contiguous", "alias"):
+            continue
+        if op == "transpose" and not transposed and not flat:
+            dims = {d % 3 for d in n.args[1:3] if isinstance(d, int)}
+            if dims != {1, 2}:
+                return None
+            transposed = True
+            continue
+        if op not in ("reshape", "view", "_unsafe_view") or transposed:
+            return None
+        packed = isinstance(n.args[1], (list, tuple))
+        shape = tuple(n.args[1] if packed else n.args[1:])
+        if shape == (e * a, b) and not flat:
+            flat = True
+        elif shape == (e, a, b) and flat:
+            flat = False
+            if first:
+                out.append((n.name, (1, 1) if packed else (2,), a))
+        else:
+            return None
+    return out if transposed and not flat else None
+
+
+def _expert_params(gm: GraphModule) -> list[str]:
+    """The ``[experts, ...]`` parameters grouped matmuls read (names an explicit plan may
+    give colwise / rowwise)."""
+    return [w[0] for n in gm.graph.nodes if _op(n) in _GROUPED_MM and len(n.args) >= 3
+            for w in [_expert_weight(gm, n.args[1])] if w is not None]
 
 
 def _row_region(gm: GraphModule, first: Node, second: Node) -> list[Node] | None:
@@ -1065,8 +1145,12 @@ def _position(graph: Any) -> Any:
     return order.__getitem__
 
 
-def _experts(gm: GraphModule, size: int) -> tuple[list[ExpertsPlan], dict[str, str]]:
-    """The mixtures of experts sharded by expert, and why others stay whole (by param)."""
+def _experts(gm: GraphModule, size: int, explicit: dict[str, str] | None = None
+             ) -> tuple[list[ExpertsPlan], dict[str, str]]:
+    """The mixtures of experts sharded, and why others stay whole (by param). ``plan:
+    auto`` shards by expert where ``size`` divides the experts, else within each expert;
+    an explicit plan shards within each expert the mixtures whose gate/up weight it names
+    colwise and down weight rowwise."""
     mms = {}
     for n in gm.graph.nodes:
         if _op(n) in _GROUPED_MM and len(n.args) >= 3:
@@ -1074,23 +1158,30 @@ def _experts(gm: GraphModule, size: int) -> tuple[list[ExpertsPlan], dict[str, s
             if w is not None:
                 mms[n] = w
     plans, why = [], {}
-    for second, (p2, q2) in mms.items():
+    for second, (p2, q2, path2) in mms.items():
         x = second.args[0]
         first = _upstream(x, mms, second.args[2])
         if first is None:
             continue
-        p1, q1 = mms[first]
+        p1, q1, path1 = mms[first]
         e = gm.get_parameter(p1).shape[0]
         region = _row_region(gm, first, second)
+        wanted = None if explicit is None else (_explicit(explicit, p1),
+                                                _explicit(explicit, p2))
+        if wanted is not None and wanted == (None, None):
+            why[p1] = why[p2] = "planned replicate"
+            continue
+        if wanted is not None and wanted != ("colwise", "rowwise"):
+            raise QCompileError(
+                f"tensor_parallel.plan: the experts {p1} and {p2} are planned {wanted[0]} and "
+                f"{wanted[1]}", fix=f"plan {p1!r} colwise and {p2!r} rowwise (each expert "
+                "sliced as an MLP pair), or leave both out (kept whole)")
         reason = None
         if region is None:
             reason = ("the ops between its two grouped matmuls do not act on each routed "
                       "row alone")
         elif gm.get_parameter(p2).shape[0] != e:
             reason = "its two matmuls hold different numbers of experts"
-        elif e % size:
-            reason = (f"{e} experts, not divisible by tensor_parallel.size {size}: kept "
-                      "whole")
         quantizers = [str(n.target) for n in region or () if n.op == "call_module"]
         for q in [q for q in (q1, q2, *quantizers) if q is not None]:
             fq = gm.get_submodule(q)
@@ -1102,13 +1193,76 @@ def _experts(gm: GraphModule, size: int) -> tuple[list[ExpertsPlan], dict[str, s
             if reason is None and fq.block_format is None and fq.granularity not in (
                     "per_tensor", "per_token"):
                 reason = (f"{q} quantizes {fq.granularity} between the two matmuls, where "
-                          "each rank holds some of the rows: per tensor or per token only")
-        if reason is not None:
-            why[p1] = why[p2] = reason
+                          "each rank holds part of the routed rows' values: per tensor or "
+                          "per token only")
+        rows = (first.name, *(n.name for n in region or ()))
+        if reason is None and e % size == 0 and wanted is None:
+            plans.append(ExpertsPlan((p1, p2), first.name, second.name, e, tuple(quantizers),
+                                     rows))
             continue
-        plans.append(ExpertsPlan((p1, p2), first.name, second.name, e, tuple(quantizers),
-                                 (first.name, *(n.name for n in region or ()))))
+        if reason is None:
+            within = _within(gm, (p1, p2), (path1, path2), (q1, q2), first, region or [],
+                             size)
+            if isinstance(within, str):
+                reason = (f"{e} experts, not divisible by tensor_parallel.size {size}, and "
+                          f"not sliced within each expert: {within}") if wanted is None \
+                    else within
+            else:
+                split, reshapes = within
+                plans.append(ExpertsPlan((p1, p2), first.name, second.name, e,
+                                         tuple(quantizers), rows, split, tuple(reshapes)))
+                continue
+        if wanted is not None:
+            raise QCompileError(f"tensor_parallel.plan: the experts {p1} and {p2} cannot be "
+                                f"sliced within each expert: {reason}",
+                                fix=f"leave {p1!r} and {p2!r} out of the plan (kept whole)")
+        why[p1] = why[p2] = reason
     return plans, why
+
+
+def _within(gm: GraphModule, params: tuple[str, str], paths: tuple[list[Node], list[Node]],
+            quantizers: tuple[str | None, str | None], first: Node, region: list[Node],
+            size: int) -> tuple[int, list] | str:
+    """``(split, shape arguments)`` where a mixture can be sliced within each expert (its
+    gate/up weight's output rows, its down weight's input features), else why not."""
+    reshapes = []
+    for param, path, is_first in zip(params, paths, (True, False)):
+        found = _read_transposed(gm, param, path, is_first)
+        if found is None:
+            return (f"{param} reaches its grouped matmul other than as transformers' "
+                    "[experts, out, in] weight read transposed")
+        reshapes += found
+    chunks = [n for n in region if _op(n) in ("chunk", "split")]
+    split = 1
+    for n in chunks:
+        k = n.args[1]
+        up = n.args[0]
+        while up is not first and isinstance(up, Node) and up in region:
+            if _op(up) in ("chunk", "split", "getitem"):
+                return "its gate/up product is cut more than once"
+            up = up.args[0]
+        if _op(n) != "chunk" or not isinstance(k, int) or (split != 1 and k != split):
+            return "its gate/up product is cut into pieces of other sizes than equal chunks"
+        split = k
+    out = gm.get_parameter(params[0]).shape[1]
+    inner = gm.get_parameter(params[1]).shape[2]
+    if out % (split * size) or inner % size:
+        return (f"its {out // split} intermediate features do not split into "
+                f"tensor_parallel.size {size} equal parts")
+    for q, across in zip(quantizers, (None, inner)):
+        fq = gm.get_submodule(q) if q else None
+        block = fq and (fq.group_size if fq.block_format is not None or
+                        fq.granularity == "per_group" else None)
+        if across and block and (across // size) % block:
+            return (f"{q} quantizes in groups of {block} along {across} features, "
+                    f"{across // size} per rank: a group would straddle two shards")
+    for n in region:
+        fq = gm.get_submodule(str(n.target)) if n.op == "call_module" else None
+        if fq is not None and fq.block_format is not None and (
+                out // split // size) % fq.group_size:
+            return (f"{n.target} quantizes in blocks of {fq.group_size}, and each rank holds "
+                    f"{out // split // size} features: a block would straddle two shards")
+    return split, reshapes
 
 
 def _upstream(n: Any, mms: dict[Node, Any], offs: Any, limit: int = 64) -> Node | None:

@@ -230,6 +230,10 @@ def _shard_experts(g: GraphModule, plan: TensorParallelPlan, sum_gradients: nn.M
         first, second = nodes.get(e.first), nodes.get(e.second)
         if first is None or second is None:
             continue  # another graph's (an FSDP2 block, a pipeline stage)
+        if e.within:
+            _shard_within(g, e, first, second, sum_gradients)
+            done.append(e)
+            continue
         experts = f"tp_local_experts_{_op_name(first)}"
         x, offs = first.args[0], first.args[2]
         with g.graph.inserting_before(first):
@@ -253,6 +257,55 @@ def _shard_experts(g: GraphModule, plan: TensorParallelPlan, sum_gradients: nn.M
 
 
 _PARTIAL = "tp_sum_partial"
+
+
+def _shard_within(g: GraphModule, e: ExpertsPlan, first: Node, second: Node,
+                  sum_gradients: nn.Module) -> None:
+    """A mixture sliced within each expert runs as a colwise / rowwise pair on every
+    routed row: the graph's own grouped matmuls on this rank's slices of the weights, the
+    gate/up input's gradient summed across tp, the down products (partial sums) summed
+    (``SumPartial``).
+
+    Each weight reaches its quantizer as the DTensor it is, through the graph's own views
+    (torch's DTensor views: the gate/up rows of every expert as ``_StridedShard`` of
+    ``[experts * out, in]``, down's columns as ``Shard(1)``), so every reader of the
+    weight path (``freeze``, the exporters) sees it as compiled. A fused gate/up weight
+    is first seen as ``[experts, split, out / split, in]`` (its ``_StridedShard`` is then
+    a plain ``Shard``, which torch flattens). The gate/up rows come back to the local rows
+    before the reshape back to ``[experts, out, in]`` (counted per rank,
+    ``_shape_args``), which DTensor cannot do on strided rows; down's just before its
+    matmul."""
+    mesh = sum_gradients.mesh
+    nodes = {n.name: n for n in g.graph.nodes}
+    attr = next(n for n in g.graph.nodes
+                if n.op == "get_attr" and str(n.target) == e.params[0])
+    backs = [nodes[name] for name, *_ in e.reshapes if name in nodes]
+    if not backs:  # read transposed alone: the local rows from the start
+        with g.graph.inserting_after(attr):
+            local = g.graph.call_method("to_local", (attr,))
+        attr.replace_all_uses_with(local, delete_user_cb=lambda u: u is not local)
+    elif e.split > 1:
+        ex, out, inner = g.get_parameter(e.params[0]).shape
+        with g.graph.inserting_after(attr):
+            pieces = g.graph.call_function(torch.reshape, (attr, (
+                ex, e.split, out // e.split, inner)))
+        attr.replace_all_uses_with(pieces, delete_user_cb=lambda u: u is not pieces)
+    for back in backs:
+        with g.graph.inserting_before(back):
+            local = g.graph.call_method("to_local", (back.args[0],))
+        back.replace_input_with(back.args[0], local)
+    w2 = second.args[1]
+    with g.graph.inserting_before(second):
+        local2 = g.graph.call_method("to_local", (w2,))
+    second.replace_input_with(w2, local2)
+    x = first.args[0]
+    with g.graph.inserting_before(first):
+        summed = g.graph.call_module(_call_site(g, _SUM, type(sum_gradients)(mesh)), (x,))
+    first.replace_input_with(x, summed)
+    with g.graph.inserting_after(second):
+        whole = g.graph.call_module(_call_site(g, _PARTIAL, SumPartial(mesh)), (second,))
+    second.replace_all_uses_with(whole, delete_user_cb=lambda u: u is not whole)
+    whole.meta = dict(second.meta)
 
 
 def _op_name(n: Node) -> str:

@@ -65,7 +65,11 @@ class TensorParallelSpec(Frozen):
     replicate}``, first match wins, unmatched layers replicated. ``sequence`` names norm
     modules (``'*.input_layernorm'``): the norms and the residual stream between the blocks
     then run on each rank's tokens (sequence parallelism, as torchtitan plans it); a plan
-    naming only norms plans the layers as ``auto`` does.
+    naming only norms plans the layers as ``auto`` does. A mixture of experts (one
+    ``[experts, ...]`` weight per grouped matmul) is sharded by expert under ``auto`` where
+    ``size`` divides the experts, else within each expert; an explicit plan slices it within
+    each expert where it names its gate/up weight ``colwise`` and its down weight
+    ``rowwise`` (``'*.experts.gate_up_proj': colwise``).
 
     Example:
         >>> TensorParallelSpec(size=2, plan={"*.q_proj": "colwise", "*.o_proj": "rowwise"}).size

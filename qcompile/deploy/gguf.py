@@ -357,7 +357,8 @@ def _weight_format(gm: GraphModule, t: _Tensor, param: torch.Tensor,
 def _check_rows(t: _Tensor, param: torch.Tensor, views: tuple[Node, ...], fmt: str) -> None:
     """The quantizer's blocks must run along the parameter's last dim (its input
     dimension), as GGUF stores them: the views before it may only merge leading dims."""
-    x: torch.Tensor | None = param.detach()
+    # (shapes only: the views of a sharded weight may exist only once it is gathered)
+    x: torch.Tensor | None = torch.empty(param.shape, device="meta")
     for v in views:
         if x is None or call_name(v) in ("to", "contiguous", "alias"):  # same rows
             continue

@@ -453,7 +453,8 @@ def _observed(fq: FakeQuantize, w: torch.Tensor) -> tuple[FakeQuantize, torch.Te
 def _rows_view(path: str, param: torch.Tensor, steps: Any) -> None:
     """The quantizer must read the parameter's rows as they are (a fused expert weight
     ``[experts, out, in]`` as ``[experts * out, in]``): the checkpoint stores them so."""
-    view = apply_view(param.detach(), steps)
+    # (shapes only: the views of a sharded weight may exist only once it is gathered)
+    view = apply_view(torch.empty(param.shape, device="meta"), steps)
     plain = all(fn is torch.reshape for fn, _ in steps)
     if not plain or view.dim() != 2 or view.shape[-1] != param.shape[-1]:
         raise QCompileError(f"{WHERE}: {path} is quantized through a transposed view; "

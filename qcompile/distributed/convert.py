@@ -128,9 +128,16 @@ def tp_refusal(gm: nn.Module) -> str | None:
         if p is None or not hasattr(p, "placements") or len(p.placements) != 1 + fsdp:
             continue
         rows = apply_view(torch.empty(p.shape, device="meta"), steps)
-        if p.placements[-1] != Shard(0) or rows.dim() != 2 or rows.shape[0] % p.shape[0]:
+        place = p.placements[-1]
+        by_expert = place == Shard(0) and rows.dim() == 2 and rows.shape[0] % p.shape[0] == 0
+        # within each expert: [experts, out, in] by its rows (strided with gate / up) or
+        # its input features, read as [experts * out, in]
+        within = p.dim() == 3 and rows.dim() == 2 and rows.shape[1] == p.shape[2] and (
+            place == Shard(2) or (place.dim == 1 and not place.is_partial()))
+        if not (by_expert or within):
             return (f"{path!r} is quantized in the graph as a weight sharded as "
-                    f"{p.placements} (storage by rank holds the rows of a Shard(0) weight)")
+                    f"{p.placements} (storage by rank holds the rows of a Shard(0) weight, "
+                    "or a mixture's experts sliced within each expert)")
     return None
 
 
@@ -251,10 +258,13 @@ def _store_weight_nodes(g: Any) -> list[Any]:
         if not any(n.op == "get_attr" and n.target == path for n in g.graph.nodes):
             del owner._parameters[leaf]
         kind = f"{fw.fmt} blocks" if fw.fmt else f"int{_bits(fq)}"
+        cols = fw.codes.placements[0].dim == 1
         records.append(ConversionRecord(
             node=call.name, module=path, path="block_storage" if fw.fmt else "int_storage",
-            op=f"{kind} weight, rows shard",
-            note="this rank's rows (its experts) stored, dequantized at each forward"))
+            op=f"{kind} weight, {'columns' if cols else 'rows'} shard",
+            note="this rank's columns (every expert's share of its input features) stored, "
+            "dequantized at each forward" if cols else "this rank's rows (its experts, or "
+            "every expert's share of them) stored, dequantized at each forward"))
     g.recompile()
     return records
 
@@ -292,5 +302,18 @@ def shard_over_dp(out: nn.Module, mesh: Any, units: list[str]) -> nn.Module:
         module = out.get_submodule(name) if name else out
         if name and not any(True for _ in module.parameters()):
             continue
-        fully_shard(module, mesh=mesh)
+        fully_shard(module, mesh=mesh, shard_placement_fn=_dp_placement)
     return out
+
+
+def _dp_placement(p: nn.Parameter) -> Any:
+    """FSDP2's dim over dp for a stored tensor: its columns where tp holds strided rows
+    (a mixture's gate/up rows sliced within each expert), whose rows split again over dp
+    would make a layout torch cannot gather whole; else FSDP2's own (rows)."""
+    from torch.distributed.tensor import Shard
+
+    places = getattr(p, "placements", ())
+    if p.dim() >= 2 and any(type(q).__name__ == "_StridedShard" and q.dim == 0
+                            for q in places):
+        return Shard(1)
+    return None

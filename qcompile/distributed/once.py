@@ -83,6 +83,7 @@ from qcompile.distributed.guards import (
 from qcompile.distributed.tensor_parallel import (
     observe_sharded_weights,
     refuse_differing_tp_batches,
+    refuse_strided_experts,
     refuse_tensor_parallel_once,
 )
 from qcompile.errors import QCompileError
@@ -868,6 +869,7 @@ def _from_meta(build_model: Any, spec: CompileSpec, inputs: Any, example_kwargs:
                                     f"({found[0]} .. {found[-1]})")
     device = collective_device(group) if on else torch.device("cpu")
     if tp:  # on meta (no memory), as wrap shards it: parallelize_module on tp, then
+        refuse_strided_experts(gm)  # (every rank: the plan is the same graph's)
         wrap(gm, spec)  # fully_shard over dp; to_empty then allocates this rank's part
         if shard and device.type == "cpu":
             gather = GatherInPlace()

@@ -244,8 +244,8 @@ def parallelize(gm: nn.Module, tp_mesh: Any, within: str | None = None) -> nn.Mo
     finally:
         for m, k, child in aside:
             m._modules[k] = child
-    for name in experts:  # by expert: this rank's experts, Shard(0)
-        _shard_experts(gm, name, tp_mesh)
+    for name in experts:  # by expert (Shard(0)), or within each expert
+        _shard_experts(gm, name, tp_mesh, _expert_placement(plan, name))
     for name, p in sharded.items():
         layer = gm.get_submodule(name)
         _plain_state(layer)
@@ -264,17 +264,40 @@ def parallelize(gm: nn.Module, tp_mesh: Any, within: str | None = None) -> nn.Mo
     return gm
 
 
-def _shard_experts(gm: nn.Module, name: str, mesh: Any) -> None:
-    """Make parameter ``name`` (``[experts, ...]``) this rank's experts, as the
-    ``Shard(0)`` DTensor on ``mesh`` it is (no collective: every rank holds the whole)."""
-    from torch.distributed.tensor import DTensor, Shard
+def _expert_placement(plan: Any, name: str) -> tuple[int, int]:
+    """``(dim, split)`` of expert parameter ``name`` (qualified within the graph
+    ``parallelize`` shards: a pipeline stage's carry its ``stage_<i>.`` prefix): by expert
+    ``(0, 1)``; within each expert, the gate/up weight's output rows ``(1, split)`` and the
+    down weight's input features ``(2, 1)``."""
+    for e in plan.experts:
+        for i, param in enumerate(e.params):
+            if name == param or name.endswith(f".{param}"):
+                if not e.within:
+                    return 0, 1
+                return (1, e.split) if i == 0 else (2, 1)
+    raise QCompileError(f"tensor parallel: {name} is not a planned mixture's weight",
+                        fix="wrap the graph qc.qcompile returned, as it returned it")
 
+
+def _shard_experts(gm: nn.Module, name: str, mesh: Any, place: tuple[int, int] = (0, 1)
+                   ) -> None:
+    """Make parameter ``name`` (``[experts, ...]``) this rank's part along ``place``'s dim
+    (``(dim, split)``: with ``split > 1``, its slice of each of ``split`` pieces, torch's
+    ``_StridedShard``), as the DTensor on ``mesh`` it is (no collective: every rank holds
+    the whole)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    dim, split = place
     parent, _, leaf = name.rpartition(".")
     owner = gm.get_submodule(parent) if parent else gm
     whole = owner._parameters[leaf]
-    part = whole.detach().chunk(mesh.size(), 0)[mesh.get_local_rank()].clone()
+    size, rank = mesh.size(), mesh.get_local_rank()
+    pieces = whole.detach().unflatten(dim, (split, -1))
+    part = pieces.chunk(size, dim + 1)[rank].flatten(dim, dim + 1).clone()
+    placement = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
     owner._parameters[leaf] = nn.Parameter(
-        DTensor.from_local(part, mesh, [Shard(0)], run_check=False, shape=whole.shape,
+        DTensor.from_local(part, mesh, [placement], run_check=False, shape=whole.shape,
                            stride=whole.stride()), requires_grad=whole.requires_grad)
 
 
@@ -291,6 +314,21 @@ def refuse_tensor_parallel_once(spec: Any, group: Any) -> None:
         raise QCompileError("compile_once: group= with a tensor_parallel section (the ranks "
                             "form the spec's dp x tp mesh)",
                             fix="leave group out; launch dp x tp processes")
+
+
+def refuse_strided_experts(gm: nn.Module) -> None:
+    """``compile_once`` reads each rank's part of a weight as one box of the checkpoint's
+    tensor; a mixture sliced within each expert whose gate and up weights are one tensor
+    gives each rank two ranges of its rows (``_StridedShard``): refused by name."""
+    plan = getattr(gm, "meta", {}).get(TP_PLAN_KEY)
+    for e in getattr(plan, "experts", ()):
+        if e.split > 1:
+            raise QCompileError(
+                f"compile_once: {e.params[0]} is sliced within each of its {e.experts} "
+                f"experts, its gate and up rows alike (each rank reads {e.split} ranges of "
+                "its rows), which compile_once does not read from a checkpoint",
+                fix="compile with qc.qcompile and shard with qc.distributed.wrap(gm, spec), "
+                "or use a tensor_parallel.size that divides the experts (sharded by expert)")
 
 
 def refuse_differing_tp_batches(digests: list[Any], size: int) -> None:

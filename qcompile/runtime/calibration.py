@@ -83,7 +83,8 @@ def freeze(gm: nn.Module) -> nn.Module:
         # tensor parallel: each weight's whole range from the shards (a reduction across
         # tp; every rank freezes), under FSDP2 each block's while it is gathered over dp
         sharded.observe_whole_weights(gm, lambda m: [
-            (fq, w) for fq, w in [*weight_quantizers(m), *sharded.sharded_weights(m)]
+            (fq, w) for fq, w in [*weight_quantizers(m, sharded.on_one_mesh_dim),
+                                  *sharded.sharded_weights(m)]
             if fq.observe and fq.observer is not None and w.device.type != "meta"])
         for q in quantizers(gm).values():
             q.observe = False
@@ -152,15 +153,18 @@ def weight_quantizer_sites(gm: nn.Module
     return found
 
 
-def weight_quantizers(gm: nn.Module) -> list[tuple[FakeQuantize, torch.Tensor]]:
+def weight_quantizers(gm: nn.Module, keep: Callable[[torch.Tensor], bool] | None = None
+                      ) -> list[tuple[FakeQuantize, torch.Tensor]]:
     """(quantizer, weight) for every weight quantizer in ``gm``'s graph(s): a
     ``FakeQuantize`` called on a ``get_attr`` of a parameter (the parameter itself), or on
-    views of one (what the quantizer sees; see ``weight_quantizer_sites``)."""
+    views of one (what the quantizer sees; see ``weight_quantizer_sites``). ``keep``: only
+    the parameters it accepts, asked before any view (a view of a weight FSDP2 holds
+    sharded over dp may not exist until the weight is gathered)."""
     found = []
     for owner, path, fq, steps in weight_quantizer_sites(gm):
         parent, _, leaf = path.rpartition(".")
         value = getattr(owner.get_submodule(parent) if parent else owner, leaf)
-        if isinstance(value, nn.Parameter):
+        if isinstance(value, nn.Parameter) and (keep is None or keep(value)):
             found.append((fq, apply_view(value, steps)))
     return found
 

@@ -258,8 +258,9 @@ def store_dtensor(fq: nn.Module, w: Any, name: str = "") -> nn.Module:
     for leaf, t in storage.items():
         split = leaf == "codes" or (leaf != "tensor_scale" and (
             by_block or (d == 0 and fq.granularity == "per_channel")))
-        sharded[leaf] = DTensor.from_local(t, x.device_mesh,
-                                           [Shard(d) if split else Replicate()],
+        # (a strided slice of the rows: the rows' codes and scales strided alike)
+        place = x.placements[0] if _strided(x.placements[0]) else Shard(d)
+        sharded[leaf] = DTensor.from_local(t, x.device_mesh, [place if split else Replicate()],
                                            run_check=False)
     return FrozenWeight(sharded, shape=tuple(x.shape), dtype=local.dtype,
                         fmt=fq.block_format, block=fq.group_size, packed=packed,
@@ -267,20 +268,23 @@ def store_dtensor(fq: nn.Module, w: Any, name: str = "") -> nn.Module:
 
 
 class StoredRows(nn.Module):
-    """A weight stored by rows on the tp mesh (``weight_frozen``: ``store_dtensor`` of a
-    ``Shard(0)`` weight, a mixture's experts as rows), called for the weight: this rank's
-    rows dequantized, as the ``Shard(0)`` DTensor the graph's fake-quantizer returned."""
+    """A weight stored sharded on the tp mesh (``weight_frozen``: ``store_dtensor`` of a
+    mixture's experts seen as ``[experts * out, in]``: by expert, ``Shard(0)`` rows;
+    within each expert, the gate/up rows' ``_StridedShard(0)`` or down's ``Shard(1)``
+    columns), called for the weight: this rank's part dequantized, as the DTensor the
+    graph's fake-quantizer returned."""
 
     def __init__(self, fw: nn.Module) -> None:
         super().__init__()
         self.weight_frozen = fw
 
     def forward(self) -> Any:
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor
 
         fw = self.weight_frozen
-        return DTensor.from_local(local_frozen(fw, 0).dequantize(), fw.codes.device_mesh,
-                                  [Shard(0)], run_check=False,
+        place = fw.codes.placements[0]
+        return DTensor.from_local(local_frozen(fw, place.dim).dequantize(),
+                                  fw.codes.device_mesh, [place], run_check=False,
                                   shape=torch.Size((fw.rows, fw.cols)), stride=(fw.cols, 1))
 
 
@@ -317,6 +321,12 @@ def fsdp_units(gm: nn.Module) -> list[tuple[str, nn.Module]]:
                   key=lambda nm: -nm[0].count(".") if nm[0] else 1)
 
 
+def on_one_mesh_dim(w: torch.Tensor) -> bool:
+    """Whether ``w`` is whole or a shard on one mesh dim (not also FSDP2's over dp: such
+    a weight is read once its unit gathers it)."""
+    return not (hasattr(w, "placements") and len(w.placements) > 1)
+
+
 def observe_whole_weights(gm: nn.Module, pairs: Any) -> None:
     """Every weight quantizer ``pairs(module)`` lists ((quantizer, weight) read now)
     observes its whole weight once (``observe_shard``): under FSDP2 each ``fully_shard``
@@ -327,8 +337,7 @@ def observe_whole_weights(gm: nn.Module, pairs: Any) -> None:
 
     def observe(owner: nn.Module) -> None:
         for fq, w in pairs(owner):
-            if id(fq) not in done and not (hasattr(w, "placements")
-                                           and len(w.placements) > 1):
+            if id(fq) not in done and on_one_mesh_dim(w):
                 observe_shard(fq, w)
                 done.add(id(fq))
 
@@ -475,9 +484,27 @@ def _placement(x: Any) -> tuple[Any, int | None]:
     if p.is_partial():
         x = x.redistribute(x.device_mesh, [Replicate()])
         p = x.placements[0]
-    if p.is_shard():
+    if p.is_shard() or _strided(p):
         return x, p.dim % x.dim()
     return x, None
+
+
+def _strided(p: Any) -> bool:
+    """Whether placement ``p`` is torch's ``_StridedShard`` (not a ``Shard`` subclass)."""
+    return type(p).__name__ == "_StridedShard"
+
+
+def _indices(x: Any, d: int, rank: int | None = None) -> torch.Tensor | None:
+    """Which indices along ``d`` of the whole tensor rank ``rank`` (default: this one)
+    holds of ``x`` when they are not one contiguous range (``_StridedShard``: its slice
+    of each of ``split_factor`` pieces), else None."""
+    p = x.placements[0]
+    if not _strided(p):
+        return None
+    mesh = x.device_mesh
+    r = mesh.get_local_rank() if rank is None else rank
+    n, size = x.shape[d], mesh.size()
+    return torch.arange(n).view(p.split_factor, size, -1)[:, r].reshape(-1)
 
 
 def _extremes(mn: torch.Tensor, mx: torch.Tensor, mesh: Any
@@ -650,6 +677,10 @@ def _global_minmax(fq: nn.Module, x: Any, local: torch.Tensor, d: int | None
     if dim is None:
         return _extremes(mn, mx, x.device_mesh)
     mn, mx = _joined(_grid(fq, mn, local), _grid(fq, mx, local), x.device_mesh, dim)
+    if _indices(x, d) is not None:  # the ranks' strided slices, back in the whole's order
+        at = torch.cat([_indices(x, d, r) for r in range(x.device_mesh.size())])
+        mn = torch.empty_like(mn).index_copy_(dim, at, mn)
+        mx = torch.empty_like(mx).index_copy_(dim, at, mx)
     return (mn.reshape(-1), mx.reshape(-1)) if fq.granularity == "per_group" else (mn, mx)
 
 
@@ -657,8 +688,15 @@ def _local_rows(fq: nn.Module, t: torch.Tensor, x: Any, d: int | None) -> torch.
     """The qparams (one per scale of the whole tensor) this rank's shard uses."""
     if d is None or t.numel() == 1 or holds_rows(fq):
         return t
-    shape, start = _offset(x)
     g, rank = fq.granularity, x.dim()
+    at = _indices(x, d)
+    if at is not None:  # a strided slice: rows only (the plan shards experts so)
+        if g == "per_channel" and d == fq.axis % rank:
+            return t[at]
+        if g == "per_group" and d == 0:
+            return t.view(x.shape[0], -1)[at].reshape(-1)
+        return t
+    shape, start = _offset(x)
     if g == "per_channel":
         return t[start[d]:start[d] + shape[d]] if d == fq.axis % rank else t
     if g == "per_group":

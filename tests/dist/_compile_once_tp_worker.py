@@ -31,6 +31,7 @@ from _tensor_parallel_worker import (
     lm_loss,
     mixtral,
     state_of,
+    within,
 )
 from _worker_main import cases_in, error_of, run_cases
 
@@ -253,6 +254,11 @@ def case_mistakes() -> dict[str, Any]:
     out["pipeline"] = error_of(lambda: qc.distributed.compile_once(
         llama, spec_of("int8-static", pipeline={"stages": 2}), example_kwargs=ids,
         checkpoint=path))
+    # a mixture sliced within each expert (3 experts at tp 2): two ranges of the fused
+    # gate/up rows a rank, not one box of the checkpoint's tensor
+    out["experts_within"] = error_of(lambda: qc.distributed.compile_once(
+        within, spec_of("8da4w-qat"), example_kwargs=ids,
+        checkpoint=checkpoint(within, "within.safetensors")))
     t = torch.ones(1)
     dist.all_reduce(t)
     out["all_reduce_after"] = float(t)

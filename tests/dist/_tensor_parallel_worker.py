@@ -44,13 +44,14 @@ def llama() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
-def mixtral(idle_rank: bool = False) -> torch.nn.Module:
-    """A 2-layer Mixtral (4 experts, top 2). ``idle_rank``: layer 0's router reads zeros
-    (its norm's weight zeroed), so every token ties and goes to the same two experts: at
-    tp 2, one rank's experts get no token in that layer."""
+def mixtral(idle_rank: bool = False, experts: int = 4) -> torch.nn.Module:
+    """A 2-layer Mixtral (4 experts, top 2: sharded by expert at tp 2; 3 experts: within
+    each expert). ``idle_rank``: layer 0's router reads zeros (its norm's weight zeroed),
+    so every token ties and goes to the same two experts: at tp 2, one rank's experts get
+    no token in that layer."""
     cfg = transformers.MixtralConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts,
         num_experts_per_tok=2, use_cache=False, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(cfg)
@@ -167,15 +168,16 @@ def train(preset: str, build: Any = llama, batch_of: Any = lm_batch, loss_fn: An
             "loaded_back": digest(state_of(model)) == digest(state_of(ref))}
 
 
-def family(name: str, plan: Any = "auto") -> dict[str, Any]:
-    """A decoder family of the architecture table (tiny config), 8da4w-qat, three steps:
-    whatever the plan shards, the ranks train as one process."""
+def family(name: str, plan: Any = "auto", **config: Any) -> dict[str, Any]:
+    """A decoder family of the architecture table (tiny config, with ``config``'s
+    changes), 8da4w-qat, three steps: whatever the plan shards, the ranks train as one
+    process."""
     from qcompile.tools.architectures import ARCHITECTURES
 
     arch = ARCHITECTURES[name]
     # dropout off (GPT-2 drops 10% by default): one process and the ranks draw differently
     off = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if name == "gpt2" else {}
-    return train("8da4w-qat", lambda: arch.build(seed=0, **off),
+    return train("8da4w-qat", lambda: arch.build(seed=0, **off, **config),
                  lambda rows: arch.batch(seed=1, batch=rows), arch.loss, steps=3, plan=plan)
 
 
@@ -195,6 +197,10 @@ FAMILIES = ("mistral", "qwen2", "qwen3", "qwen2_moe", "olmoe", "gemma2", "phi3",
             "gpt_neox", "bloom", "gpt2", "deepseek_v3")
 for _name in FAMILIES:
     globals()[f"case_family_{_name}"] = lambda _name=_name: family(_name)
+# 3 experts at tp 2: each expert sliced (its gate/up rows, its down input features)
+for _name in ("qwen2_moe", "olmoe"):
+    globals()[f"case_family_{_name}_within"] = lambda _name=_name: family(_name,
+                                                                          num_experts=3)
 # the layers as auto plans them, the norms named sequence (each family's norm names)
 SEQUENCE_NORMS = {"qwen2": ["*layernorm", "model.norm"],
                   "gpt_neox": ["*layernorm", "gpt_neox.final_layer_norm"],
@@ -218,6 +224,63 @@ def case_mixtral_int8_qat() -> dict[str, Any]:
     experts idle in layer 0 (``mixtral(idle_rank=True)``): it still makes every
     reduction the other makes, with nothing of its own."""
     return train("int8-qat", lambda: mixtral(idle_rank=True))
+
+
+def within(idle_rank: bool = False) -> torch.nn.Module:
+    """The Mixtral with 3 experts: 2 ranks do not split them, so each expert is sliced
+    (its gate and up rows, its down input features)."""
+    return mixtral(idle_rank, experts=3)
+
+
+def case_mixtral_within_8da4w_qat() -> dict[str, Any]:
+    return train("8da4w-qat", within)
+
+
+def case_mixtral_within_int8_qat() -> dict[str, Any]:
+    return train("int8-qat", within)
+
+
+def case_mixtral_within_nvfp4_qat() -> dict[str, Any]:
+    return train("nvfp4-qat", within)
+
+
+def case_mixtral_within_resume() -> dict[str, Any]:
+    """tp 2, 3 experts sliced within each expert: two AdamW steps, torch's full state
+    dicts of the model and the optimizer (the sharded checkpoint cannot hold the fused
+    gate/up rows, two ranges a rank), a fresh graph loaded from them and two more steps:
+    the state of four uninterrupted steps, bit for bit."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_state_dict,
+    )
+
+    spec = spec_of("8da4w-qat", 1)
+    batch = lm_batch(ROWS)
+
+    def fresh() -> tuple[Any, Any]:
+        m = qc.distributed.wrap(qc.qcompile(within(), spec, example_kwargs=batch), spec)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    def steps(m: Any, opt: Any, n: int) -> None:
+        for _ in range(n):
+            lm_loss(m(**batch), batch).backward()
+            opt.step()
+            opt.zero_grad()
+
+    whole = StateDictOptions(full_state_dict=True)
+    a, opt_a = fresh()
+    steps(a, opt_a, 4)
+    b, opt_b = fresh()
+    steps(b, opt_b, 2)
+    model_sd = get_model_state_dict(b, options=whole)
+    optim_sd = qc.distributed.optimizer_state_dict(b, opt_b, options=whole)
+    c, opt_c = fresh()
+    set_state_dict(c, opt_c, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=whole)
+    steps(c, opt_c, 2)
+    return {"resumed_equal": digest(state_of(a)) == digest(state_of(c)),
+            "moved": digest(state_of(a)) != digest(state_of(b))}
 
 
 def case_ddp_refused() -> dict[str, Any]:
@@ -292,10 +355,11 @@ def converted(preset: str, plan: Any = "auto", build: Any = llama) -> dict[str, 
         whole = FrozenWeight(parts, shape=(fw.rows, fw.cols), dtype=fw.out_dtype, fmt=fw.fmt,
                              block=fw.block, packed=fw.packed, offset=fw.offset)
         at = re.sub(r"^stage_\d+\.", "", name)  # (under FSDP2 the graph is in blocks)
-        if isinstance(layer, StoredRows):  # a mixture's experts, as rows
+        if isinstance(layer, StoredRows):  # a mixture's experts, as rows (or columns)
             at = at.removesuffix("_stored")
             w = ref.get_parameter(at).reshape(fw.rows, fw.cols)
-            quantizer, style = f"{at}_fake_quant", "rows"
+            quantizer = f"{at}_fake_quant"
+            style = "columns" if fw.codes.placements[-1].dim == 1 else "rows"
         else:
             w = ref.get_parameter(f"{at}.weight")
             quantizer = f"{at}.weight_fake_quant"
@@ -304,7 +368,9 @@ def converted(preset: str, plan: Any = "auto", build: Any = llama) -> dict[str, 
             expect = ref.get_submodule(quantizer)(w)
         weights[at] = float((whole.dequantize() - expect).abs().max() / expect.abs().max())
         stored[at] = style
-    reloaded = reload_stored(out, mine, got)
+    strided = any(type(pl).__name__ == "_StridedShard" for t in out.parameters()
+                  for pl in getattr(t, "placements", ()))
+    reloaded = reload_state(out, mine, got) if strided else reload_stored(out, mine, got)
     rep = qc.report(out)
     scale = float(trained.abs().max())
     return {"plan": {r.layer: r.style for r in qc.report(model).tensor_parallel},
@@ -342,6 +408,21 @@ def reload_stored(out: Any, batch: dict[str, torch.Tensor], want: torch.Tensor) 
         return bool(torch.equal(logits_of(out(**batch)), want))
 
 
+def reload_state(out: Any, batch: dict[str, torch.Tensor], want: torch.Tensor) -> bool:
+    """The converted graph's state dict copied, its stored codes wiped, the copy loaded
+    back: it computes ``want`` again. (For a mixture sliced within each expert: each rank
+    holds two ranges of the gate/up rows, which torch.distributed.checkpoint, one box of
+    a tensor a rank, does not write.)"""
+    state = {k: v.detach().clone() for k, v in out.state_dict().items()}
+    with torch.no_grad():
+        for name, p in out.named_parameters():
+            if name.endswith("weight_frozen.codes"):
+                p.to_local().zero_()
+    out.load_state_dict(state)
+    with torch.no_grad():
+        return bool(torch.equal(logits_of(out(**batch)), want))
+
+
 def case_convert_int8_qat() -> dict[str, Any]:
     return converted("int8-qat")
 
@@ -361,6 +442,16 @@ def case_convert_mixtral_int8_qat() -> dict[str, Any]:
 
 def case_convert_mixtral_8da4w_qat() -> dict[str, Any]:
     return converted("8da4w-qat", build=mixtral)
+
+
+def case_convert_mixtral_within_8da4w_qat() -> dict[str, Any]:
+    """A mixture sliced within each expert: each rank stores every expert's gate/up rows
+    of its slice (two ranges each) and down's columns of it."""
+    return converted("8da4w-qat", build=within)
+
+
+def case_convert_mixtral_within_nvfp4_qat() -> dict[str, Any]:
+    return converted("nvfp4-qat", build=within)
 
 
 def case_convert_sequence() -> dict[str, Any]:
@@ -429,6 +520,10 @@ def case_pp_nvfp4_qat() -> dict[str, Any]:
 
 def case_pp_mixtral_8da4w_qat() -> dict[str, Any]:
     return pipelined("8da4w-qat", mixtral)
+
+
+def case_pp_mixtral_within_8da4w_qat() -> dict[str, Any]:
+    return pipelined("8da4w-qat", within)
 
 
 def case_pp_cut_in_a_block() -> dict[str, Any]:

@@ -50,17 +50,17 @@ def config() -> transformers.LlamaConfig:
                                     tie_word_embeddings=False)
 
 
-def mixtral_config() -> transformers.MixtralConfig:
+def mixtral_config(experts: int = 4) -> transformers.MixtralConfig:
     return transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, num_local_experts=4,
+                                      num_key_value_heads=2, num_local_experts=experts,
                                       num_experts_per_tok=2, use_cache=False,
                                       tie_word_embeddings=False)
 
 
-def mixtral() -> torch.nn.Module:
+def mixtral(experts: int = 4) -> torch.nn.Module:
     torch.manual_seed(0)
-    return transformers.MixtralForCausalLM(mixtral_config())
+    return transformers.MixtralForCausalLM(mixtral_config(experts))
 
 
 def llama() -> torch.nn.Module:
@@ -125,15 +125,15 @@ def exported(export: Callable[[Any, Path], Path], model: Any, ref: Any, name: st
 
 
 def compare(preset: str, export: Callable[..., Path], kind: str, tp: bool = True,
-            once: bool = False, moe: bool = False) -> dict[str, Any]:
+            once: bool = False, moe: int = 0) -> dict[str, Any]:
     """The sharded graph's export against one process's: freshly compiled, and again after
     one SGD step on the ranks (the reference then holds the gathered trained state). The
     sharded graph is ``qc.distributed.wrap``'s, or ``compile_once``'s (``once``); of the
-    Llama, or of a Mixtral (``moe``: its experts sharded by expert)."""
+    Llama, or of a Mixtral of ``moe`` experts (4: sharded by expert; 3: within each)."""
     spec = spec_of(preset, tp)
     batch = lm_batch(ROWS)
-    llama = mixtral if moe else globals()["llama"]
-    export = functools.partial(export, conf=mixtral_config() if moe else config())
+    llama = functools.partial(mixtral, moe) if moe else globals()["llama"]
+    export = functools.partial(export, conf=mixtral_config(moe) if moe else config())
     ref = qc.qcompile(llama(), spec, example_kwargs=batch)  # never sharded
     plain = qc.qcompile(llama(), preset, example_kwargs=batch)  # no tensor_parallel section
     if once:
@@ -182,11 +182,19 @@ def case_hf_fsdp2() -> dict[str, Any]:
 
 
 def case_gguf_moe() -> dict[str, Any]:
-    return compare("gguf-q4_0-qat", gguf_export, "gguf_moe", moe=True)
+    return compare("gguf-q4_0-qat", gguf_export, "gguf_moe", moe=4)
 
 
 def case_hf_moe() -> dict[str, Any]:
-    return compare("w8-weight-only", hf_export, "hf_moe", moe=True)
+    return compare("w8-weight-only", hf_export, "hf_moe", moe=4)
+
+
+def case_gguf_moe_within() -> dict[str, Any]:
+    return compare("gguf-q4_0-qat", gguf_export, "gguf_moe_within", moe=3)
+
+
+def case_hf_moe_within() -> dict[str, Any]:
+    return compare("w8-weight-only", hf_export, "hf_moe_within", moe=3)
 
 
 def case_gguf_once() -> dict[str, Any]:

@@ -99,14 +99,18 @@ def test_checkpoint_stream_and_cache_give_the_same_bits(dist_run: Any) -> None:
 @uses("mistakes")
 def test_mistakes_are_one_clear_error_on_every_rank(dist_run: Any) -> None:
     """The ranks of a tp group given different calibration batches; pipeline stages with
-    tensor_parallel: a QCompileError with the fix on every rank, and the group still
-    works."""
+    tensor_parallel; a mixture sliced within each expert: a QCompileError with the fix on
+    every rank, and the group still works."""
     for rank, r in enumerate(dist_run.case("mistakes")):
         err = r["batches_differ"]
         assert err["raised"] == "QCompileError", (rank, err)
         assert "ranks 0 and 1" in err["message"] and "same batches" in err["fix"], err
         assert r["pipeline"]["raised"] == "QCompileError", r["pipeline"]
         assert "qc.distributed.pipeline" in r["pipeline"]["fix"], r["pipeline"]
+        err = r["experts_within"]
+        assert err["raised"] == "QCompileError", (rank, err)
+        assert "sliced within each of its 3 experts" in err["message"], err
+        assert "qc.distributed.wrap" in err["fix"] and "divides the experts" in err["fix"]
         assert r["all_reduce_after"] == float(dist_run.world)
 
 

@@ -34,10 +34,12 @@ pytestmark = [pytest.mark.dist, pytest.mark.skipif(
     reason="a 2-rank launch of exports: .ci/run runs it (QCOMPILE_SWEEP=1)")]
 
 WORKER = Path(__file__).with_name("_tp_export_worker.py")
-ORDER = ["gguf", "hf", "gguf_fsdp2", "hf_fsdp2", "gguf_once", "gguf_moe", "hf_moe", "mistakes",
+ORDER = ["gguf", "hf", "gguf_fsdp2", "hf_fsdp2", "gguf_once", "gguf_moe", "hf_moe",
+         "gguf_moe_within", "hf_moe_within", "mistakes",
          "gguf_pp", "hf_pp", "adapters_pp", "local_pp", "mistakes_pp"]
 # 4 ranks: dp 2 x tp 2, and two pipeline stages each across 2 ranks
-ORDER4 = ["gguf", "hf", "gguf_pp_tp", "hf_pp_tp_moe", "hf_pp_dp", "adapters_pp_tp"]
+ORDER4 = ["gguf", "hf", "gguf_moe_within", "hf_moe_within", "gguf_pp_tp", "hf_pp_tp_moe", "hf_pp_dp",
+          "adapters_pp_tp"]
 LAUNCH_DEADLINE = 120.0  # seconds for every case of the launch (about 15 s normally)
 # every linear layer's weight and the embedding are sharded (norms stay whole)
 SHARDED = {f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
@@ -109,18 +111,33 @@ def test_fsdp2_rank0_writes_what_one_process_writes(dist_run: Any, case: str,
     _rank0_wrote_one_process_files(ranks, case, files)
 
 
-@pytest.mark.parametrize("case, files", [("gguf_moe", [""]),
-                                         ("hf_moe", ["config.json", "model.safetensors"])])
+@pytest.mark.parametrize("case, files", [
+    ("gguf_moe", [""]), ("hf_moe", ["config.json", "model.safetensors"]),
+    ("gguf_moe_within", [""]), ("hf_moe_within", ["config.json", "model.safetensors"])])
 def test_moe_rank0_writes_what_one_process_writes(dist_run: Any, case: str,
                                                   files: list[str]) -> None:
-    """A Mixtral at tp 2, its experts sharded by expert (two of four per rank): each
-    [experts, ...] weight is gathered whole as the export reaches it; rank 0 writes one
-    process's file(s) (GGUF's per-layer expert tensors, transformers' per-expert layers)."""
+    """A Mixtral at tp 2, its experts sharded by expert (two of four per rank), or within
+    each expert (three experts: each rank holds every expert's half of the gate and up rows
+    and of down's input features): each [experts, ...] weight is gathered whole as the
+    export reaches it; rank 0 writes one process's file(s) (GGUF's per-layer expert
+    tensors, transformers' per-expert layers)."""
     ranks = dist_run.case(case)
     for got in ranks:
         experts = {f"model.layers.{i}.mlp.experts.{p}" for i in range(2)
                    for p in ("gate_up_proj", "down_proj")}
         assert experts <= set(got["sharded"]), got["sharded"]
+    _rank0_wrote_one_process_files(ranks, case, files)
+
+
+@pytest.mark.parametrize("case, files", [
+    ("gguf_moe_within", [""]), ("hf_moe_within", ["config.json", "model.safetensors"])])
+def test_dp_x_tp_experts_within_rank0_writes_what_one_process_writes(
+        dist_run4: Any, case: str, files: list[str]) -> None:
+    """dp 2 x tp 2, a Mixtral's three experts sliced within each expert over tp and
+    FSDP2-sharded over dp: rank 0 writes one process's file(s), fresh and trained."""
+    ranks = dist_run4.case(case)
+    for got in ranks:
+        assert got["mesh_dims"] == ["dp", "tp"], got["mesh_dims"]
     _rank0_wrote_one_process_files(ranks, case, files)
 
 

@@ -98,17 +98,59 @@ def test_mixtral_experts_sharded_by_expert_router_kept_whole(preset: str,
     assert e.first in e.rows and set(e.rows) <= plan.region_nodes and e.second not in e.rows
 
 
+def test_mixtral_experts_not_divisible_are_sliced_within_each_expert() -> None:
+    """3 experts do not split 2 ways: each expert's gate/up rows (gate's and up's halves
+    alike: the product is cut in two) and down's input features are sliced, as an MLP
+    pair; the quantizer on down's input reads a slice of its features."""
+    gm = compiled(mixtral(experts=3))
+    experts = "model.layers.0.mlp.experts"
+    reasons = {r.layer: (r.style, r.reason) for r in qc.report(gm).tensor_parallel}
+    assert reasons[f"{experts}.gate_up_proj"] == ("experts", (
+        "within each of 3 experts: output rows sliced, each of its 2 pieces (gate, up) "
+        "(_StridedShard(1, split_factor=2))"))
+    style, reason = reasons[f"{experts}.down_proj"]
+    assert style == "experts" and "input features sliced (Shard(2))" in reason
+    plan = gm.meta[TP_PLAN_KEY]
+    (e,) = plan.experts
+    assert e.within and e.split == 2 and e.experts == 3
+    assert (f"{experts}.input_fake_quant_1", -1) in plan.sliced_quantizers
+    # the reshape back to [experts, out, in] after the gate/up quantizer reads the local
+    # rows: its 256 rows a expert counted per rank
+    assert [size for _, _, size in e.reshapes] == [256]
+    assert set(e.reshapes) <= set(plan.shape_args)
+
+
+def test_explicit_plan_naming_the_experts_slices_them_within() -> None:
+    plan = {"*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise",
+            "*.o_proj": "rowwise", "*.experts.gate_up_proj": "colwise",
+            "*.experts.down_proj": "rowwise"}
+    (e,) = compiled(mixtral(), plan=plan).meta[TP_PLAN_KEY].experts  # 4 experts: within
+    assert e.within and e.split == 2
+    with pytest.raises(qc.QCompileError) as err:
+        compiled(mixtral(), plan={**plan, "*.experts.down_proj": "colwise"})
+    assert "planned colwise and colwise" in err.value.message
+    assert "'model.layers.0.mlp.experts.down_proj' rowwise" in err.value.fix
+
+
 @pytest.mark.parametrize("why, kwargs", [
-    ("not divisible", {"model": lambda: mixtral(experts=3)}),
-    ("plan: auto", {"plan": {"*.q_proj": "colwise", "*.k_proj": "colwise",
-                             "*.v_proj": "colwise", "*.o_proj": "rowwise"}}),
+    ("not sliced within each expert: its 32 intermediate features do not split into "
+     "tensor_parallel.size 3", {"model": lambda: MoE(4), "size": 3}),
+    ("planned replicate", {"plan": {"*.q_proj": "colwise", "*.k_proj": "colwise",
+                                    "*.v_proj": "colwise", "*.o_proj": "rowwise"}}),
 ])
 def test_experts_kept_whole_and_why(why: str, kwargs: dict[str, Any]) -> None:
     model = kwargs.pop("model", mixtral)()
-    gm = compiled(model, **kwargs)
+    if isinstance(model, MoE):
+        spec = qc.load_spec("8da4w-qat").model_dump()
+        spec["tensor_parallel"] = {"size": 3}
+        gm = qc.qcompile(model, qc.specs.as_spec(spec), example_inputs=(torch.randn(2, 8, 32),))
+        name = "moe.experts.gate_up_proj"
+    else:
+        gm = compiled(model, **kwargs)
+        name = "model.layers.0.mlp.experts.gate_up_proj"
     assert gm.meta[TP_PLAN_KEY].experts == ()
     reasons = {r.layer: (r.style, r.reason) for r in qc.report(gm).tensor_parallel}
-    style, reason = reasons["model.layers.0.mlp.experts.gate_up_proj"]
+    style, reason = reasons[name]
     assert style == "replicate" and why in reason, reason
 
 
@@ -332,9 +374,9 @@ def test_chunk_keeps_the_slice_off_its_dim(model: type, styles: dict[str, str]) 
 class MoE(nn.Module):
     """transformers' Mixtral mixture alone (router and experts, grouped_mm)."""
 
-    def __init__(self, experts: int) -> None:
+    def __init__(self, experts: int, intermediate: int = 32) -> None:
         super().__init__()
-        cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=32,
+        cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=intermediate,
                                          num_local_experts=experts, num_experts_per_tok=2)
         cfg._experts_implementation = "grouped_mm"  # as from_config / from_pretrained set it
         torch.manual_seed(0)
@@ -346,10 +388,10 @@ class MoE(nn.Module):
         return x + self.moe(x)
 
 
-def _experts_dump(experts: int) -> tuple[torch.fx.GraphModule, str]:
+def _experts_dump(experts: int, intermediate: int = 32) -> tuple[torch.fx.GraphModule, str]:
     spec = qc.load_spec("8da4w-qat").model_dump()
     spec["tensor_parallel"] = {"size": 2}
-    gm = qc.qcompile(MoE(experts), qc.specs.as_spec(spec),
+    gm = qc.qcompile(MoE(experts, intermediate), qc.specs.as_spec(spec),
                      example_inputs=(torch.randn(2, 8, 32),))
     before = format_graph(gm)
     plan = "\n".join(f"{r.layer}: {r.style} ({r.reason})" for r in qc.report(gm).tensor_parallel)
@@ -371,12 +413,31 @@ def test_golden_experts(golden) -> None:
                 if n.op == "call_function" and "grouped_mm" in str(n.target)]
 
 
-def test_golden_experts_not_divisible(golden) -> None:
-    """3 experts do not split 2 ways: the mixture is left as compiled."""
+def test_golden_experts_within(golden) -> None:
+    """3 experts do not split 2 ways: sliced within each expert. The graph's own grouped
+    matmuls stay; the fused gate/up weight is seen as [experts, 2, out / 2, in] before
+    the graph's reshape for its quantizer, and read as local rows before the reshape
+    back (its rows counted per rank); down's weight read local before its matmul; the
+    gate/up input's gradient and the down products summed across tp."""
+    gm, text = _experts_dump(3, intermediate=64)
+    golden("shard_tensor_parallel_experts_within", text)
+    calls = [gm.get_submodule(str(n.target)) for n in gm.graph.nodes if n.op == "call_module"]
+    assert not any(isinstance(m, LocalExperts) for m in calls)
+    assert sum(isinstance(m, SumPartial) for m in calls) == 1
+    assert len([n for n in gm.graph.nodes if "grouped_mm" in str(n.target)]) == 2
+    reshapes = [n.args[1] for n in gm.graph.nodes
+                if n.op == "call_function" and n.target is torch.reshape]
+    # [experts, 2, out / 2, in] first; the reshape back counts this rank's 64 of 128 rows
+    assert reshapes[0] == (3, 2, 64, 32) and (3, 64, 32) in reshapes, reshapes
+
+
+def test_golden_experts_whole(golden) -> None:
+    """3 experts do not split 2 ways, and down's 32 input features split 2 ways would cut
+    8da4w's groups of 32: the mixture is left as compiled, with the reason."""
     gm, text = _experts_dump(3)
     golden("shard_tensor_parallel_experts_whole", text)
     assert not any(isinstance(m, (LocalExperts, SumPartial)) for m in gm.modules())
-    assert "not divisible" in text
+    assert "a group would straddle two shards" in text
 
 
 # -- sequence parallelism: the norms between the blocks on each rank's tokens ----------------
