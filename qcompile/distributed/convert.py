@@ -133,7 +133,7 @@ def tp_refusal(gm: nn.Module) -> str | None:
         # within each expert: [experts, out, in] by its rows (strided with gate / up) or
         # its input features, read as [experts * out, in]
         within = p.dim() == 3 and rows.dim() == 2 and rows.shape[1] == p.shape[2] and (
-            place == Shard(2) or (place.dim == 1 and not place.is_partial()))
+            place == Shard(2) or getattr(place, "dim", None) == 1)
         if not (by_expert or within):
             return (f"{path!r} is quantized in the graph as a weight sharded as "
                     f"{p.placements} (storage by rank holds the rows of a Shard(0) weight, "
