@@ -312,8 +312,9 @@ def _dp_placement(p: nn.Parameter) -> Any:
     would make a layout torch cannot gather whole; else FSDP2's own (rows)."""
     from torch.distributed.tensor import Shard
 
+    from qcompile.runtime.sharded import strided
+
     places = getattr(p, "placements", ())
-    if p.dim() >= 2 and any(type(q).__name__ == "_StridedShard" and q.dim == 0
-                            for q in places):
+    if p.dim() >= 2 and any(strided(q) and q.dim == 0 for q in places):
         return Shard(1)
     return None

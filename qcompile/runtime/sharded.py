@@ -259,7 +259,7 @@ def store_dtensor(fq: nn.Module, w: Any, name: str = "") -> nn.Module:
         split = leaf == "codes" or (leaf != "tensor_scale" and (
             by_block or (d == 0 and fq.granularity == "per_channel")))
         # (a strided slice of the rows: the rows' codes and scales strided alike)
-        place = x.placements[0] if _strided(x.placements[0]) else Shard(d)
+        place = x.placements[0] if strided(x.placements[0]) else Shard(d)
         sharded[leaf] = DTensor.from_local(t, x.device_mesh, [place if split else Replicate()],
                                            run_check=False)
     return FrozenWeight(sharded, shape=tuple(x.shape), dtype=local.dtype,
@@ -484,27 +484,23 @@ def _placement(x: Any) -> tuple[Any, int | None]:
     if p.is_partial():
         x = x.redistribute(x.device_mesh, [Replicate()])
         p = x.placements[0]
-    if p.is_shard() or _strided(p):
+    if p.is_shard() or strided(p):
         return x, p.dim % x.dim()
     return x, None
 
 
-def _strided(p: Any) -> bool:
-    """Whether placement ``p`` is torch's ``_StridedShard`` (not a ``Shard`` subclass)."""
+def strided(p: Any) -> bool:
+    """Whether placement ``p`` is torch's ``_StridedShard`` (not a ``Shard`` subclass): the
+    dim cut into ``split_factor`` equal pieces, each sliced across the mesh, a rank
+    holding its slice of each in order."""
     return type(p).__name__ == "_StridedShard"
 
 
-def _indices(x: Any, d: int, rank: int | None = None) -> torch.Tensor | None:
-    """Which indices along ``d`` of the whole tensor rank ``rank`` (default: this one)
-    holds of ``x`` when they are not one contiguous range (``_StridedShard``: its slice
-    of each of ``split_factor`` pieces), else None."""
-    p = x.placements[0]
-    if not _strided(p):
-        return None
-    mesh = x.device_mesh
-    r = mesh.get_local_rank() if rank is None else rank
-    n, size = x.shape[d], mesh.size()
-    return torch.arange(n).view(p.split_factor, size, -1)[:, r].reshape(-1)
+def _own_rows(t: torch.Tensor, x: Any) -> torch.Tensor:
+    """The rows (dim 0) of ``t``, one or more per row of the whole tensor ``x`` (a DTensor
+    strided along its rows), that this rank's slices hold, in their local order."""
+    rows = t.unflatten(0, (x.placements[0].split_factor, x.device_mesh.size(), -1))
+    return rows[:, x.device_mesh.get_local_rank()].flatten(0, 1)
 
 
 def _extremes(mn: torch.Tensor, mx: torch.Tensor, mesh: Any
@@ -677,10 +673,10 @@ def _global_minmax(fq: nn.Module, x: Any, local: torch.Tensor, d: int | None
     if dim is None:
         return _extremes(mn, mx, x.device_mesh)
     mn, mx = _joined(_grid(fq, mn, local), _grid(fq, mx, local), x.device_mesh, dim)
-    if _indices(x, d) is not None:  # the ranks' strided slices, back in the whole's order
-        at = torch.cat([_indices(x, d, r) for r in range(x.device_mesh.size())])
-        mn = torch.empty_like(mn).index_copy_(dim, at, mn)
-        mx = torch.empty_like(mx).index_copy_(dim, at, mx)
+    if strided(x.placements[0]):  # the ranks' strided rows (dim 0), in the whole's order
+        pieces = (x.device_mesh.size(), x.placements[0].split_factor, -1)
+        mn = mn.unflatten(0, pieces).transpose(0, 1).flatten(0, 2)
+        mx = mx.unflatten(0, pieces).transpose(0, 1).flatten(0, 2)
     return (mn.reshape(-1), mx.reshape(-1)) if fq.granularity == "per_group" else (mn, mx)
 
 
@@ -689,12 +685,9 @@ def _local_rows(fq: nn.Module, t: torch.Tensor, x: Any, d: int | None) -> torch.
     if d is None or t.numel() == 1 or holds_rows(fq):
         return t
     g, rank = fq.granularity, x.dim()
-    at = _indices(x, d)
-    if at is not None:  # a strided slice: rows only (the plan shards experts so)
-        if g == "per_channel" and d == fq.axis % rank:
-            return t[at]
-        if g == "per_group" and d == 0:
-            return t.view(x.shape[0], -1)[at].reshape(-1)
+    if strided(x.placements[0]):  # strided rows only (the plan shards experts so)
+        if (g == "per_channel" and d == fq.axis % rank) or (g == "per_group" and d == 0):
+            return _own_rows(t.view(x.shape[0], -1), x).reshape(-1)
         return t
     shape, start = _offset(x)
     if g == "per_channel":
